@@ -1,0 +1,5 @@
+"""Framework-neutral Triton kernels and their launch plans. Imports triton and numpy only."""
+from ._loader import HostArray, get_kernel
+from ._plan import INTERPRETER, Launch, Plan, Spec, Target
+
+__all__ = ["HostArray", "INTERPRETER", "Launch", "Plan", "Spec", "Target", "get_kernel"]

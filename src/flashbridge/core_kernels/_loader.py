@@ -1,0 +1,125 @@
+"""Resolve a kernel reference to a compiled Triton kernel or to its interpreted twin.
+
+``@triton.jit`` decides at decoration time whether it makes a compiled ``JITFunction`` or an
+``InterpretedFunction`` (it reads ``TRITON_INTERPRET`` when the decorator runs), so a process normally gets one
+or the other. flashbridge serves CPU arrays through Triton's interpreter *and* GPU arrays through compiled
+kernels in the same process, with no environment variable to set:
+
+* GPU: the module's ``JITFunction`` is launched as usual.
+* CPU: the launch goes through ``InterpretedFunction(jit_fn.fn)``. Inside it, calls to other ``@triton.jit``
+  functions (our helpers, and triton.language's own ``tl.sum``, ``tl.rand``, ...) reach
+  ``JITFunction.__call__``, which outside a compiled kernel only raises; while an interpreted launch is
+  running on this thread, the wrapper installed below runs them interpreted instead.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from typing import Any
+
+import numpy as np
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+_PACKAGE = __name__.rsplit(".", 1)[0]  # flashbridge.core_kernels
+_state = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted(fn) -> InterpretedFunction:
+    return InterpretedFunction(fn)
+
+
+def _install_call_hook() -> None:
+    original = JITFunction.__call__
+    if getattr(original, "_flashbridge_hook", False):
+        return
+
+    def __call__(self, *args, **kwargs):
+        if getattr(_state, "interpreting", 0):
+            return _interpreted(self.fn)(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    __call__._flashbridge_hook = True
+    JITFunction.__call__ = __call__
+
+
+_install_call_hook()
+
+
+class _InterpretedKernel:
+    """``kernel[grid](*args, **kwargs)`` through the interpreter, nested jit calls interpreted too."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _state.interpreting = getattr(_state, "interpreting", 0) + 1
+            try:
+                return _interpreted(self._fn)[grid](*args, **kwargs)
+            finally:
+                _state.interpreting -= 1
+
+        return launch
+
+
+def get_kernel(ref: str, interpret: bool) -> Any:
+    """``"norms.kernels:norm_fwd_kernel"`` -> a launchable kernel, compiled or (``interpret``) interpreted."""
+    module_name, _, attr = ref.partition(":")
+    if not attr:
+        raise ValueError(f"kernel reference {ref!r} is not of the form 'family.module:function'")
+    kernel = getattr(importlib.import_module(f"{_PACKAGE}.{module_name}"), attr)
+    if interpret and isinstance(kernel, JITFunction):
+        return _InterpretedKernel(kernel.fn)
+    return kernel  # compiled, or already interpreted because TRITON_INTERPRET=1 was set at import
+
+
+class _HostStorage:
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def data_ptr(self) -> int:
+        return self._array.ctypes.data
+
+    def cpu(self) -> "_HostStorage":
+        return self
+
+    def copy_(self, other) -> None:  # the interpreter copies results back; host memory is already there
+        pass
+
+
+class HostArray:
+    """A C-contiguous numpy array presented to Triton's interpreter the way a CPU torch tensor is.
+
+    The interpreter only needs ``data_ptr`` and ``dtype`` to build pointers, plus the few storage methods it
+    uses to stage device tensors on the host; for host memory those are identities.
+    """
+
+    def __init__(self, array: np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError("HostArray needs a C-contiguous array")
+        self.array = array
+        self.dtype = array.dtype.name
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostStorage:
+        return _HostStorage(self.array)
+
+    def new_empty(self, *args, **kwargs) -> "HostArray":
+        return self
+
+    def set_(self, *args, **kwargs) -> "HostArray":
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)

@@ -1,0 +1,116 @@
+"""Spec / Launch / Plan: the framework-neutral description of what an op does on the device.
+
+A plan function (``<family>/plan.py``) turns shapes, dtypes and options into a :class:`Plan`; each front-end
+has one small runtime that executes a Plan with its own arrays. Nothing here imports torch or jax.
+
+Kernel calling convention (shared by both runtimes, see DESIGN.md)::
+
+    kernel[grid](*inputs, *runtime_scalars, *outputs, **constexprs, num_warps=..., num_stages=...)
+
+Runtime scalars come *before* the outputs because jax-triton appends output pointers after all positional
+arguments and turns every keyword argument into a constexpr; putting sizes that vary from call to call
+(row counts, sequence lengths) there keeps one compiled kernel for many shapes in both frameworks. Values
+that should be specialised (a row width that sets the block size, feature flags) go in ``constexprs``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+# dtype names are numpy-style strings so that plans stay framework-neutral.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+               "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "bool": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a plan will run: a CUDA GPU (compiled) or Triton's CPU interpreter."""
+
+    interpret: bool
+    num_sms: int = 1
+
+    @property
+    def kind(self) -> str:
+        return "interpreter" if self.interpret else "cuda"
+
+
+INTERPRETER = Target(interpret=True, num_sms=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A buffer the runtime allocates: an output, or scratch passed from one launch to the next."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    zero: bool = False  # must be zero-filled before the launch that writes it
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch. Tensors are named: plan inputs or buffers written by an earlier launch."""
+
+    kernel: str  # "<family>.<module>:<function>", resolved by core_kernels.get_kernel
+    grid: tuple[int, ...]
+    inputs: tuple[str, ...]  # read-only tensors, positional
+    outputs: tuple[str, ...]  # buffers this launch writes; each buffer is written by exactly one launch
+    scalars: tuple[tuple[str, int | float], ...] = ()  # runtime scalars, positional after the inputs
+    constexprs: tuple[tuple[str, Any], ...] = ()
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def scalar_values(self) -> list[int | float]:
+        return [v for _, v in self.scalars]
+
+    def constexpr_dict(self) -> dict[str, Any]:
+        return dict(self.constexprs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to allocate, what to launch in which order, and which buffers the op returns."""
+
+    inputs: tuple[str, ...]
+    buffers: tuple[Spec, ...]
+    launches: tuple[Launch, ...]
+    results: tuple[str, ...]
+
+    def __post_init__(self):
+        names = set(self.inputs)
+        for spec in self.buffers:
+            if spec.name in names:
+                raise ValueError(f"plan buffer {spec.name!r} is declared twice")
+            names.add(spec.name)
+        written: set[str] = set()
+        for launch in self.launches:
+            for name in launch.inputs:
+                if name not in names or (name not in self.inputs and name not in written):
+                    raise ValueError(f"launch {launch.kernel} reads {name!r} before anything wrote it")
+            for name in launch.outputs:
+                if name in self.inputs or name in written or name not in names:
+                    raise ValueError(f"launch {launch.kernel} writes {name!r}, which is not a fresh buffer")
+                written.add(name)
+        for name in self.results:
+            if name not in written:
+                raise ValueError(f"plan result {name!r} is never written")
+
+    def spec(self, name: str) -> Spec:
+        for spec in self.buffers:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -1,0 +1,173 @@
+"""Fused RMSNorm / LayerNorm kernels, forward and backward (``@triton.jit`` only; launches in plan.py).
+
+One forward kernel covers the whole family through constexpr flags::
+
+    h = x (+ residual)                      HAS_RES: h is also stored, the pre-norm transformer pattern
+    z = norm(h) (* w) (+ b)                 IS_RMS: h * rstd, else (h - mean) * rstd; LayerNorm statistics
+                                            by a parallel Welford merge across the row
+    y = dropout(z) (+ post_residual)        HAS_DROPOUT: counter-based Philox keyed by (seed, element index),
+                                            so the backward regenerates the mask instead of storing it
+
+A program owns a [BLOCK_M, BLOCK_N] tile: BLOCK_M whole rows (BLOCK_N >= row width), so each input is read
+once and each output written once. The backward is persistent: each program walks row tiles with a fixed
+stride and keeps its dweight / dbias partial sums in registers; ``sum_partials_kernel`` then reduces the
+per-program partials in a fixed order, so dweight is deterministic without atomics.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    # Chan et al.'s parallel merge of (count, mean, sum of squared deviations); empty parts have n = 0.
+    n = n_a + n_b
+    w_b = n_b / tl.maximum(n, 1.0)
+    delta = mean_b - mean_a
+    return n, mean_a + delta * w_b, m2_a + m2_b + delta * delta * n_a * w_b
+
+
+@triton.jit
+def _row_mean_m2(h, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_CHUNKS: tl.constexpr):
+    """Mean and sum of squared deviations of each row of h [BLOCK_M, BLOCK_N], one pass over registers.
+
+    The row is cut into 2**LOG2_CHUNKS chunks; each chunk's (count, mean, M2) is exact (two passes over
+    registers), and the chunks are merged pairwise by Welford/Chan in a tree, so no long sum of squares
+    ever cancels catastrophically.
+    """
+    NCHUNK: tl.constexpr = 1 << LOG2_CHUNKS
+    CHUNK: tl.constexpr = BLOCK_N // NCHUNK
+    h3 = tl.reshape(h, (BLOCK_M, NCHUNK, CHUNK))
+    ok3 = tl.reshape(mask, (BLOCK_M, NCHUNK, CHUNK))
+    n = tl.sum(ok3.to(tl.float32), axis=2)  # [BLOCK_M, NCHUNK]
+    mean = tl.sum(h3, axis=2) / tl.maximum(n, 1.0)
+    dev = tl.where(ok3, h3 - mean[:, :, None], 0.0)
+    m2 = tl.sum(dev * dev, axis=2)
+    for level in tl.static_range(LOG2_CHUNKS):
+        width: tl.constexpr = NCHUNK >> (level + 1)
+        n_a, n_b = tl.split(tl.reshape(n, (BLOCK_M, width, 2)))
+        mean_a, mean_b = tl.split(tl.reshape(mean, (BLOCK_M, width, 2)))
+        m2_a, m2_b = tl.split(tl.reshape(m2, (BLOCK_M, width, 2)))
+        n, mean, m2 = _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
+    return tl.reshape(mean, (BLOCK_M,)), tl.reshape(m2, (BLOCK_M,))
+
+
+@triton.jit
+def _dropout_keep(SEED, offs, dropout_p):
+    # Same (seed, offset) -> same mask in the forward, the backward and both front-ends.
+    seed = tl.load(SEED)
+    return tl.rand(seed, offs) >= dropout_p
+
+
+@triton.jit
+def norm_fwd_kernel(
+    X, W, B, RES, POST_RES, SEED,  # inputs (unused ones are placeholders, see the HAS_* flags)
+    n_rows, eps, dropout_p,  # runtime scalars
+    Y, H, MEAN, RSTD,  # outputs (H / MEAN are placeholders when not HAS_RES / IS_RMS)
+    N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOG2_CHUNKS: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_POST_RES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < N_COLS
+    mask = (rows[:, None] < n_rows) & col_ok[None, :]  # [BLOCK_M, BLOCK_N]
+    offs = rows[:, None].to(tl.int64) * N_COLS + cols[None, :]
+
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32)
+        # Normalise the rounded sum: it is what the backward reads back from H.
+        h_out = h.to(H.dtype.element_ty)
+        tl.store(H + offs, h_out, mask=mask)
+        h = h_out.to(tl.float32)
+
+    if IS_RMS:
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / N_COLS + eps)  # [BLOCK_M]
+        z = h * rstd[:, None]
+    else:
+        mean, m2 = _row_mean_m2(h, mask, BLOCK_M, BLOCK_N, LOG2_CHUNKS)  # [BLOCK_M] each
+        rstd = 1.0 / tl.sqrt(m2 / N_COLS + eps)
+        z = (h - mean[:, None]) * rstd[:, None]
+        tl.store(MEAN + rows, mean, mask=rows < n_rows)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+
+    if HAS_W:
+        z *= tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        z += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_DROPOUT:
+        z = tl.where(_dropout_keep(SEED, offs, dropout_p), z / (1.0 - dropout_p), 0.0)
+    if HAS_POST_RES:
+        z += tl.load(POST_RES + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, z.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_bwd_kernel(
+    DY, H, W, MEAN, RSTD, SEED, DH,  # inputs: DY = grad of y, H = the normalised input, DH = grad of h
+    n_rows, dropout_p,  # runtime scalars
+    DX, DW_PART, DB_PART,  # outputs: grad of h (= dx = dresidual), per-program partial sums
+    N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N_COLS
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    num_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None].to(tl.int64) * N_COLS + cols[None, :]
+
+        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)  # grad of z
+        if HAS_DROPOUT:
+            g = tl.where(_dropout_keep(SEED, offs, dropout_p), g / (1.0 - dropout_p), 0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        if IS_RMS:
+            xhat = h * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_B:
+            db_acc += tl.sum(g, axis=0)
+        if HAS_W:
+            dw_acc += tl.sum(g * xhat, axis=0)
+            g = g * w[None, :]  # grad of xhat
+        # dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), without the mean(g) term for RMSNorm
+        c1 = tl.sum(g * xhat, axis=1) / N_COLS
+        if IS_RMS:
+            dh = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / N_COLS
+            dh = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dh += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dh.to(DX.dtype.element_ty), mask=mask)
+    if HAS_W:
+        tl.store(DW_PART + pid * N_COLS + cols, dw_acc, mask=col_ok)
+    if HAS_B:
+        tl.store(DB_PART + pid * N_COLS + cols, db_acc, mask=col_ok)
+
+
+@triton.jit
+def sum_partials_kernel(
+    PART,  # input: [n_parts, N_COLS] float32
+    OUT,  # output: [N_COLS], summed over parts in a fixed order
+    N_PARTS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N_COLS
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, N_PARTS, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts[:, None] < N_PARTS) & col_ok[None, :]
+        acc += tl.sum(tl.load(PART + parts[:, None] * N_COLS + cols[None, :], mask=mask, other=0.0), axis=0)
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)

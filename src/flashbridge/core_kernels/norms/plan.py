@@ -1,0 +1,185 @@
+"""Launch plans for the fused-norm family (pure Python: shapes and options in, a Plan out).
+
+Inputs are viewed as ``(n_rows, n_cols)``: every leading dimension is a row. The front-ends pass
+C-contiguous arrays (they copy non-contiguous ones), so the row stride is ``n_cols``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
+
+MAX_COLS = 65536  # one row lives in one program's registers; wider rows would spill to local memory
+_KERNELS = "norms.kernels"
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Block sizes. ``None`` picks the default for the target.
+
+    block_m: rows per program (a power of two). Default on a GPU: enough rows that a program moves
+        about 8K elements, so narrow rows still keep enough bytes in flight; one row from 8K columns up.
+    num_warps: warps per program. Default: about 16 elements per thread, 4 to 16 warps.
+    bwd_programs_per_sm: persistent backward programs per SM (each keeps one partial dweight row).
+    log2_chunks: LayerNorm statistics merge 2**log2_chunks exact per-chunk (count, mean, M2) triples
+        with Welford/Chan's parallel formula (capped by the block width).
+    """
+
+    block_m: int | None = None
+    num_warps: int | None = None
+    bwd_programs_per_sm: int = 2
+    log2_chunks: int = 3  # LayerNorm statistics: a row is merged from 2**log2_chunks Welford parts
+
+
+def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig) -> tuple[int, int, int]:
+    block_n = next_power_of_2(n_cols)
+    if config.block_m is not None:
+        block_m = config.block_m
+    elif target.interpret:
+        # The interpreter pays per program, not per element: take big tiles.
+        block_m = min(next_power_of_2(n_rows), max(1, 16384 // block_n))
+    else:
+        block_m = max(1, min(16, 8192 // block_n))
+    num_warps = config.num_warps or max(4, min(16, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def check_norm_args(
+    *, x: tuple[tuple[int, ...], str], weight: tuple[tuple[int, ...], str] | None = None,
+    bias: tuple[tuple[int, ...], str] | None = None, residual: tuple[tuple[int, ...], str] | None = None,
+    post_residual: tuple[tuple[int, ...], str] | None = None, eps: float, dropout_p: float = 0.0,
+) -> tuple[int, int]:
+    """Validate a norm call from (shape, dtype-name) pairs; returns (n_rows, n_cols). Shared by both
+    front-ends so that both raise the same errors, before any launch."""
+    shape, dtype = x
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    if len(shape) < 1:
+        raise ValueError("x: expected at least one dimension (the normalised one), got a scalar")
+    n_cols = shape[-1]
+    n_rows = 1
+    for d in shape[:-1]:
+        n_rows *= d
+    if n_cols < 1 or n_rows < 1:
+        raise ValueError(f"x: empty tensor of shape {tuple(shape)}; the norms need at least one element")
+    if n_cols > MAX_COLS:
+        raise ValueError(f"x: the last dimension is {n_cols}, but the norm kernels support at most "
+                         f"{MAX_COLS} columns (a row must fit in one program's registers)")
+    for name, arg in (("weight", weight), ("bias", bias)):
+        if arg is None:
+            continue
+        if tuple(arg[0]) != (n_cols,):
+            raise ValueError(f"{name}: expected shape ({n_cols},) to match the last dimension of x, "
+                             f"got {tuple(arg[0])}")
+        if arg[1] not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: dtype {arg[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    for name, arg in (("residual", residual), ("post_residual", post_residual)):
+        if arg is None:
+            continue
+        if tuple(arg[0]) != tuple(shape):
+            raise ValueError(f"{name}: expected the shape of x {tuple(shape)}, got {tuple(arg[0])}")
+        if arg[1] not in (dtype, "float32"):
+            raise TypeError(f"{name}: dtype {arg[1]} must match x ({dtype}) or be float32")
+    if not eps > 0:
+        raise ValueError(f"eps: must be > 0, got {eps}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
+    return n_rows, n_cols
+
+
+def plan_norm_fwd(
+    n_rows: int, n_cols: int, *, x_dtype: str, residual_dtype: str | None, is_rms: bool,
+    has_weight: bool, has_bias: bool, has_post_residual: bool, dropout_p: float, eps: float,
+    target: Target, config: NormConfig = NormConfig(),
+) -> Plan:
+    """Plan inputs: x, [weight], [bias], [residual], [post_residual], [seed] (int32 (1,), with dropout).
+
+    Results: y (x_dtype, ``(n_rows, n_cols)``), h (residual_dtype; a ``(0,)`` placeholder without a
+    residual), mean (float32 ``(n_rows,)``; ``(0,)`` for RMSNorm), rstd (float32 ``(n_rows,)``).
+    """
+    assert x_dtype in FLOAT_DTYPES
+    has_res = residual_dtype is not None
+    has_dropout = dropout_p > 0.0
+    present = {"x": True, "weight": has_weight, "bias": has_bias, "residual": has_res,
+               "post_residual": has_post_residual, "seed": has_dropout}
+    inputs = tuple(name for name, here in present.items() if here)
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config)
+    buffers = (
+        Spec("y", (n_rows, n_cols), x_dtype),
+        Spec("h", (n_rows, n_cols) if has_res else (0,), residual_dtype or x_dtype),
+        Spec("mean", (0,) if is_rms else (n_rows,), "float32"),
+        Spec("rstd", (n_rows,), "float32"),
+    )
+    launch = Launch(
+        kernel=f"{_KERNELS}:norm_fwd_kernel",
+        grid=(cdiv(n_rows, block_m),),
+        inputs=tuple(name if present[name] else "x" for name in present),
+        scalars=(("n_rows", n_rows), ("eps", float(eps)), ("dropout_p", float(dropout_p))),
+        outputs=("y", "h", "mean", "rstd"),
+        constexprs=(("N_COLS", n_cols), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
+                    ("LOG2_CHUNKS", min(config.log2_chunks, block_n.bit_length() - 1)), ("IS_RMS", is_rms),
+                    ("HAS_W", has_weight), ("HAS_B", has_bias), ("HAS_RES", has_res),
+                    ("HAS_DROPOUT", has_dropout), ("HAS_POST_RES", has_post_residual)),
+        num_warps=num_warps,
+        num_stages=1,
+    )
+    return Plan(inputs=inputs, buffers=buffers, launches=(launch,), results=("y", "h", "mean", "rstd"))
+
+
+def plan_norm_bwd(
+    n_rows: int, n_cols: int, *, dx_dtype: str, weight_dtype: str | None, bias_dtype: str | None,
+    is_rms: bool, has_dh: bool, dropout_p: float, target: Target, config: NormConfig = NormConfig(),
+) -> Plan:
+    """Plan inputs: dy, h, [weight], [mean] (LayerNorm), rstd, [seed] (with dropout), [dh].
+
+    ``h`` is the tensor that was normalised (x, or x + residual); ``dh`` the gradient arriving at the
+    stored h output. Results: dx (dx_dtype; also the gradient of the residual), then dweight and dbias
+    (in their parameters' dtypes) for the parameters that exist.
+    """
+    has_w, has_b = weight_dtype is not None, bias_dtype is not None
+    has_dropout = dropout_p > 0.0
+    present = {"dy": True, "h": True, "weight": has_w, "mean": not is_rms, "rstd": True,
+               "seed": has_dropout, "dh": has_dh}
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config)
+    num_tiles = max(1, cdiv(n_rows, block_m))
+    num_programs = min(num_tiles, max(1, target.num_sms * config.bwd_programs_per_sm))
+    buffers = [
+        Spec("dx", (n_rows, n_cols), dx_dtype),
+        Spec("dw_part", (num_programs, n_cols) if has_w else (0,), "float32"),
+        Spec("db_part", (num_programs, n_cols) if has_b else (0,), "float32"),
+    ]
+    launches = [Launch(
+        kernel=f"{_KERNELS}:norm_bwd_kernel",
+        grid=(num_programs,),
+        inputs=tuple(name if present[name] else "dy" for name in present),
+        scalars=(("n_rows", n_rows), ("dropout_p", float(dropout_p))),
+        outputs=("dx", "dw_part", "db_part"),
+        constexprs=(("N_COLS", n_cols), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
+                    ("NUM_PROGRAMS", num_programs), ("IS_RMS", is_rms), ("HAS_W", has_w),
+                    ("HAS_B", has_b), ("HAS_DH", has_dh), ("HAS_DROPOUT", has_dropout)),
+        num_warps=num_warps,
+        num_stages=1,
+    )]
+    results = ["dx"]
+    for name, dtype in (("dweight", weight_dtype), ("dbias", bias_dtype)):
+        if dtype is not None:
+            buffers.append(Spec(name, (n_cols,), dtype))
+            launches.append(sum_partials_launch(f"d{name[1]}_part", name, num_programs, n_cols, target))
+            results.append(name)
+    return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=tuple(buffers),
+                launches=tuple(launches), results=tuple(results))
+
+
+def sum_partials_launch(part: str, out: str, n_parts: int, n_cols: int, target: Target) -> Launch:
+    """Sum a ``(n_parts, n_cols)`` float32 buffer over its rows, in a fixed order."""
+    block_n = min(next_power_of_2(n_cols), 4096 if target.interpret else 256)
+    return Launch(
+        kernel=f"{_KERNELS}:sum_partials_kernel",
+        grid=(cdiv(n_cols, block_n),),
+        inputs=(part,),
+        outputs=(out,),
+        constexprs=(("N_PARTS", n_parts), ("N_COLS", n_cols),
+                    ("BLOCK_P", min(next_power_of_2(n_parts), 32)), ("BLOCK_N", block_n)),
+        num_warps=4,
+        num_stages=1,
+    )

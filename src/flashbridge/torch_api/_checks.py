@@ -1,0 +1,39 @@
+"""Argument checks shared by the torch front-end's ops (shape / dtype rules live in the plans)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._runtime import DTYPE_NAMES
+
+
+def check_same_device(**tensors: Tensor | None) -> torch.device:
+    """All given tensors on one CUDA device or all on the CPU; returns that device."""
+    device, first = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported by flashbridge")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: tensors must be on a CUDA device or the CPU, got {t.device}")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but {first} is on {device}; all tensors of one call "
+                             "must be on the same device")
+    return device
+
+
+def seed_tensor(seed: int | Tensor, device: torch.device) -> Tensor:
+    """A dropout seed as the int32 ``(1,)`` tensor the kernels read."""
+    if isinstance(seed, Tensor):
+        if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"seed: expected a Python int or a one-element integer tensor, got "
+                            f"{seed.dtype} of shape {tuple(seed.shape)}")
+        return seed.reshape(1).to(device=device, dtype=torch.int32)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected a Python int or a one-element integer tensor, got {type(seed).__name__}")
+    if not -2**31 <= seed < 2**31:
+        raise ValueError(f"seed: must fit in int32, got {seed}")
+    return torch.tensor([seed], dtype=torch.int32, device=device)

@@ -1,0 +1,70 @@
+"""Execute a core_kernels Plan with torch tensors.
+
+CUDA tensors run the compiled kernels. CPU tensors run the same kernels through Triton's interpreter
+(no environment variable needed: see core_kernels/_loader.py); because the interpreter computes bfloat16
+arithmetic wrongly, bf16 tensors are widened to float32 for the launch and results narrowed back, which
+rounds once, as the GPU kernels do.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+
+import torch
+
+from ..core_kernels import INTERPRETER, Plan, Target, get_kernel
+
+TORCH_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(index: int) -> Target:
+    return Target(interpret=False, num_sms=torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def target_for(device: torch.device) -> Target:
+    """The Target a tensor on ``device`` runs on."""
+    if device.type == "cpu":
+        return INTERPRETER
+    if device.type == "cuda":
+        return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+    raise ValueError(f"flashbridge kernels run on CUDA or CPU tensors, got a tensor on {device}")
+
+
+def _launch_dtype(dtype: str, interpret: bool) -> torch.dtype:
+    return torch.float32 if interpret and dtype == "bfloat16" else TORCH_DTYPES[dtype]
+
+
+def execute(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Allocate the plan's buffers, run its launches in order and return its results."""
+    device = inputs[plan.inputs[0]].device
+    interpret = device.type == "cpu"
+    env: dict[str, torch.Tensor] = {}
+    for name in plan.inputs:
+        t = inputs[name]
+        env[name] = t.float() if interpret and t.dtype == torch.bfloat16 else t
+    for spec in plan.buffers:
+        alloc = torch.zeros if spec.zero else torch.empty
+        env[spec.name] = alloc(spec.shape, dtype=_launch_dtype(spec.dtype, interpret), device=device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for launch in plan.launches:
+            kernel = get_kernel(launch.kernel, interpret)
+            args = ([env[n] for n in launch.inputs] + launch.scalar_values()
+                    + [env[n] for n in launch.outputs])
+            kernel[launch.grid](*args, **launch.constexpr_dict(), num_warps=launch.num_warps,
+                                num_stages=launch.num_stages)
+    out = []
+    for name in plan.results:
+        t, want = env[name], TORCH_DTYPES[plan.spec(name).dtype]
+        out.append(t if t.dtype == want else t.to(want))
+    return tuple(out)
