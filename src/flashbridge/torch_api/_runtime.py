@@ -41,6 +41,29 @@ def target_for(device: torch.device) -> Target:
     raise ValueError(f"flashbridge kernels run on CUDA or CPU tensors, got a tensor on {device}")
 
 
+_poison = False
+
+
+@contextlib.contextmanager
+def poison_buffers():
+    """Fill every buffer that a kernel must write (all but zero-initialised ones) with NaN (or -1 for
+    integers) before the launches, so a test sees any element the kernels forgot to write."""
+    global _poison
+    saved, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = saved
+
+
+def _alloc(spec, dtype: torch.dtype, device) -> torch.Tensor:
+    if spec.zero:
+        return torch.zeros(spec.shape, dtype=dtype, device=device)
+    if _poison:
+        return torch.full(spec.shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(spec.shape, dtype=dtype, device=device)
+
+
 def _launch_dtype(dtype: str, interpret: bool) -> torch.dtype:
     return torch.float32 if interpret and dtype == "bfloat16" else TORCH_DTYPES[dtype]
 
@@ -54,8 +77,7 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
         t = inputs[name]
         env[name] = t.float() if interpret and t.dtype == torch.bfloat16 else t
     for spec in plan.buffers:
-        alloc = torch.zeros if spec.zero else torch.empty
-        env[spec.name] = alloc(spec.shape, dtype=_launch_dtype(spec.dtype, interpret), device=device)
+        env[spec.name] = _alloc(spec, _launch_dtype(spec.dtype, interpret), device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for launch in plan.launches:
             kernel = get_kernel(launch.kernel, interpret)

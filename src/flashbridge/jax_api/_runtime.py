@@ -1,0 +1,148 @@
+"""Execute a core_kernels Plan with JAX arrays.
+
+* CUDA: each launch is a ``jax_triton.triton_call`` (outputs appended after inputs and runtime scalars,
+  constexprs as keyword metaparameters, zero-initialised outputs declared through ``zeroed_outputs``).
+* CPU: jax-triton cannot run there, so the whole plan runs in one ``jax.pure_callback`` through Triton's
+  interpreter on host numpy buffers (bfloat16 widened to float32 for the launch, as in the torch runtime).
+
+Plans depend on the target (block sizes, SM count), so callers pass a *plan factory* ``Target -> Plan``.
+When a GPU backend exists the two paths are joined with ``jax.lax.platform_dependent``, which lowers only
+the branch of the platform the computation is placed on; CPU arrays on a GPU machine work too.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Mapping
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core_kernels import INTERPRETER, HostArray, Plan, Target, get_kernel
+
+PlanFactory = Callable[[Target], Plan]
+
+
+def jnp_dtype(name: str):
+    return jnp.dtype(name)
+
+
+def dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_target() -> Target | None:
+    """The CUDA target of the first local GPU, or None when JAX has no GPU backend."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    if not devices:
+        return None
+    return Target(interpret=False, num_sms=int(getattr(devices[0], "core_count", 0) or 132))
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_triton():
+    # Importing jax_triton 0.3.x sets TRITON_CACHE_DIR="" for the process, after which every Triton
+    # compile (torch's too) fails to locate its cache: put the variable and the knob back.
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+    import triton
+
+    cache = saved or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        knobs.cache.dir = cache
+    return jax_triton
+
+
+def _result_structs(plan: Plan):
+    return tuple(jax.ShapeDtypeStruct(plan.spec(r).shape, jnp_dtype(plan.spec(r).dtype)) for r in plan.results)
+
+
+def _execute_gpu(plan: Plan, names: tuple[str, ...], *arrays):
+    jt = _jax_triton()
+    env = dict(zip(names, arrays))
+    for launch in plan.launches:
+        specs = [plan.spec(n) for n in launch.outputs]
+        outs = jt.triton_call(
+            *[env[n] for n in launch.inputs], *launch.scalar_values(),
+            kernel=get_kernel(launch.kernel, False),
+            out_shape=[jax.ShapeDtypeStruct(s.shape, jnp_dtype(s.dtype)) for s in specs],
+            grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            zeroed_outputs=[i for i, s in enumerate(specs) if s.zero],
+            **launch.constexpr_dict())
+        env.update(zip(launch.outputs, outs))
+    return tuple(env[r] for r in plan.results)
+
+
+def _host_dtype(dtype: str):
+    return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+_poison = False
+
+
+@contextlib.contextmanager
+def poison_buffers():
+    """Fill the host buffers that kernels must write with NaN (or -1) before the launches (CPU path; on a
+    GPU, XLA owns the output buffers)."""
+    global _poison
+    saved, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = saved
+
+
+def _host_alloc(spec) -> np.ndarray:
+    dtype = _host_dtype(spec.dtype)
+    if spec.zero:
+        return np.zeros(spec.shape, dtype=dtype)
+    if _poison:
+        return np.full(spec.shape, np.nan if np.issubdtype(dtype, np.floating) else -1, dtype=dtype)
+    return np.empty(spec.shape, dtype=dtype)
+
+
+def run_plan_on_host(plan: Plan, named: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Run a plan through Triton's interpreter on numpy arrays (the body of the CPU callback)."""
+    env: dict[str, np.ndarray] = {}
+    for name in plan.inputs:
+        a = np.asarray(named[name])
+        env[name] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.name == "bfloat16" else a)
+    for spec in plan.buffers:
+        env[spec.name] = _host_alloc(spec)
+    for launch in plan.launches:
+        kernel = get_kernel(launch.kernel, True)
+        args = ([HostArray(env[n]) for n in launch.inputs] + launch.scalar_values()
+                + [HostArray(env[n]) for n in launch.outputs])
+        kernel[launch.grid](*args, **launch.constexpr_dict())
+    return tuple(env[r].astype(jnp_dtype(plan.spec(r).dtype), copy=False) for r in plan.results)
+
+
+def _execute_cpu(plan: Plan, names: tuple[str, ...], *arrays):
+    def callback(*host_arrays):
+        return run_plan_on_host(plan, dict(zip(names, host_arrays)))
+
+    return jax.pure_callback(callback, _result_structs(plan), *arrays, vmap_method="sequential")
+
+
+def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """Run the plan ``make_plan(target)`` on ``inputs`` (name -> array) and return its results."""
+    cpu_plan = make_plan(INTERPRETER)
+    names = cpu_plan.inputs
+    arrays = [inputs[n] for n in names]
+    target = gpu_target()
+    if target is None:
+        return _execute_cpu(cpu_plan, names, *arrays)
+    gpu_plan = make_plan(target)
+    return jax.lax.platform_dependent(
+        *arrays,
+        cpu=functools.partial(_execute_cpu, cpu_plan, names),
+        cuda=functools.partial(_execute_gpu, gpu_plan, names))

@@ -1,0 +1,47 @@
+"""Shared pytest set-up: several host devices for JAX's shard_map tests, the gpu marker, poisoned buffers."""
+import os
+
+# Must happen before JAX initialises its CPU backend.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_ENABLE_X64", "0")
+
+import pytest  # noqa: E402
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+HAS_CUDA = _has_cuda()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """Every kernel output starts as NaN in tests, so an element the kernels never write shows up."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        try:
+            from flashbridge.torch_api import _runtime as trt
+            stack.enter_context(trt.poison_buffers())
+        except ImportError:
+            pass
+        try:
+            from flashbridge.jax_api import _runtime as jrt
+            stack.enter_context(jrt.poison_buffers())
+        except ImportError:
+            pass
+        yield
