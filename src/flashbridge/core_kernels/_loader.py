@@ -24,6 +24,10 @@ from triton.runtime.jit import JITFunction
 
 _PACKAGE = __name__.rsplit(".", 1)[0]  # flashbridge.core_kernels
 _state = threading.local()
+# The interpreter patches triton.language module-wide for the duration of a launch, so two interpreted
+# launches on different threads (e.g. JAX callbacks of several host devices under shard_map) would undo
+# each other's patches: interpreted launches run one at a time.
+_interpreter_lock = threading.RLock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,11 +60,12 @@ class _InterpretedKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            _state.interpreting = getattr(_state, "interpreting", 0) + 1
-            try:
-                return _interpreted(self._fn)[grid](*args, **kwargs)
-            finally:
-                _state.interpreting -= 1
+            with _interpreter_lock:
+                _state.interpreting = getattr(_state, "interpreting", 0) + 1
+                try:
+                    return _interpreted(self._fn)[grid](*args, **kwargs)
+                finally:
+                    _state.interpreting -= 1
 
         return launch
 

@@ -133,6 +133,41 @@ def _execute_cpu(plan: Plan, names: tuple[str, ...], *arrays):
     return jax.pure_callback(callback, _result_structs(plan), *arrays, vmap_method="sequential")
 
 
+def _varying_axes(arrays) -> frozenset:
+    """Mesh axes along which any of ``arrays`` varies inside shard_map (empty outside it)."""
+    axes: set = set()
+    for a in arrays:
+        aval = jax.typeof(a) if hasattr(jax, "typeof") else getattr(a, "aval", None)
+        vma = getattr(aval, "vma", None)
+        if vma is None:
+            vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+        axes |= set(vma or ())
+    return frozenset(axes)
+
+
+def _mark_varying(outs, axes: frozenset):
+    """Kernel calls and callbacks are opaque to shard_map's varying-axes typing: give the results the
+    varying axes of the inputs, which is what they depend on (custom_vjp checks that types match)."""
+    if not axes:
+        return outs
+    names = tuple(sorted(axes))
+    if hasattr(jax.lax, "pcast"):
+        return tuple(jax.lax.pcast(o, names, to="varying") if _varying_axes([o]) != axes else o for o in outs)
+    return tuple(jax.lax.pvary(o, names) if _varying_axes([o]) != axes else o for o in outs)
+
+
+def match_varying(*arrays):
+    """Inside shard_map, give every array the varying axes of all of them (None passes through).
+
+    Call this on an op's inputs *outside* its custom_vjp: a replicated parameter then enters as varying,
+    its gradient comes out varying, and JAX's transpose of the cast sums it over the mesh axes.
+    """
+    axes = _varying_axes([a for a in arrays if a is not None])
+    if not axes:
+        return arrays
+    return tuple(None if a is None else _mark_varying((a,), axes)[0] for a in arrays)
+
+
 def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
     """Run the plan ``make_plan(target)`` on ``inputs`` (name -> array) and return its results."""
     cpu_plan = make_plan(INTERPRETER)
@@ -140,9 +175,12 @@ def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array]) -> tuple[ja
     arrays = [inputs[n] for n in names]
     target = gpu_target()
     if target is None:
-        return _execute_cpu(cpu_plan, names, *arrays)
-    gpu_plan = make_plan(target)
-    return jax.lax.platform_dependent(
-        *arrays,
-        cpu=functools.partial(_execute_cpu, cpu_plan, names),
-        cuda=functools.partial(_execute_gpu, gpu_plan, names))
+        outs = _execute_cpu(cpu_plan, names, *arrays)
+    else:
+        gpu_plan = make_plan(target)
+        assert gpu_plan.inputs == names and gpu_plan.results == cpu_plan.results
+        outs = jax.lax.platform_dependent(
+            *arrays,
+            cpu=functools.partial(_execute_cpu, cpu_plan, names),
+            cuda=functools.partial(_execute_gpu, gpu_plan, names))
+    return _mark_varying(tuple(outs), _varying_axes(arrays))

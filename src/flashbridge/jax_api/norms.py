@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
 from ._checks import as_seed, check_arrays
-from ._runtime import dtype_name, execute
+from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
 
@@ -120,20 +120,19 @@ def _fused_norm(x, weight, bias, residual, post_residual, seed, eps, is_rms, dro
 def _fused_norm_fwd(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p):
     out = _fwd_op(eps, is_rms, dropout_p)(x, weight, bias, residual, post_residual, seed)
     _, h, mean, rstd = out
-    saved = (x if residual is None else h, weight, bias, mean, rstd, seed,
-             None if residual is None else residual.dtype, None if post_residual is None else post_residual.dtype)
-    return out, saved
+    # Zero-size arrays carry the residuals' dtypes (custom_vjp residuals must be arrays).
+    dtypes = tuple(None if a is None else jnp.zeros((0,), a.dtype) for a in (residual, post_residual))
+    return out, (x if residual is None else h, weight, bias, mean, rstd, seed, dtypes)
 
 
 def _fused_norm_bwd(eps, is_rms, dropout_p, saved, cotangents):
-    h, weight, bias, mean, rstd, seed, res_dtype, post_dtype = saved
+    h, weight, bias, mean, rstd, seed, (res_tag, post_tag) = saved
     dy, dh, _, _ = cotangents
-    x_dtype = dy.dtype
-    has_res = res_dtype is not None
+    has_res = res_tag is not None
     dx, dweight, dbias = _bwd_op(is_rms, dropout_p, weight is not None, bias is not None)(
         dy, h, weight, bias, mean, rstd, seed, dh if has_res else None)
-    return (dx.astype(x_dtype), dweight, dbias, dx.astype(res_dtype) if has_res else None,
-            dy.astype(post_dtype) if post_dtype is not None else None, None)
+    return (dx, dweight, dbias, dx.astype(res_tag.dtype) if has_res else None,
+            dy.astype(post_tag.dtype) if post_tag is not None else None, None)
 
 
 _fused_norm.defvjp(_fused_norm_fwd, _fused_norm_bwd)
@@ -144,6 +143,7 @@ def _norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropou
     check_arrays(**tensors)
     check_norm_args(**{k: None if a is None else (tuple(a.shape), dtype_name(a.dtype))
                        for k, a in tensors.items()}, eps=eps, dropout_p=dropout_p)
+    x, weight, bias, residual, post_residual, seed = match_varying(x, weight, bias, residual, post_residual, seed)
     y, h, _, _ = _fused_norm(x, weight, bias, residual, post_residual, seed, float(eps), bool(is_rms),
                              float(dropout_p))
     return y if residual is None else (y, h)
