@@ -3,7 +3,7 @@ import os
 
 # Must happen before JAX initialises its CPU backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-os.environ.setdefault("JAX_ENABLE_X64", "0")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
 import pytest  # noqa: E402
 

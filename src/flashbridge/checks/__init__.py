@@ -41,3 +41,46 @@ class Check:
     op: str
     framework: str
     run: Callable[[], Measurement]
+
+
+def rounded(a, dtype: str):
+    """Round float64 values through ``dtype`` (bfloat16 via ml_dtypes) and back to float64."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return np.asarray(a).astype(dtype).astype(np.float64)
+
+
+def to_numpy64(a):
+    import numpy as np
+
+    if hasattr(a, "detach"):
+        return a.detach().float().cpu().double().numpy()
+    return np.asarray(a).astype(np.float64)
+
+
+def error_vs_reference(out, ref, naive, *, factor: float = 2.0, floor: float = 1e-3) -> float:
+    """max|out - ref| / (factor * max|naive - ref| + floor * max(1, max|ref|)): <= 1 passes (the
+    flash-attn rule: at most twice the error of a naive same-dtype implementation, plus a floor)."""
+    import numpy as np
+
+    out, naive = to_numpy64(out), to_numpy64(naive)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    scale = max(1.0, float(np.max(np.abs(ref), initial=0.0)))
+    bound = factor * float(np.max(np.abs(naive - ref), initial=0.0)) + floor * scale
+    return float(np.max(np.abs(out - ref), initial=0.0)) / bound
+
+
+def to_framework(framework: str, a, dtype: str, device: str, requires_grad: bool = False):
+    """float64 numpy -> a torch tensor or jax array of ``dtype`` on ``device``."""
+    if framework == "torch":
+        import torch
+        t = torch.tensor(a, dtype=getattr(torch, dtype), device=device)
+        return t.requires_grad_(requires_grad)
+    import jax
+    import jax.numpy as jnp
+    backend = "gpu" if device == "cuda" else "cpu"
+    return jax.device_put(jnp.asarray(a, dtype=dtype), jax.devices(backend)[0])

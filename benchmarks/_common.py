@@ -1,0 +1,74 @@
+"""Shared benchmark helpers: timing (the same functions as ``flashbridge check``), versions, JSON, tables.
+
+Every script measures ours and the baselines in the same process on the same inputs, prints a table, and
+writes ``benchmarks/results/<name>.json`` (or ``$OUT/<name>.json`` when OUT is set, for the GPU runner).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from flashbridge._timing import time_jax, time_torch  # noqa: E402,F401
+
+COPY_CEILING_TBS = 4.24  # device-to-device copy measured on the H200 (shared/GPU.md); re-measured per run
+
+
+def results_dir() -> Path:
+    out = os.environ.get("OUT")
+    path = Path(out) if out else ROOT / "benchmarks" / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "jax", "jaxlib", "flax", "jax_triton", "liger_kernel", "numpy"):
+        try:
+            m = __import__(mod)
+            info[mod] = getattr(m, "__version__", "?")
+        except Exception:  # not installed, or broken on this machine: record that
+            info[mod] = None
+    try:
+        import torch
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info["device"] = p.name
+            info["sms"] = p.multi_processor_count
+    except ImportError:
+        pass
+    return info
+
+
+def measure_copy_ceiling() -> float:
+    """TB/s of a large device-to-device copy (bytes read + written), the memory-bound ceiling."""
+    import torch
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_torch(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3) / 1e12
+
+
+def save(name: str, payload: dict) -> Path:
+    path = results_dir() / f"{name}.json"
+    with open(path, "w") as f:
+        json.dump({"environment": environment(), **payload}, f, indent=1)
+    return path
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in r])
+    Console(width=200).print(table)

@@ -1,0 +1,262 @@
+"""Fused-norm benchmark on a CUDA GPU: ours (torch and JAX paths) beside torch eager, F.rms_norm /
+F.layer_norm, torch.compile and liger-kernel, same inputs, same run.
+
+TB/s = (bytes of every tensor read + every tensor written) / time; weights are counted too.
+
+    python benchmarks/bench_norms.py            # main shapes + width sweep + plot
+    python benchmarks/bench_norms.py --tune     # also time block-size candidates for the plan defaults
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from _common import (environment, measure_copy_ceiling, print_table, results_dir, save, time_jax,
+                     time_torch)
+
+import torch
+import torch.nn.functional as F
+
+from flashbridge import torch_api as ft
+from flashbridge.core_kernels.norms.plan import NormConfig, plan_norm_bwd, plan_norm_fwd
+from flashbridge.torch_api._runtime import execute, target_for
+
+MAIN_SHAPES = [(16384, 8192), (65536, 2048)]
+SWEEP_WIDTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+SWEEP_ELEMENTS = 2**27
+EPS = 1e-6
+
+
+def _eager_rms(x, w, r=None):
+    h = x if r is None else x + r
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype)
+    return y if r is None else (y, h)
+
+
+def _eager_ln(x, w, b, r=None):
+    h = x if r is None else x + r
+    y = F.layer_norm(h.float(), (h.shape[-1],), w.float(), b.float(), EPS).to(x.dtype)
+    return y if r is None else (y, h)
+
+
+def _liger():
+    try:
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        return LigerRMSNorm, LigerLayerNorm
+    except Exception as exc:  # not installed (it is carried as a wheel to the GPU machine)
+        print(f"liger-kernel unavailable: {exc}")
+        return None, None
+
+
+def providers(op: str, x, w, b, r):
+    """name -> (forward closure returning y or (y, h), the weight tensor that gets a gradient)."""
+    cols = x.shape[-1]
+    rms = op.startswith("rms")
+    res = r if op.endswith("+res") else None
+    out = {}
+    if rms:
+        out["flashbridge-torch"] = (lambda: ft.rms_norm(x, w, eps=EPS, residual=res)), w
+        out["torch-eager"] = (lambda: _eager_rms(x, w, res)), w
+        out["torch.compile"] = (lambda: _compiled_rms(x, w, res)), w
+        if res is None:
+            out["F.rms_norm"] = (lambda: F.rms_norm(x, (cols,), w, EPS)), w
+    else:
+        out["flashbridge-torch"] = (lambda: ft.layer_norm(x, w, b, eps=EPS, residual=res)), w
+        out["torch-eager"] = (lambda: _eager_ln(x, w, b, res)), w
+        out["torch.compile"] = (lambda: _compiled_ln(x, w, b, res)), w
+        if res is None:
+            out["F.layer_norm"] = (lambda: F.layer_norm(x, (cols,), w, b, EPS)), w
+    liger_rms, liger_ln = _liger()
+    if res is None and liger_rms is not None:
+        mod = (liger_rms(cols, eps=EPS) if rms else liger_ln(cols, eps=EPS)).to(device=x.device, dtype=x.dtype)
+        with torch.no_grad():
+            mod.weight.copy_(w)
+            if not rms:
+                mod.bias.copy_(b)
+        out["liger-kernel"] = (lambda: mod(x)), mod.weight
+    return out
+
+
+_compiled_rms = torch.compile(_eager_rms, dynamic=False)
+_compiled_ln = torch.compile(_eager_ln, dynamic=False)
+
+
+def nbytes(op, rows, cols, itemsize, backward):
+    big = rows * cols * itemsize
+    params = cols * itemsize * (1 if op.startswith("rms") else 2)
+    if backward:  # read dy, h; write dx; read weight, write dweight (+ dbias)
+        return 3 * big + 2 * params
+    tensors = 2 + (2 if op.endswith("+res") else 0)
+    return tensors * big + params
+
+
+def jax_time(op, x, w, b, r, backward):
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge import jax_api as fj
+
+    def conv(t):
+        return None if t is None else jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else t.dtype)
+
+    jx, jw, jb = conv(x), conv(w), conv(b)
+    jr = conv(r) if op.endswith("+res") else None
+    rms = op.startswith("rms")
+
+    def fwd(x, w):
+        o = fj.rms_norm(x, w, eps=EPS, residual=jr) if rms else fj.layer_norm(x, w, jb, eps=EPS, residual=jr)
+        return o[0] if jr is not None else o
+
+    if not backward:
+        return time_jax(fwd, jx, jw)
+    y, vjp_fn = jax.vjp(fwd, jx, jw)
+    dy = jnp.ones_like(y) * 0.5 + jnp.asarray(0.1, y.dtype) * jx
+    return time_jax(lambda f, ct: f(ct), vjp_fn, dy)
+
+
+def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g) * 2 + 1
+    r = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(cols, device="cuda", dtype=dtype, generator=g) + 1
+    b = torch.randn(cols, device="cuda", dtype=dtype, generator=g)
+    amount = nbytes(op, rows, cols, x.element_size(), backward)
+    results = {}
+    for name, (fn, weight) in providers(op, x, w, b, r).items():
+        try:
+            if backward:
+                x.requires_grad_(True)
+                weight.requires_grad_(True)
+                y = fn()
+                y = y[0] if isinstance(y, tuple) else y
+                dy = torch.randn_like(y)
+                ms = time_torch(lambda: torch.autograd.grad(y, [x, weight], dy, retain_graph=True))
+            else:
+                with torch.no_grad():
+                    ms = time_torch(fn)
+        except Exception as exc:
+            print(f"{name} {op} {rows}x{cols}: {type(exc).__name__}: {exc}")
+            continue
+        finally:
+            x.requires_grad_(False)
+            w.requires_grad_(False)
+        results[name] = ms
+    if with_jax:
+        try:
+            results["flashbridge-jax"] = jax_time(op, x.detach(), w, b, r, backward)
+        except Exception as exc:
+            print(f"jax {op}: {type(exc).__name__}: {exc}")
+    return {name: {"ms": ms, "tbps": amount / (ms * 1e-3) / 1e12, "of_ceiling": amount / (ms * 1e-3) / 1e12 / ceiling}
+            for name, ms in results.items()}
+
+
+def tune(ceiling):
+    """Time block-size candidates for the plan defaults at the main shapes (forward and backward)."""
+    rows_out = []
+    for rows, cols in MAIN_SHAPES:
+        x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        target = target_for(x.device)
+        for is_rms in (True, False):
+            for block_m in (1, 2, 4, 8):
+                if block_m * cols > 16384:
+                    continue
+                for warps in (4, 8, 16, 32):
+                    cfg = NormConfig(block_m=block_m, num_warps=warps)
+                    plan = plan_norm_fwd(rows, cols, x_dtype="bfloat16", residual_dtype=None, is_rms=is_rms,
+                                         has_weight=True, has_bias=not is_rms, has_post_residual=False,
+                                         dropout_p=0.0, eps=EPS, target=target, config=cfg)
+                    inputs = {"x": x, "weight": w, "bias": b}
+                    try:
+                        ms = time_torch(lambda: execute(plan, inputs))
+                    except Exception as exc:
+                        print(f"config {cfg} failed: {exc}")
+                        continue
+                    tbps = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
+                    rows_out.append(["rms" if is_rms else "ln", f"{rows}x{cols}", "fwd", block_m, warps, ms, tbps])
+                    for ppsm in (1, 2, 4):
+                        bplan = plan_norm_bwd(rows, cols, dx_dtype="bfloat16", weight_dtype="bfloat16",
+                                              bias_dtype=None if is_rms else "bfloat16", is_rms=is_rms,
+                                              has_dh=False, dropout_p=0.0, target=target,
+                                              config=NormConfig(block_m=block_m, num_warps=warps,
+                                                                bwd_programs_per_sm=ppsm))
+                        mean = torch.zeros(rows, device="cuda")
+                        rstd = torch.ones(rows, device="cuda")
+                        binputs = {"dy": x, "h": x, "weight": w, "mean": mean, "rstd": rstd}
+                        try:
+                            ms = time_torch(lambda: execute(bplan, binputs))
+                        except Exception as exc:
+                            print(f"bwd config {cfg} failed: {exc}")
+                            continue
+                        tbps = 3 * x.numel() * 2 / (ms * 1e-3) / 1e12
+                        rows_out.append(["rms" if is_rms else "ln", f"{rows}x{cols}", f"bwd ppsm={ppsm}",
+                                         block_m, warps, ms, tbps])
+    print_table("block-size candidates (bf16)", ["op", "shape", "dir", "block_m", "warps", "ms", "TB/s"], rows_out)
+    return rows_out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ceiling = measure_copy_ceiling()
+    print(f"copy ceiling: {ceiling:.2f} TB/s; {environment()}")
+    payload = {"copy_ceiling_tbps": ceiling, "main": [], "sweep": []}
+    if args.tune:
+        payload["tune"] = tune(ceiling)
+    table = []
+    for rows, cols in MAIN_SHAPES:
+        for op in ("rms", "ln", "rms+res", "ln+res"):
+            for backward in (False, True):
+                res = bench_shape(op, rows, cols, torch.bfloat16, backward, ceiling)
+                payload["main"].append({"op": op, "rows": rows, "cols": cols, "dtype": "bfloat16",
+                                        "direction": "bwd" if backward else "fwd", "results": res})
+                for name, v in res.items():
+                    table.append([op, f"{rows}x{cols}", "bwd" if backward else "fwd", name, v["ms"], v["tbps"],
+                                  v["of_ceiling"]])
+    print_table(f"norms, bf16, TB/s (copy ceiling {ceiling:.2f})",
+                ["op", "shape", "dir", "provider", "ms", "TB/s", "of ceiling"], table)
+    if not args.no_sweep:
+        for op in ("rms", "ln"):
+            for cols in SWEEP_WIDTHS:
+                rows = SWEEP_ELEMENTS // cols
+                res = bench_shape(op, rows, cols, torch.bfloat16, False, ceiling)
+                payload["sweep"].append({"op": op, "rows": rows, "cols": cols, "results": res})
+        plot(payload["sweep"], ceiling)
+    path = save("norms_h200", payload)
+    print(f"wrote {path}")
+
+
+def plot(sweep, ceiling):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, op in zip(axes, ("rms", "ln")):
+        entries = [e for e in sweep if e["op"] == op]
+        names = sorted({n for e in entries for n in e["results"]})
+        for name in names:
+            xs = [e["cols"] for e in entries if name in e["results"]]
+            ys = [e["results"][name]["tbps"] for e in entries if name in e["results"]]
+            ax.plot(xs, ys, marker="o", label=name, linewidth=2.5 if name.startswith("flashbridge") else 1.2)
+        ax.axhline(ceiling, color="gray", linestyle="--", label=f"copy ceiling {ceiling:.2f}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("row width (rows x width = 2^27, bf16)")
+        ax.set_title({"rms": "RMSNorm forward", "ln": "LayerNorm forward"}[op])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("TB/s (read + write)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    path = results_dir() / "norms_h200.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

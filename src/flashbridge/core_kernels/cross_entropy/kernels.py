@@ -1,0 +1,134 @@
+"""Fused cross-entropy kernels over the vocabulary (``@triton.jit`` only; launches in plan.py).
+
+Per row ``i`` with logits ``x`` (``V`` columns), label ``y``, smoothing ``eps``, z-loss ``lam``, cap ``c``::
+
+    z    = c * tanh(x / c)                         (HAS_SOFTCAP; else z = x)
+    lse  = log(sum_j exp(z_j))
+    loss = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + lam * lse**2     (0 for ignored rows)
+    dz_j = w_i * (p_j * (1 + 2 * lam * lse) - (1 - eps) * [j == y] - eps / V),  p_j = exp(z_j - lse)
+    dx_j = dz_j * (1 - (z_j / c)**2)               (HAS_SOFTCAP)
+
+A program owns ``BLOCK_N`` rows and walks the vocabulary in ``[BLOCK_N, BLOCK_V]`` tiles. The forward is
+one read of the logits: an online softmax whose running maximum and sum are kept *per lane* (one exp per
+element, no cross-lane reduction inside the loop), merged across lanes once at the end; the label's logit
+is one scalar load. The gradient kernel is one read of the logits and one write of the gradient, given
+the forward's lse and a per-row (or single) weight ``w`` (the upstream gradient, already divided by the
+token count for a mean). A label outside ``[0, V)`` that is not ``ignore_index`` is never dereferenced: its
+row gets a NaN loss and NaN gradients (the front-ends raise a ValueError before launching when the labels
+can be inspected, see plan.py).
+"""
+import triton
+import triton.language as tl
+
+_NEG_BIG = -3.4028234663852886e38  # most negative float32: a lane that has seen nothing yet
+
+
+@triton.jit
+def _tanh(u):
+    # tanh without libdevice (the interpreter has none): odd Taylor series near 0, exp formula elsewhere.
+    a = tl.abs(u)
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
+        -0.05396825396825397 + a2 * (0.021869488536155203 + a2 * -0.008863235529902197)))))
+    r = tl.where(a < 0.25, small, big)
+    return tl.where(u < 0, -r, r)
+
+
+@triton.jit
+def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        x = softcap * _tanh(x / softcap)
+    return x
+
+
+@triton.jit
+def ce_fwd_kernel(
+    LOGITS, LABELS,  # inputs: [n_rows, V] any float dtype, [n_rows] int32/int64
+    n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
+    LOSS, LSE,  # outputs: float32 [n_rows] each
+    V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < n_rows
+    row_base = LOGITS + rows.to(tl.int64) * V  # [BLOCK_N] pointers
+    m = tl.full([BLOCK_N, BLOCK_V], _NEG_BIG, tl.float32)  # per-lane running max
+    s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)  # per-lane sum of exp(z - m)
+    zsum = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = row_ok[:, None] & (cols[None, :] < V)
+        x = tl.load(row_base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = _capped(x, softcap, HAS_SOFTCAP)
+        if HAS_SMOOTH:
+            zsum += tl.where(mask, z, 0.0)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+        e = tl.exp(tl.minimum(m, z) - m_new)  # exp(-|z - m|); 0 for masked lanes
+        s = tl.where(z > m, s * e + 1.0, s + e)
+        m = m_new
+    m_row = tl.max(m, axis=1)  # [BLOCK_N]
+    s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
+    lse = m_row + tl.log(s_row)
+
+    label = tl.load(LABELS + rows, mask=row_ok, other=ignore_index)
+    active = label != ignore_index
+    bad = active & ((label < 0) | (label >= V))
+    x_y = tl.load(row_base + label, mask=row_ok & active & (label >= 0) & (label < V), other=0.0).to(tl.float32)
+    loss = lse - _capped(x_y, softcap, HAS_SOFTCAP)
+    if HAS_SMOOTH:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - tl.sum(zsum, axis=1) / V)
+    if HAS_ZLOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(active, loss, 0.0)
+    loss = tl.where(bad, float("nan"), loss)
+    tl.store(LOSS + rows, loss, mask=row_ok)
+    tl.store(LSE + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def ce_grad_kernel(
+    LOGITS, LABELS, LSE, WEIGHT,  # inputs: [n_rows, V], [n_rows], float32 [n_rows], float32 [n_rows] or [1]
+    n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
+    GRAD,  # output: [n_rows, V], the gradient of sum_i w_i * loss_i with respect to the logits
+    V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW_WEIGHT: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < n_rows
+    offs = rows.to(tl.int64) * V  # [BLOCK_N]
+    label = tl.load(LABELS + rows, mask=row_ok, other=ignore_index)
+    active = label != ignore_index
+    bad = active & ((label < 0) | (label >= V))
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    if PER_ROW_WEIGHT:
+        w = tl.load(WEIGHT + rows, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros([BLOCK_N], dtype=tl.float32) + tl.load(WEIGHT).to(tl.float32)
+    w = tl.where(active, w, 0.0)
+    w = tl.where(bad, float("nan"), w)
+    coef = w
+    if HAS_ZLOSS:
+        coef = w * (1.0 + 2.0 * z_loss * lse)
+    on_label = w
+    off_label = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_SMOOTH:
+        on_label = w * (1.0 - label_smoothing)
+        off_label = w * (label_smoothing / V)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = row_ok[:, None] & (cols[None, :] < V)
+        ptrs = offs[:, None] + cols[None, :]
+        x = tl.load(LOGITS + ptrs, mask=mask, other=0.0).to(tl.float32)
+        z = _capped(x, softcap, HAS_SOFTCAP)
+        p = tl.exp(z - lse[:, None])
+        g = coef[:, None] * p - off_label[:, None]
+        g = tl.where(cols[None, :] == label[:, None], g - on_label[:, None], g)
+        if HAS_SOFTCAP:
+            t = z / softcap
+            g = g * (1.0 - t * t)
+        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=mask)

@@ -1,0 +1,295 @@
+"""Shared ``@triton.jit`` building blocks of the attention kernels (one definition each).
+
+The forward, the backward and the kernels still to come (decode, block-sparse, MLA) are assembled from
+these pieces, so a new iteration strategy (a list of KV blocks instead of a range, a split KV axis) reuses
+the score modifiers and the online-softmax step instead of copying them.
+
+Units: scores are kept in log2 units (``s2 = s * log2(e)``) so the softmax uses ``exp2``; the LSE is stored
+in natural log. Index conventions (bottom-right alignment, as flash-attn 2.1+): with
+``diag = seqlen_k - seqlen_q``, query ``i`` sits on key ``i + diag``; it sees key ``j`` iff
+``-window_left <= j - (i + diag) <= window_right`` (causal: ``window_right = 0``; an unbounded side is
+passed as a huge number by the plan) and ``j < seqlen_k``.
+
+Every score helper is elementwise on 2-D index tensors that are already broadcast (``q_idx`` ``[M, 1]`` and
+``k_idx`` ``[1, N]``, or transposed ``[1, M]`` / ``[N, 1]``), so the dK/dV kernel can work on S^T with the
+same code.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# ------------------------------------------------------------------------------------- sequences, blocks
+
+@triton.jit
+def seq_range(CU, b, max_len, total, IS_VARLEN: tl.constexpr):
+    """Row ``start`` and ``length`` of sequence ``b``: dense sequences start at row 0 of their batch entry
+    (the batch stride does the rest); packed ones at ``CU[b]``. Packed bounds are clamped to
+    ``[0, total]`` and the length to ``max_len`` so that malformed ``cu_seqlens`` never address memory
+    outside the tensors (the front-ends reject them before launch; this is the second line)."""
+    if IS_VARLEN:
+        start = tl.load(CU + b)
+        end = tl.load(CU + b + 1)
+        start = tl.minimum(tl.maximum(start, 0), total)
+        end = tl.minimum(tl.maximum(end, start), total)
+        length = tl.minimum(end - start, max_len)
+    else:
+        start = b * 0
+        length = max_len + b * 0
+    return start, length
+
+
+@triton.jit
+def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
+    """Key blocks (in units of BLOCK_N) seen by the query rows ``[m_start, m_start + BLOCK_M)``.
+
+    Returns ``lo <= full_lo <= full_hi <= hi``: blocks ``[lo, hi)`` hold every visible key, and blocks
+    ``[full_lo, full_hi)`` are visible from every row and inside ``seqlen_k``, so they need no mask. Blocks
+    entirely masked (above the causal diagonal, outside the window) are never visited.
+    """
+    if HAS_LOCAL:
+        diag = seqlen_k - seqlen_q
+        m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+        first_key = tl.maximum(m_start + diag - window_left, 0)
+        end_key = tl.minimum(m_last + diag + window_right + 1, seqlen_k)
+        lo = first_key // BLOCK_N
+        hi = tl.maximum(tl.cdiv(tl.maximum(end_key, 0), BLOCK_N), lo)
+        # Full: the last row's left edge is at or before the block start, the first row's right edge at or
+        # after the block end. Numerators are clamped at 0 because integer division truncates.
+        full_lo = tl.cdiv(tl.maximum(m_last + diag - window_left, 0), BLOCK_N)
+        full_hi = tl.maximum(tl.minimum(m_start + diag + window_right + 1, seqlen_k), 0) // BLOCK_N
+    else:
+        lo = m_start * 0
+        hi = tl.cdiv(seqlen_k, BLOCK_N) + m_start * 0
+        full_lo = lo
+        full_hi = seqlen_k // BLOCK_N + m_start * 0
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
+    """Query blocks (in units of BLOCK_M) that see some key of ``[n_start, n_start + BLOCK_N)``: the dual of
+    :func:`kv_block_range` for kernels that loop over queries. ``[full_lo, full_hi)`` are blocks inside
+    ``seqlen_q`` whose rows all see every key of the block (keys past ``seqlen_k`` are not checked: they only
+    feed rows of dK/dV that are never stored)."""
+    n_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    if HAS_LOCAL:
+        diag = seqlen_k - seqlen_q
+        n_last = n_start + BLOCK_N - 1
+        first_row = tl.maximum(n_start - diag - window_right, 0)
+        end_row = tl.minimum(n_last - diag + window_left + 1, seqlen_q)
+        lo = first_row // BLOCK_M
+        hi = tl.maximum(tl.cdiv(tl.maximum(end_row, 0), BLOCK_M), lo)
+        full_lo = tl.cdiv(tl.maximum(n_last - diag - window_right, 0), BLOCK_M)
+        full_hi = tl.maximum(tl.minimum(n_start - diag + window_left + 1, seqlen_q), 0) // BLOCK_M
+    else:
+        lo = n_start * 0
+        hi = n_blocks + n_start * 0
+        full_lo = lo
+        full_hi = seqlen_q // BLOCK_M + n_start * 0
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a [R, C] tile, masking rows and/or columns only when the caller cannot rule them out (masks
+    cost instructions in the inner loop). ``rows_ok`` [R], ``cols_ok`` [C]; masked elements read 0."""
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+# ---------------------------------------------------------------------------------------- score modifiers
+
+@triton.jit
+def tanh_f32(x):
+    """tanh through exp2 (the interpreter has no libdevice): 1 - 2 / (exp(2x) + 1), exact at +-inf,
+    absolute error ~1e-7 near 0."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def score_scale_softcap(qk, qk_scale, cap2, HAS_SOFTCAP: tl.constexpr):
+    """Raw dot products -> scores in log2 units; also returns the tanh term (the softcap gradient needs it).
+
+    No softcap: ``s2 = qk * qk_scale`` with ``qk_scale = softmax_scale * log2(e)``.
+    Softcap: ``s2 = cap2 * tanh(qk * qk_scale)`` with ``qk_scale = softmax_scale / softcap`` and
+    ``cap2 = softcap * log2(e)`` (see :func:`score_params`)."""
+    if HAS_SOFTCAP:
+        t = tanh_f32(qk * qk_scale)
+        s2 = t * cap2
+    else:
+        t = qk
+        s2 = qk * qk_scale
+    return s2, t
+
+
+@triton.jit
+def score_params(sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(qk_scale, cap2) for :func:`score_scale_softcap` from the runtime softmax scale and softcap. The
+    scalars are rounded to float32 first: jax-triton passes Python floats as float64, torch as float32."""
+    sm_scale = sm_scale.to(tl.float32)
+    if HAS_SOFTCAP:
+        softcap = softcap.to(tl.float32)
+        qk_scale = sm_scale / softcap
+        cap2 = softcap * LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
+        cap2 = sm_scale * 0.0
+    return qk_scale, cap2
+
+
+@triton.jit
+def alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of (batch b, head h) in log2 units (0.0 without ALiBi)."""
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + b.to(tl.int64) * stride_ab + h).to(tl.float32) * LOG2E
+    else:
+        slope2 = 0.0
+    return slope2
+
+
+@triton.jit
+def alibi_bias(s2, q_idx, k_idx, diag, slope2, HAS_ALIBI: tl.constexpr):
+    """``s2 - slope * |i + diag - j|`` (log2 units), computed from indices, never materialised."""
+    if HAS_ALIBI:
+        dist = tl.abs(q_idx + diag - k_idx).to(tl.float32)
+        s2 = s2 - slope2 * dist
+    return s2
+
+
+@triton.jit
+def visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: tl.constexpr):
+    """Bool: query ``q_idx`` sees key ``k_idx`` (bounds, causal, sliding window)."""
+    ok = k_idx < seqlen_k
+    if HAS_LOCAL:
+        rel = k_idx - (q_idx + diag)
+        ok = ok & (rel <= window_right) & (rel >= -window_left)
+    return ok
+
+
+@triton.jit
+def score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+               APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr):
+    """Every score modifier in order: scale, softcap, ALiBi, mask (-inf). Returns (s2, tanh term)."""
+    s2, t = score_scale_softcap(qk, qk_scale, cap2, HAS_SOFTCAP)
+    s2 = alibi_bias(s2, q_idx, k_idx, diag, slope2, HAS_ALIBI)
+    if APPLY_MASK:
+        s2 = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL),
+                      s2, float("-inf"))
+    return s2, t
+
+
+# ---------------------------------------------------------------------------------------- online softmax
+
+@triton.jit
+def softmax_init(SINKS, h, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Running (max, sum) in log2 units. A sink starts the row with its own logit: max = sink, sum = 1,
+    so it joins the denominator and attends to nothing."""
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + h).to(tl.float32) * LOG2E
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink2
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION: tl.constexpr):
+    """Fold one KV block into the running softmax: s2 [M, N] scores (log2 units, -inf = masked), v [N, Dv].
+
+    A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s2 - m_use[:, None])  # [M, N]
+    alpha = tl.exp2(m_i - m_use)  # [M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def softmax_finalize(acc, m_i, l_i):
+    """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf."""
+    seen = l_i > 0.0
+    out = acc * tl.where(seen, 1.0 / l_i, 0.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_i)) * LN2, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs_dqk, offs_dv,
+                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                 DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One KV block of the forward: load K, V rows ``n_start + offs_n``, score, fold into (acc, m_i, l_i).
+
+    ``K_base`` / ``V_base`` point at key row 0 of this (sequence, kv head); ``offs_n`` is ``arange(BLOCK_N)``.
+    Without APPLY_MASK the caller guarantees every key of the block is visible from every row.
+    """
+    offs_k = n_start + offs_n  # [N]
+    k_off = n_start.to(tl.int64) * stride_ks
+    v_off = n_start.to(tl.int64) * stride_vs
+    k = load_tile(K_base + k_off + offs_n[:, None] * stride_ks + offs_dqk[None, :], offs_k < seqlen_k,
+                  offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [N, Dqk]
+    v = load_tile(V_base + v_off + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_k < seqlen_k,
+                  offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
+    s2, _ = score_mods(qk, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag, seqlen_k,
+                       window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+    return online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION)
+
+
+@triton.jit
+def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_dqk, offs_dv,
+                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                 DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for blk in range(blk_lo, blk_hi):
+        acc, m_i, l_i = fwd_kv_block(
+            acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
+            stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+# -------------------------------------------------------------------------------------------- backward
+
+@triton.jit
+def lse_log2(lse):
+    """Stored LSE (natural log) -> log2 units for ``p = exp2(s2 - lse2)``; rows that saw nothing (-inf)
+    become +inf so that their p is exactly 0 (and never -inf - -inf = NaN)."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def score_grad(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
+    """dL/d(q.k) up to the softmax scale: ``p * (dp - delta)``, times ``1 - tanh^2`` with softcap. Shapes
+    broadcast: p, dp, t [M, N] (or transposed) and delta [M, 1] (or [1, M])."""
+    ds = p * (dp - delta)
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds

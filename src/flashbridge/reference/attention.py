@@ -1,0 +1,176 @@
+"""float64 NumPy reference for the FlashAttention family, forward and backward, every option.
+
+Same layouts and arguments as the public ops: q ``(B, Sq, Hq, Dqk)``, k ``(B, Sk, Hkv, Dqk)``, v
+``(B, Sk, Hkv, Dv)``; packed variable length q ``(total_q, Hq, Dqk)`` with ``cu_seqlens_q`` etc. Scores are
+built explicitly, in the order the kernels apply them::
+
+    s = softmax_scale * q @ k^T                          scale
+    s = softcap * tanh(s / softcap)                      softcap > 0
+    s = s - slope * |i + Sk - Sq - j|                    ALiBi (bottom-right aligned, like causal)
+    s = -inf where key j is not visible from query i     causal / window / bounds
+    p = exp(s - lse), lse = log(sum_j exp(s_j) + exp(sink))
+
+A row that sees no key has ``out = 0`` and ``lse = -inf`` (``lse = sink`` when the head has a sink).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _f64(a):
+    return None if a is None else np.asarray(a, dtype=np.float64)
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window_size=(-1, -1)) -> np.ndarray:
+    """``(Sq, Sk)`` bool: query i sees key j iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``.
+
+    ``left``/``right`` of -1 are unbounded; ``causal`` sets ``right = 0`` (bottom-right aligned).
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    i = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    j = np.arange(seqlen_k)[None, :]
+    ok = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _scores(q, k, *, scale, softcap, slopes, causal, window_size):
+    """Scores of one sequence: q (Sq, Hq, D), k (Sk, Hq, D) -> s (Hq, Sq, Sk), tanh term (or None), mask."""
+    sq, sk = q.shape[0], k.shape[0]
+    s = scale * np.einsum("qhd,khd->hqk", q, k)
+    t = None
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if slopes is not None:
+        dist = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
+        s = s - slopes[:, None, None] * dist[None]
+    mask = visible_mask(sq, sk, causal=causal, window_size=window_size)
+    s = np.where(mask[None], s, -np.inf)
+    return s, t, mask
+
+
+def _lse(s, sinks):
+    """Row log-sum-exp over keys (and the sink): s (H, Sq, Sk) -> (H, Sq); -inf for empty rows."""
+    m = np.max(s, axis=-1)
+    if sinks is not None:
+        m = np.maximum(m, sinks[:, None])
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    total = np.sum(np.exp(s - m_safe[..., None]), axis=-1)
+    if sinks is not None:
+        total = total + np.exp(sinks[:, None] - m_safe)
+    with np.errstate(divide="ignore"):
+        return np.where(total > 0, m_safe + np.log(total), -np.inf)
+
+
+def _probs(s, lse):
+    lse_safe = np.where(np.isfinite(lse), lse, np.inf)  # empty rows: p = 0
+    return np.exp(s - lse_safe[..., None])
+
+
+def _expand_kv(a, group):
+    return np.repeat(a, group, axis=1)  # (S, Hkv, D) -> (S, Hq, D), head h uses kv head h // group
+
+
+def _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
+    """Yield (batch index, q slice, k slice) over the sequences of a dense or packed batch."""
+    if cu_seqlens_q is None:
+        for b in range(q.shape[0]):
+            yield b, (b, slice(None)), (b, slice(None))
+    else:
+        cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+        for b in range(len(cq) - 1):
+            yield b, (slice(int(cq[b]), int(cq[b + 1])),), (slice(int(ck[b]), int(ck[b + 1])),)
+
+
+def _slopes_for(alibi_slopes, b):
+    if alibi_slopes is None:
+        return None
+    a = _f64(alibi_slopes)
+    return a if a.ndim == 1 else a[b]
+
+
+def _lse_index(b, sl, varlen):
+    # lse is (B, Hq, Sq) dense, (Hq, total_q) packed
+    return (slice(None), sl[0]) if varlen else (b, slice(None), slice(None))
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
+                    softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                    max_seqlen_k=None):
+    """out = softmax(mods(softmax_scale * q k^T)) v in float64. Returns ``(out, lse)``.
+
+    Shapes as the public op: out ``(B, Sq, Hq, Dv)`` and lse ``(B, Hq, Sq)``, or packed ``(total_q, Hq, Dv)``
+    and ``(Hq, total_q)``. ``max_seqlen_*`` are accepted for signature parity and ignored.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    varlen = cu_seqlens_q is not None
+    hq, hkv = q.shape[-2], k.shape[-2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    sinks = _f64(sinks)
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = np.zeros((hq, q.shape[0]) if varlen else (q.shape[0], hq, q.shape[1]))
+    for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
+        qq, kk, vv = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group)
+        s, _, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
+                          causal=causal, window_size=window_size)
+        row_lse = _lse(s, sinks)  # (H, Sq)
+        p = _probs(s, row_lse)
+        out[qs] = np.einsum("hqk,khd->qhd", p, vv)
+        lse[_lse_index(b, qs, varlen)] = row_lse
+    return out, lse
+
+
+def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                        alibi_slopes=None, softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, dlse=None):
+    """Gradients of :func:`flash_attention` given ``dout`` (shape of out) and optionally ``dlse`` (shape of
+    lse). Returns ``(dq, dk, dv, dsinks)``; dsinks is None without sinks. GQA gradients are summed over each
+    group of query heads sharing a kv head.
+
+    With ``delta_i = sum_d dout_i * out_i - dlse_i``: ``ds = p * (dout v^T - delta)`` (times ``1 - tanh^2``
+    with softcap), ``dq = scale * ds k``, ``dk = scale * ds^T q``, ``dv = p^T dout`` and
+    ``dsink = -sum_i exp(sink - lse_i) * delta_i``.
+    """
+    q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
+    varlen = cu_seqlens_q is not None
+    hq, hkv = q.shape[-2], k.shape[-2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    sinks = _f64(sinks)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsinks = None if sinks is None else np.zeros_like(sinks)
+    for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
+        qq, kk, vv, do = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group), dout[qs]
+        s, t, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
+                          causal=causal, window_size=window_size)
+        row_lse = _lse(s, sinks)
+        p = _probs(s, row_lse)  # (H, Sq, Sk)
+        o = np.einsum("hqk,khd->hqd", p, vv)
+        delta = np.einsum("hqd,qhd->hq", o, do)
+        if dlse is not None:
+            delta = delta - np.where(np.isfinite(row_lse), _f64(dlse)[_lse_index(b, qs, varlen)], 0.0)
+        dp = np.einsum("qhd,khd->hqk", do, vv)
+        ds = p * (dp - delta[..., None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        ds = ds * scale
+        dq[qs] = np.einsum("hqk,khd->qhd", ds, kk)
+        dkk = np.einsum("hqk,qhd->khd", ds, qq)
+        dvv = np.einsum("hqk,qhd->khd", p, do)
+        sk = dkk.shape[0]
+        dk[ks] = dkk.reshape(sk, hkv, group, -1).sum(axis=2)
+        dv[ks] = dvv.reshape(sk, hkv, group, -1).sum(axis=2)
+        if sinks is not None:
+            p_sink = np.exp(sinks[:, None] - np.where(np.isfinite(row_lse), row_lse, np.inf))  # (H, Sq)
+            dsinks -= np.sum(p_sink * delta, axis=1)
+    return dq, dk, dv, dsinks
+
