@@ -164,7 +164,7 @@ def tune(ceiling):
             for block_m in (1, 2, 4, 8):
                 if block_m * cols > 16384:
                     continue
-                for warps in (4, 8, 16, 32):
+                for warps in (4, 8, 16):
                     cfg = NormConfig(block_m=block_m, num_warps=warps)
                     plan = plan_norm_fwd(rows, cols, x_dtype="bfloat16", residual_dtype=None, is_rms=is_rms,
                                          has_weight=True, has_bias=not is_rms, has_post_residual=False,
@@ -177,7 +177,7 @@ def tune(ceiling):
                         continue
                     tbps = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
                     rows_out.append(["rms" if is_rms else "ln", f"{rows}x{cols}", "fwd", block_m, warps, ms, tbps])
-                    for ppsm in (1, 2, 4):
+                    for ppsm in (1, 2):
                         bplan = plan_norm_bwd(rows, cols, dx_dtype="bfloat16", weight_dtype="bfloat16",
                                               bias_dtype=None if is_rms else "bfloat16", is_rms=is_rms,
                                               has_dh=False, dropout_p=0.0, target=target,
