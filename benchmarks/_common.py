@@ -28,13 +28,16 @@ def results_dir() -> Path:
 
 
 def environment() -> dict:
+    """Versions and device. Versions come from package metadata: importing jax_triton here would set
+    TRITON_CACHE_DIR="" for the process (see flashbridge.jax_api._runtime)."""
+    from importlib import metadata
+
     info = {"python": platform.python_version()}
-    for mod in ("torch", "triton", "jax", "jaxlib", "flax", "jax_triton", "liger_kernel", "numpy"):
+    for dist in ("torch", "triton", "jax", "jaxlib", "flax", "jax-triton", "liger-kernel", "numpy"):
         try:
-            m = __import__(mod)
-            info[mod] = getattr(m, "__version__", "?")
-        except Exception:  # not installed, or broken on this machine: record that
-            info[mod] = None
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
     try:
         import torch
         if torch.cuda.is_available():

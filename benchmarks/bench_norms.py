@@ -152,6 +152,10 @@ def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
             for name, ms in results.items()}
 
 
+FWD_CANDIDATES = [(bm, w) for bm in (1, 2, 4, 8) for w in (4, 8, 16)]
+BWD_CANDIDATES = {8192: [(1, 8), (1, 16), (2, 16)], 2048: [(2, 8), (4, 8), (4, 16), (8, 16)]}
+
+
 def tune(ceiling):
     """Time block-size candidates for the plan defaults at the main shapes (forward and backward)."""
     rows_out = []
@@ -159,42 +163,43 @@ def tune(ceiling):
         x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        mean = torch.randn(rows, device="cuda")
+        rstd = torch.rand(rows, device="cuda") + 0.5
         target = target_for(x.device)
         for is_rms in (True, False):
-            for block_m in (1, 2, 4, 8):
+            name = "rms" if is_rms else "ln"
+            for block_m, warps in FWD_CANDIDATES:
                 if block_m * cols > 16384:
                     continue
-                for warps in (4, 8, 16):
-                    cfg = NormConfig(block_m=block_m, num_warps=warps)
-                    plan = plan_norm_fwd(rows, cols, x_dtype="bfloat16", residual_dtype=None, is_rms=is_rms,
-                                         has_weight=True, has_bias=not is_rms, has_post_residual=False,
-                                         dropout_p=0.0, eps=EPS, target=target, config=cfg)
-                    inputs = {"x": x, "weight": w, "bias": b}
-                    try:
-                        ms = time_torch(lambda: execute(plan, inputs))
-                    except Exception as exc:
-                        print(f"config {cfg} failed: {exc}")
-                        continue
-                    tbps = 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
-                    rows_out.append(["rms" if is_rms else "ln", f"{rows}x{cols}", "fwd", block_m, warps, ms, tbps])
-                    for ppsm in (1, 2):
-                        bplan = plan_norm_bwd(rows, cols, dx_dtype="bfloat16", weight_dtype="bfloat16",
-                                              bias_dtype=None if is_rms else "bfloat16", is_rms=is_rms,
-                                              has_dh=False, dropout_p=0.0, target=target,
-                                              config=NormConfig(block_m=block_m, num_warps=warps,
-                                                                bwd_programs_per_sm=ppsm))
-                        mean = torch.zeros(rows, device="cuda")
-                        rstd = torch.ones(rows, device="cuda")
-                        binputs = {"dy": x, "h": x, "weight": w, "mean": mean, "rstd": rstd}
+                cfg = NormConfig(block_m=block_m, num_warps=warps)
+                plan = plan_norm_fwd(rows, cols, x_dtype="bfloat16", residual_dtype=None, is_rms=is_rms,
+                                     has_weight=True, has_bias=not is_rms, has_post_residual=False,
+                                     dropout_p=0.0, eps=EPS, target=target, config=cfg)
+                try:
+                    ms = time_torch(lambda: execute(plan, {"x": x, "weight": w, "bias": b}))
+                except Exception as exc:
+                    print(f"fwd {cfg} failed: {exc}")
+                    continue
+                rows_out.append([name, f"{rows}x{cols}", "fwd", block_m, warps, "-", "-", ms,
+                                 2 * x.numel() * 2 / (ms * 1e-3) / 1e12])
+            for block_m, warps in BWD_CANDIDATES.get(cols, []):
+                for ppsm in (2, 4, 8):
+                    for stages in (1, 3):
+                        cfg = NormConfig(block_m=block_m, num_warps=warps, bwd_programs_per_sm=ppsm,
+                                         bwd_num_stages=stages)
+                        plan = plan_norm_bwd(rows, cols, dx_dtype="bfloat16", weight_dtype="bfloat16",
+                                             bias_dtype=None if is_rms else "bfloat16", is_rms=is_rms,
+                                             has_dh=False, dropout_p=0.0, target=target, config=cfg)
+                        inputs = {"dy": x, "h": x, "weight": w, "mean": mean, "rstd": rstd}
                         try:
-                            ms = time_torch(lambda: execute(bplan, binputs))
+                            ms = time_torch(lambda: execute(plan, inputs))
                         except Exception as exc:
-                            print(f"bwd config {cfg} failed: {exc}")
+                            print(f"bwd {cfg} failed: {exc}")
                             continue
-                        tbps = 3 * x.numel() * 2 / (ms * 1e-3) / 1e12
-                        rows_out.append(["rms" if is_rms else "ln", f"{rows}x{cols}", f"bwd ppsm={ppsm}",
-                                         block_m, warps, ms, tbps])
-    print_table("block-size candidates (bf16)", ["op", "shape", "dir", "block_m", "warps", "ms", "TB/s"], rows_out)
+                        rows_out.append([name, f"{rows}x{cols}", "bwd", block_m, warps, ppsm, stages, ms,
+                                         3 * x.numel() * 2 / (ms * 1e-3) / 1e12])
+    print_table("block-size candidates (bf16)",
+                ["op", "shape", "dir", "block_m", "warps", "progs/SM", "stages", "ms", "TB/s"], rows_out)
     return rows_out
 
 

@@ -76,7 +76,7 @@ def _execute_gpu(plan: Plan, names: tuple[str, ...], *arrays):
             kernel=get_kernel(launch.kernel, False),
             out_shape=[jax.ShapeDtypeStruct(s.shape, jnp_dtype(s.dtype)) for s in specs],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            zeroed_outputs=[i for i, s in enumerate(specs) if s.zero],
+            zeroed_outputs=tuple(i for i, s in enumerate(specs) if s.zero),
             **launch.constexpr_dict())
         env.update(zip(launch.outputs, outs))
     return tuple(env[r] for r in plan.results)

@@ -30,6 +30,7 @@ def _tanh(u):
     t = tl.exp(-2.0 * a)
     big = (1.0 - t) / (1.0 + t)
     a2 = a * a
+    a2 = tl.minimum(a2, 0.0625)  # the series is only used below 0.25; keep it finite elsewhere
     small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
         -0.05396825396825397 + a2 * (0.021869488536155203 + a2 * -0.008863235529902197)))))
     r = tl.where(a < 0.25, small, big)
@@ -72,7 +73,7 @@ def ce_fwd_kernel(
         m = m_new
     m_row = tl.max(m, axis=1)  # [BLOCK_N]
     s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
-    lse = m_row + tl.log(s_row)
+    lse = tl.where(row_ok, m_row + tl.log(tl.where(row_ok, s_row, 1.0)), 0.0)  # rows past n_rows: 0
 
     label = tl.load(LABELS + rows, mask=row_ok, other=ignore_index)
     active = label != ignore_index

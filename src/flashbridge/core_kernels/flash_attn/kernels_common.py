@@ -142,9 +142,9 @@ def score_scale_softcap(qk, qk_scale, cap2, HAS_SOFTCAP: tl.constexpr):
 def score_params(sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """(qk_scale, cap2) for :func:`score_scale_softcap` from the runtime softmax scale and softcap. The
     scalars are rounded to float32 first: jax-triton passes Python floats as float64, torch as float32."""
-    sm_scale = sm_scale.to(tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     if HAS_SOFTCAP:
-        softcap = softcap.to(tl.float32)
+        softcap = tl.cast(softcap, tl.float32)
         qk_scale = sm_scale / softcap
         cap2 = softcap * LOG2E
     else:
@@ -157,7 +157,7 @@ def score_params(sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 def alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI: tl.constexpr):
     """The ALiBi slope of (batch b, head h) in log2 units (0.0 without ALiBi)."""
     if HAS_ALIBI:
-        slope2 = tl.load(SLOPES + b.to(tl.int64) * stride_ab + h).to(tl.float32) * LOG2E
+        slope2 = tl.load(SLOPES + tl.cast(b, tl.int64) * stride_ab + h).to(tl.float32) * LOG2E
     else:
         slope2 = 0.0
     return slope2
@@ -248,8 +248,8 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     Without APPLY_MASK the caller guarantees every key of the block is visible from every row.
     """
     offs_k = n_start + offs_n  # [N]
-    k_off = n_start.to(tl.int64) * stride_ks
-    v_off = n_start.to(tl.int64) * stride_vs
+    k_off = tl.cast(n_start, tl.int64) * stride_ks
+    v_off = tl.cast(n_start, tl.int64) * stride_vs
     k = load_tile(K_base + k_off + offs_n[:, None] * stride_ks + offs_dqk[None, :], offs_k < seqlen_k,
                   offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [N, Dqk]
     v = load_tile(V_base + v_off + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_k < seqlen_k,

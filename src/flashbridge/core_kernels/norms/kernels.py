@@ -42,11 +42,10 @@ def _row_mean_m2(h, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_CHU
     mean = tl.sum(h3, axis=2) / tl.maximum(n, 1.0)
     dev = tl.where(ok3, h3 - mean[:, :, None], 0.0)
     m2 = tl.sum(dev * dev, axis=2)
-    for level in tl.static_range(LOG2_CHUNKS):
-        width: tl.constexpr = NCHUNK >> (level + 1)
-        n_a, n_b = tl.split(tl.reshape(n, (BLOCK_M, width, 2)))
-        mean_a, mean_b = tl.split(tl.reshape(mean, (BLOCK_M, width, 2)))
-        m2_a, m2_b = tl.split(tl.reshape(m2, (BLOCK_M, width, 2)))
+    for _ in tl.static_range(LOG2_CHUNKS):  # halve the number of parts each level
+        n_a, n_b = tl.split(tl.reshape(n, (BLOCK_M, n.shape[1] // 2, 2)))
+        mean_a, mean_b = tl.split(tl.reshape(mean, (BLOCK_M, mean.shape[1] // 2, 2)))
+        m2_a, m2_b = tl.split(tl.reshape(m2, (BLOCK_M, m2.shape[1] // 2, 2)))
         n, mean, m2 = _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
     return tl.reshape(mean, (BLOCK_M,)), tl.reshape(m2, (BLOCK_M,))
 

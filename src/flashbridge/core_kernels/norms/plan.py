@@ -21,6 +21,7 @@ class NormConfig:
         about 8K elements, so narrow rows still keep enough bytes in flight; one row from 8K columns up.
     num_warps: warps per program. Default: about 16 elements per thread, 4 to 16 warps.
     bwd_programs_per_sm: persistent backward programs per SM (each keeps one partial dweight row).
+    bwd_num_stages: software-pipelining depth of the backward's row-tile loop.
     log2_chunks: LayerNorm statistics merge 2**log2_chunks exact per-chunk (count, mean, M2) triples
         with Welford/Chan's parallel formula (capped by the block width).
     """
@@ -28,6 +29,7 @@ class NormConfig:
     block_m: int | None = None
     num_warps: int | None = None
     bwd_programs_per_sm: int = 2
+    bwd_num_stages: int = 1
     log2_chunks: int = 3  # LayerNorm statistics: a row is merged from 2**log2_chunks Welford parts
 
 
@@ -158,7 +160,7 @@ def plan_norm_bwd(
                     ("NUM_PROGRAMS", num_programs), ("IS_RMS", is_rms), ("HAS_W", has_w),
                     ("HAS_B", has_b), ("HAS_DH", has_dh), ("HAS_DROPOUT", has_dropout)),
         num_warps=num_warps,
-        num_stages=1,
+        num_stages=config.bwd_num_stages,
     )]
     results = ["dx"]
     for name, dtype in (("dweight", weight_dtype), ("dbias", bias_dtype)):

@@ -1,0 +1,263 @@
+"""Launch plans and argument rules for the cross-entropy family (pure Python: shapes and options in).
+
+Logits are viewed as ``(n_rows, V)``, C-contiguous (the front-ends copy non-contiguous arrays); labels as
+``(n_rows,)``. Three plans:
+
+* :func:`plan_ce_fwd`: logits, labels -> per-row loss (float32) and lse (float32); one read of the logits.
+* :func:`plan_ce_grad`: logits, labels, lse, weight -> the gradient of ``sum_i w_i * loss_i`` with respect
+  to the logits; one read of the logits, one write of the gradient.
+* :func:`plan_ce_fwd_grad`: both launches back to back (the chunk step of the linear op, which computes
+  its gradients during the forward).
+
+:func:`choose_chunk_size` picks the token chunk of ``linear_cross_entropy``; :func:`check_cross_entropy_args`
+and :func:`check_linear_cross_entropy_args` are the argument rules both front-ends share, so that they
+raise the same errors, before any launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
+
+_KERNELS = "cross_entropy.kernels"
+LABEL_DTYPES = ("int32", "int64")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class CEConfig:
+    """Tile sizes of the cross-entropy kernels. ``None`` picks the default for the target.
+
+    block_v: vocabulary columns per tile (a power of two). Default: 4096 on a GPU (8 KB of bf16 logits
+        per row per step, 16 elements per thread at 8 warps), 2048 in the interpreter.
+    block_n: rows per program. Default: one row on a GPU once a row is at least ``block_v`` wide (the
+        loop over the vocabulary is long enough to keep loads in flight), more rows for narrow
+        vocabularies; in the interpreter, enough rows for ~16K elements per tile (it pays per program).
+    num_warps: default 8 for tiles of 4096+ elements, else 4.
+    """
+
+    block_v: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+
+
+DEFAULT_CONFIG = CEConfig()
+
+
+def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> tuple[int, int, int]:
+    config = config or DEFAULT_CONFIG  # read at call time: tests swap DEFAULT_CONFIG for small tiles
+    if config.block_v is not None:
+        block_v = min(config.block_v, next_power_of_2(vocab))
+    else:
+        block_v = min(next_power_of_2(vocab), 2048 if target.interpret else 4096)
+    if config.block_n is not None:
+        block_n = config.block_n
+    elif target.interpret:
+        block_n = min(next_power_of_2(n_rows), max(1, 16384 // block_v))
+    else:
+        block_n = max(1, min(16, 4096 // block_v))
+    num_warps = config.num_warps or (8 if block_n * block_v >= 4096 else 4)
+    return block_n, block_v, num_warps
+
+
+# ------------------------------------------------------------------------------------------- arguments
+
+def _check_options(ignore_index, label_smoothing, z_loss, logit_softcap, reduction) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index: expected a Python int, got {type(ignore_index).__name__}")
+    if not -2**63 <= int(ignore_index) < 2**63:
+        raise ValueError(f"ignore_index: must fit in int64, got {ignore_index}")
+    for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss),
+                        ("logit_softcap", logit_softcap)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
+    if not 0.0 <= float(label_smoothing) < 1.0:
+        raise ValueError(f"label_smoothing: must be in [0, 1), got {label_smoothing}")
+    if not (float(z_loss) >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"z_loss: must be a finite number >= 0 (0 turns it off), got {z_loss}")
+    if not (float(logit_softcap) >= 0.0 and math.isfinite(logit_softcap)):
+        raise ValueError(f"logit_softcap: must be a finite number >= 0 (0 turns it off), got {logit_softcap}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+
+
+def _check_labels(labels, lead: tuple[int, ...], what: str) -> None:
+    shape, dtype = labels
+    if dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels: dtype {dtype} is not supported; use int32 or int64 class indices")
+    if tuple(shape) != tuple(lead):
+        raise ValueError(f"labels: expected shape {tuple(lead)} (the leading dimensions of {what}), "
+                         f"got {tuple(shape)}")
+
+
+def check_cross_entropy_args(
+    *, logits: tuple[tuple[int, ...], str], labels: tuple[tuple[int, ...], str], ignore_index=-100,
+    label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, reduction="mean",
+) -> tuple[int, int]:
+    """Validate a ``cross_entropy`` call from (shape, dtype-name) pairs; returns ``(n_rows, V)``."""
+    shape, dtype = logits
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    if len(shape) < 1:
+        raise ValueError("logits: expected (..., V), got a scalar")
+    vocab = shape[-1]
+    n_rows = math.prod(shape[:-1])
+    if vocab < 1 or n_rows < 1:
+        raise ValueError(f"logits: empty array of shape {tuple(shape)}; need at least one row and one class")
+    _check_labels(labels, tuple(shape[:-1]), "logits")
+    _check_options(ignore_index, label_smoothing, z_loss, logit_softcap, reduction)
+    return n_rows, vocab
+
+
+def check_linear_cross_entropy_args(
+    *, hidden: tuple[tuple[int, ...], str], weight: tuple[tuple[int, ...], str],
+    labels: tuple[tuple[int, ...], str], bias: tuple[tuple[int, ...], str] | None = None,
+    ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, reduction="mean",
+    chunk_size=None, weight_transposed: bool = False,
+) -> tuple[int, int, int]:
+    """Validate a ``linear_cross_entropy`` call from (shape, dtype-name) pairs; returns ``(N, H, V)``.
+
+    ``weight`` is ``(V, H)``, or ``(H, V)`` with ``weight_transposed`` (a Flax ``nnx.Linear`` kernel).
+    """
+    h_shape, h_dtype = hidden
+    w_shape, w_dtype = weight
+    if h_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"hidden: dtype {h_dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    if w_dtype != h_dtype:
+        raise TypeError(f"weight: dtype {w_dtype} must match hidden's dtype {h_dtype}")
+    if len(h_shape) < 1:
+        raise ValueError("hidden: expected (..., H), got a scalar")
+    if len(w_shape) != 2:
+        raise ValueError(f"weight: expected a 2-D {'(H, V)' if weight_transposed else '(V, H)'} matrix, "
+                         f"got shape {tuple(w_shape)}")
+    vocab, h_w = (w_shape[1], w_shape[0]) if weight_transposed else (w_shape[0], w_shape[1])
+    h = h_shape[-1]
+    if h_w != h:
+        raise ValueError(f"weight: hidden size {h_w} of weight {tuple(w_shape)} does not match the last "
+                         f"dimension of hidden {tuple(h_shape)}")
+    n_rows = math.prod(h_shape[:-1])
+    if n_rows < 1 or h < 1 or vocab < 1:
+        raise ValueError(f"hidden / weight: empty shapes {tuple(h_shape)} / {tuple(w_shape)}; need at least "
+                         "one token, one hidden unit and one class")
+    _check_labels(labels, tuple(h_shape[:-1]), "hidden")
+    if bias is not None:
+        if tuple(bias[0]) != (vocab,):
+            raise ValueError(f"bias: expected shape ({vocab},), got {tuple(bias[0])}")
+        if bias[1] != h_dtype:
+            raise TypeError(f"bias: dtype {bias[1]} must match hidden's dtype {h_dtype}")
+    _check_options(ignore_index, label_smoothing, z_loss, logit_softcap, reduction)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
+    return n_rows, h, vocab
+
+
+def bad_label_message(bad_count: int, example: int, vocab: int, ignore_index: int) -> str:
+    return (f"labels: {bad_count} label(s) outside [0, {vocab}) that are not ignore_index={ignore_index}, "
+            f"e.g. {example}")
+
+
+# --------------------------------------------------------------------------------------------- chunking
+
+CHUNK_FLOOR_BYTES = 256 * 2**20  # never plan chunks smaller than this (GEMMs of a few rows are slow)
+
+
+def choose_chunk_size(n_rows: int, hidden: int, vocab: int, dtype: str, *,
+                      free_bytes: int | None = None) -> int:
+    """Tokens per chunk of ``linear_cross_entropy``.
+
+    A chunk holds its logits and their gradient, ``2 * chunk * V`` elements. The budget for them is the
+    size of the weight (at least 256 MiB) and at most a quarter of the free device memory, so the op's peak
+    extra memory is about the returned gradients plus one more weight. Chunks are balanced (the last is not
+    a sliver) and a multiple of 64 tokens when there is more than one.
+    """
+    itemsize = DTYPE_BYTES[dtype]
+    budget = max(vocab * hidden * itemsize, CHUNK_FLOOR_BYTES)
+    if free_bytes is not None:
+        budget = min(budget, max(free_bytes // 4, 1))
+    per_row = 2 * vocab * itemsize
+    rows = max(1, budget // per_row)
+    if rows >= n_rows:
+        return n_rows
+    if rows >= 64:
+        rows -= rows % 64
+    n_chunks = cdiv(n_rows, rows)
+    chunk = cdiv(n_rows, n_chunks)
+    if rows >= 64:
+        chunk = min(rows, cdiv(chunk, 64) * 64)
+    return chunk
+
+
+def chunk_bounds(n_rows: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, n_rows)) for s in range(0, n_rows, chunk)]
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+def _options(ignore_index, label_smoothing, z_loss, softcap):
+    scalars = (("ignore_index", int(ignore_index)), ("label_smoothing", float(label_smoothing)),
+               ("z_loss", float(z_loss)), ("softcap", float(softcap)))
+    flags = (("HAS_SMOOTH", label_smoothing > 0), ("HAS_ZLOSS", z_loss > 0), ("HAS_SOFTCAP", softcap > 0))
+    return scalars, flags
+
+
+def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
+    block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
+    scalars, flags = _options(*options)
+    return Launch(
+        kernel=f"{_KERNELS}:ce_fwd_kernel", grid=(cdiv(n_rows, block_n),), inputs=(logits, "labels"),
+        scalars=(("n_rows", n_rows),) + scalars, outputs=("loss", "lse"),
+        constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags,
+        num_warps=num_warps, num_stages=1)
+
+
+def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config) -> Launch:
+    block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
+    scalars, flags = _options(*options)
+    return Launch(
+        kernel=f"{_KERNELS}:ce_grad_kernel", grid=(cdiv(n_rows, block_n),),
+        inputs=(logits, "labels", "lse", "weight"), scalars=(("n_rows", n_rows),) + scalars,
+        outputs=("grad",),
+        constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
+                    ("PER_ROW_WEIGHT", per_row_weight)) + flags,
+        num_warps=num_warps, num_stages=1)
+
+
+def plan_ce_fwd(n_rows: int, vocab: int, *, ignore_index: int, label_smoothing: float, z_loss: float,
+                logit_softcap: float, target: Target, config: CEConfig | None = None) -> Plan:
+    """Plan inputs: logits ``(n_rows, V)``, labels ``(n_rows,)``. Results: loss, lse (float32 ``(n_rows,)``)."""
+    options = (ignore_index, label_smoothing, z_loss, logit_softcap)
+    return Plan(inputs=("logits", "labels"),
+                buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32")),
+                launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),),
+                results=("loss", "lse"))
+
+
+def plan_ce_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
+                 label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
+                 config: CEConfig | None = None) -> Plan:
+    """Plan inputs: logits, labels, lse (float32 ``(n_rows,)``), weight (float32, ``(n_rows,)`` when
+    ``per_row_weight`` else ``(1,)``). Result: grad ``(n_rows, V)`` in ``grad_dtype``."""
+    assert grad_dtype in FLOAT_DTYPES
+    options = (ignore_index, label_smoothing, z_loss, logit_softcap)
+    return Plan(inputs=("logits", "labels", "lse", "weight"),
+                buffers=(Spec("grad", (n_rows, vocab), grad_dtype),),
+                launches=(_grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config),),
+                results=("grad",))
+
+
+def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
+                     label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
+                     config: CEConfig | None = None) -> Plan:
+    """Plan inputs: logits, labels, weight. Results: loss, lse (float32 ``(n_rows,)``) and grad
+    ``(n_rows, V)``: the forward and the gradient in one plan (two launches, the logits read twice)."""
+    assert grad_dtype in FLOAT_DTYPES
+    options = (ignore_index, label_smoothing, z_loss, logit_softcap)
+    return Plan(inputs=("logits", "labels", "weight"),
+                buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32"),
+                         Spec("grad", (n_rows, vocab), grad_dtype)),
+                launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),
+                          _grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config)),
+                results=("loss", "lse", "grad"))

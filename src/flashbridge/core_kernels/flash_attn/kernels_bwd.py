@@ -1,0 +1,278 @@
+"""FlashAttention backward kernels (``@triton.jit`` only; launches in plan.py).
+
+The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s - lse)`` blockwise:
+
+1. ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dout * out) - dlse`` (same layout as lse).
+2. ``attn_bwd_dkdv_kernel``: one program per (key block, kv head, sequence) loops over the query heads of
+   its GQA group and over the query blocks that see its keys, accumulating dK and dV in registers:
+   ``dv += p^T dout``, ``dk += ds^T q`` with ``ds = p * (dout v^T - delta)``. Each dK/dV element is written
+   by exactly one program and summed in a fixed order: deterministic, no atomics, no GQA reduction pass.
+3. ``attn_bwd_dq_kernel``: one program per (query block, query head, sequence) loops over key blocks:
+   ``dq += ds k``.
+4. ``attn_bwd_sink_kernel`` (with sinks): ``dsink_h = -sum_i exp(sink_h - lse_i) * delta_i``, one program
+   per head summing its rows in a fixed order; also writes the per-sequence partial sums.
+
+Both main kernels walk their loop axis in the same three segments as the forward (masked, full, masked).
+"""
+import triton
+import triton.language as tl
+
+from .kernels_common import (LOG2E, alibi_slope2, kv_block_range, load_tile, lse_log2, q_block_range,
+                             score_grad, score_mods, score_params, seq_range)
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    OUT, DO, DLSE, CU_Q,  # inputs
+    seqlen_q, total_q, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # runtime scalars
+    DELTA,  # output, float32, lse layout
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+    m_start = pid_m * BLOCK_M
+    if m_start >= len_q:
+        return
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    row_ok = m_start + offs_r < len_q
+    row0 = tl.cast(q_start + m_start, tl.int64)
+    o = load_tile(OUT + tl.cast(b, tl.int64) * stride_ob + row0 * stride_os + h * stride_oh
+                  + offs_r[:, None] * stride_os + offs_d[None, :], row_ok, offs_d < DV, True, BLOCK_DV != DV)
+    do = load_tile(DO + tl.cast(b, tl.int64) * stride_dob + row0 * stride_dos + h * stride_doh
+                   + offs_r[:, None] * stride_dos + offs_d[None, :], row_ok, offs_d < DV, True, BLOCK_DV != DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [M]
+    l_ptrs = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start + m_start + offs_r
+    if HAS_DLSE:
+        # d lse_i / d s_ij = p_ij: a gradient arriving at lse folds into delta.
+        delta -= tl.load(DLSE + l_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + l_ptrs, delta, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_q_range(
+    dk, dv, k, v, Q_base, DO_base, L_base, D_base, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
+    stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV [N, D] of one key block over query blocks ``[blk_lo, blk_hi)`` of one head,
+    working on S^T [N, M] so that both products come out in key-major order without a transpose of p."""
+    offs_r = tl.arange(0, BLOCK_M)
+    for blk in range(blk_lo, blk_hi):
+        m_start = blk * BLOCK_M
+        offs_m = m_start + offs_r
+        row_ok = offs_m < len_q
+        q = load_tile(Q_base + tl.cast(m_start, tl.int64) * stride_qs + offs_r[:, None] * stride_qs
+                      + offs_dqk[None, :], row_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [M, Dqk]
+        do = load_tile(DO_base + tl.cast(m_start, tl.int64) * stride_dos + offs_r[:, None] * stride_dos
+                       + offs_dv[None, :], row_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [M, Dv]
+        if APPLY_MASK:
+            # Rows past the sequence read lse = -inf (-> p = 0) and delta = 0: they add nothing.
+            lse = tl.load(L_base + offs_m, mask=row_ok, other=float("-inf"))
+            delta = tl.load(D_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            lse = tl.load(L_base + offs_m)
+            delta = tl.load(D_base + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+        s2_t, t_t = score_mods(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, cap2, slope2, diag, len_k,
+                               window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        p_t = tl.exp2(s2_t - lse_log2(lse)[None, :])  # [N, M]
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+        ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,  # runtime scalars
+    DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    kh = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+    n_start = pid_n * BLOCK_N
+    if n_start >= len_k:
+        return
+
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_n = n_start + offs_c  # [N] key index within the sequence
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_n < len_k
+    row0 = tl.cast(k_start + n_start, tl.int64)
+    k = load_tile(K + tl.cast(b, tl.int64) * stride_kb + row0 * stride_ks + kh * stride_kh
+                  + offs_c[:, None] * stride_ks + offs_dqk[None, :], key_ok, offs_dqk < DQK, True,
+                  BLOCK_DQK != DQK)  # [N, Dqk]
+    v = load_tile(V + tl.cast(b, tl.int64) * stride_vb + row0 * stride_vs + kh * stride_vh
+                  + offs_c[:, None] * stride_vs + offs_dv[None, :], key_ok, offs_dv < DV, True,
+                  BLOCK_DV != DV)  # [N, Dv]
+
+    qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
+    diag = len_k - len_q
+    lo, full_lo, full_hi, hi = q_block_range(n_start, len_q, len_k, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LOCAL)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
+    for g in range(GROUP):
+        h = kh * GROUP + g
+        slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
+        Q_base = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs + h * stride_qh
+        DO_base = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos + h * stride_doh
+        l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, lo, full_lo,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_lo, full_hi,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_hi, hi,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    dk = dk * tl.cast(sm_scale, tl.float32)
+
+    dk_ptrs = (DK + tl.cast(b, tl.int64) * stride_dkb + row0 * stride_dks + kh * stride_dkh
+               + offs_c[:, None] * stride_dks + offs_dqk[None, :])
+    dv_ptrs = (DV_OUT + tl.cast(b, tl.int64) * stride_dvb + row0 * stride_dvs + kh * stride_dvh
+               + offs_c[:, None] * stride_dvs + offs_dv[None, :])
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & (offs_dqk < DQK)[None, :])
+    tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=key_ok[:, None] & (offs_dv < DV)[None, :])
+
+
+@triton.jit
+def _dq_kv_range(
+    dq, q, do, lse2, delta, K_base, V_base, blk_lo, blk_hi, offs_m, offs_dqk, offs_dv,
+    stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``."""
+    offs_c = tl.arange(0, BLOCK_N)
+    for blk in range(blk_lo, blk_hi):
+        n_start = blk * BLOCK_N
+        offs_n = n_start + offs_c
+        key_ok = offs_n < len_k
+        k = load_tile(K_base + tl.cast(n_start, tl.int64) * stride_ks + offs_c[:, None] * stride_ks
+                      + offs_dqk[None, :], key_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [N, Dqk]
+        v = load_tile(V_base + tl.cast(n_start, tl.int64) * stride_vs + offs_c[:, None] * stride_vs
+                      + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+        s2, t = score_mods(qk, offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag, len_k,
+                           window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+        ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
+    DQ,  # output: dq in q's layout and dtype
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first, as in the forward
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kh = h // GROUP
+    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+    m_start = pid_m * BLOCK_M
+    if m_start >= len_q:
+        return
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m_start + offs_r
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    row0 = tl.cast(q_start + m_start, tl.int64)
+    q = load_tile(Q + tl.cast(b, tl.int64) * stride_qb + row0 * stride_qs + h * stride_qh
+                  + offs_r[:, None] * stride_qs + offs_dqk[None, :], row_ok, offs_dqk < DQK, True,
+                  BLOCK_DQK != DQK)
+    do = load_tile(DO + tl.cast(b, tl.int64) * stride_dob + row0 * stride_dos + h * stride_doh
+                   + offs_r[:, None] * stride_dos + offs_dv[None, :], row_ok, offs_dv < DV, True,
+                   BLOCK_DV != DV)
+    l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+    lse2 = lse_log2(tl.load(LSE + l_off + offs_m, mask=row_ok, other=float("-inf")))
+    delta = tl.load(DELTA + l_off + offs_m, mask=row_ok, other=0.0)
+    K_base = K + tl.cast(b, tl.int64) * stride_kb + tl.cast(k_start, tl.int64) * stride_ks + kh * stride_kh
+    V_base = V + tl.cast(b, tl.int64) * stride_vb + tl.cast(k_start, tl.int64) * stride_vs + kh * stride_vh
+
+    qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
+    slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
+    diag = len_k - len_q
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LOCAL)
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
+                      stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+                      DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                      DOT_PRECISION)
+    dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
+                      stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+                      DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                      DOT_PRECISION)
+    dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
+                      stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+                      DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                      DOT_PRECISION)
+    dq = dq * tl.cast(sm_scale, tl.float32)
+    dq_ptrs = (DQ + tl.cast(b, tl.int64) * stride_dqb + row0 * stride_dqs + h * stride_dqh
+               + offs_r[:, None] * stride_dqs + offs_dqk[None, :])
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk < DQK)[None, :])
+
+
+@triton.jit
+def attn_bwd_sink_kernel(
+    LSE, DELTA, SINKS, CU_Q,  # inputs
+    n_seqs, seqlen_q, total_q, stride_lb, stride_lh,  # runtime scalars
+    DSINK_PART, DSINK,  # outputs: per-sequence partials [n_seqs, HQ] float32, the total [HQ]
+    HQ: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    h = tl.program_id(0)
+    sink2 = tl.load(SINKS + h).to(tl.float32) * LOG2E
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(n_seqs):
+        q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+        l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, len_q, BLOCK):
+            ok = start + offs < len_q
+            # With a sink the lse is always finite; padding reads +inf -> weight 0.
+            lse = tl.load(LSE + l_off + start + offs, mask=ok, other=float("inf"))
+            delta = tl.load(DELTA + l_off + start + offs, mask=ok, other=0.0)
+            acc += tl.exp2(sink2 - lse * LOG2E) * delta
+        part = -tl.sum(acc, 0)
+        tl.store(DSINK_PART + b * HQ + h, part)
+        total += tl.where(offs == 0, part, 0.0)
+    tl.store(DSINK + h, tl.sum(total, 0).to(DSINK.dtype.element_ty))

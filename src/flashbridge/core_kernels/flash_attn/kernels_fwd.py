@@ -1,0 +1,81 @@
+"""FlashAttention forward kernel (``@triton.jit`` only; launches in plan.py).
+
+``out = softmax(mods(softmax_scale * q k^T)) v`` and ``lse = log(sum exp(...))`` for one block of
+``BLOCK_M`` query rows of one (sequence, query head) per program. The KV axis is walked in three segments
+(see :func:`kv_block_range`): masked blocks before the fully visible ones, the fully visible blocks
+without any mask arithmetic, masked blocks after (the causal diagonal, a ragged tail). Grid:
+``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``; GQA maps query head h to kv head ``h // GROUP``.
+"""
+import triton
+import triton.language as tl
+
+from .kernels_common import (alibi_slope2, fwd_kv_range, kv_block_range, load_tile, score_params,
+                             seq_range, softmax_finalize, softmax_init)
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, SLOPES, SINKS, CU_Q, CU_K,  # inputs (unused ones are placeholders, see the HAS_* flags)
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,  # runtime scalars
+    O, LSE,  # outputs: out [.., Hq, DV] in q's dtype, lse float32
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Heaviest causal blocks (the last rows) first, so the tail of the grid is made of short programs.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kh = h // GROUP
+    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+    m_start = pid_m * BLOCK_M
+    if m_start >= len_q:
+        return
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)  # [M] query index within the sequence
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+
+    # 64-bit bases: batch * stride and row * stride overflow int32 on long packed batches.
+    q_base = tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start + m_start, tl.int64) * stride_qs + h * stride_qh
+    q = load_tile(Q + q_base + offs_r[:, None] * stride_qs + offs_dqk[None, :], row_ok, offs_dqk < DQK,
+                  True, BLOCK_DQK != DQK)  # [M, Dqk]
+    K_base = K + tl.cast(b, tl.int64) * stride_kb + tl.cast(k_start, tl.int64) * stride_ks + kh * stride_kh
+    V_base = V + tl.cast(b, tl.int64) * stride_vb + tl.cast(k_start, tl.int64) * stride_vs + kh * stride_vh
+
+    qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
+    slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
+    diag = len_k - len_q
+    m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LOCAL)
+    acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
+                                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
+                                 window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL,
+                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk,
+                                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
+                                 window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False,
+                                 HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
+                                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
+                                 window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL,
+                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    out, lse = softmax_finalize(acc, m_i, l_i)
+
+    o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh
+    o_ptrs = O + o_base + offs_r[:, None] * stride_os + offs_dv[None, :]
+    if BLOCK_DV != DV:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    l_base = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+    tl.store(LSE + l_base + offs_m, lse, mask=row_ok)

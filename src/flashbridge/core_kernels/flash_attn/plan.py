@@ -1,0 +1,459 @@
+"""Launch plans and argument checks for the FlashAttention family (pure Python: shapes and options in, a
+Plan out).
+
+Layouts: dense q ``(B, Sq, Hq, Dqk)``, k ``(B, Sk, Hkv, Dqk)``, v ``(B, Sk, Hkv, Dv)``, out ``(B, Sq, Hq, Dv)``,
+lse float32 ``(B, Hq, Sq)``; packed (variable length) q ``(total_q, Hq, Dqk)`` etc. with int32
+``cu_seqlens_*`` ``(n_seqs + 1,)`` and static ``max_seqlen_*``, lse ``(Hq, total_q)``. Kernels address q, k,
+v and dout through (batch, row, head) element strides, so a front-end may pass strided views as long as
+the last dimension is contiguous; outputs are allocated contiguous.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
+
+MAX_HEAD_DIM = 256
+_FWD = "flash_attn.kernels_fwd"
+_BWD = "flash_attn.kernels_bwd"
+# An unbounded window side, small enough that index arithmetic with it cannot overflow int32.
+_UNBOUNDED = 1 << 30
+
+TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Block sizes and launch parameters. ``None`` picks the default for the target and head dim.
+
+    Forward (one program per ``block_m`` query rows, looping over keys ``block_n`` at a time):
+        GPU defaults (Hopper): head dim <= 64: 128 x 64, 4 warps, 3 stages; <= 128: 128 x 64, 8 warps,
+        3 stages; <= 256: 64 x 64, 4 warps, 2 stages (the fp32 accumulator of a 128-row tile of width 256
+        does not fit in registers next to the operands).
+    Backward dK/dV kernel (one program per ``dkdv_block_n`` keys, looping over ``dkdv_block_m`` queries) and
+    dQ kernel (one program per ``dq_block_m`` queries, looping over ``dq_block_n`` keys):
+        GPU defaults: head dim <= 128: dK/dV 64 x 128, dQ 128 x 64, 8 warps, 2 stages; <= 256: dK/dV
+        32 x 64, dQ 64 x 32, 8 warps, 1 stage.
+    The interpreter (CPU) pays per program and per operation, not per element: it takes 64 x 64 tiles
+    everywhere and no pipelining. Every block size must be a power of two >= 16 (``tl.dot``'s minimum).
+    """
+
+    block_m: Optional[int] = None
+    block_n: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    dkdv_block_m: Optional[int] = None
+    dkdv_block_n: Optional[int] = None
+    dq_block_m: Optional[int] = None
+    dq_block_n: Optional[int] = None
+    bwd_num_warps: Optional[int] = None
+    bwd_num_stages: Optional[int] = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith(("block", "dkdv", "dq")) and value is not None:
+                if value < 16 or value & (value - 1):
+                    raise ValueError(f"AttentionConfig.{f.name}: must be a power of two >= 16, got {value}")
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    """What the kernels need to know about a validated call. Packed: ``batch`` is the number of sequences,
+    ``seqlen_*`` the static maxima, ``total_*`` the packed row counts; dense: ``total = batch * seqlen``."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    total_q: int
+    total_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: str
+    varlen: bool
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.total_q, self.heads_q, self.head_dim_v)
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.heads_q, self.total_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
+
+    def q_shape(self) -> tuple[int, ...]:
+        return self._shape(self.total_q, self.seqlen_q, self.heads_q, self.head_dim_qk)
+
+    def k_shape(self) -> tuple[int, ...]:
+        return self._shape(self.total_k, self.seqlen_k, self.heads_kv, self.head_dim_qk)
+
+    def v_shape(self) -> tuple[int, ...]:
+        return self._shape(self.total_k, self.seqlen_k, self.heads_kv, self.head_dim_v)
+
+    def _shape(self, total, seqlen, heads, dim):
+        return (total, heads, dim) if self.varlen else (self.batch, seqlen, heads, dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnOptions:
+    """Normalised scalar options (see :func:`check_attention_args`)."""
+
+    softmax_scale: float
+    causal: bool
+    window_left: int  # -1 = unbounded
+    window_right: int  # -1 = unbounded; 0 when causal
+    softcap: float
+    has_alibi: bool
+    alibi_batched: bool  # slopes (B, Hq) rather than (Hq,)
+    has_sinks: bool
+
+    @property
+    def has_local(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+def _fmt(shape) -> str:
+    return str(tuple(shape))
+
+
+def _check_float(name: str, info: TensorInfo) -> None:
+    if info[1] not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {info[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+
+
+def check_attention_args(
+    *, q: TensorInfo, k: TensorInfo, v: TensorInfo, alibi_slopes: Optional[TensorInfo] = None,
+    sinks: Optional[TensorInfo] = None, cu_seqlens_q: Optional[TensorInfo] = None,
+    cu_seqlens_k: Optional[TensorInfo] = None, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+    softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+) -> tuple[AttnShape, AttnOptions]:
+    """Validate a flash_attention call from (shape, dtype-name) pairs, before any launch; shared by both
+    front-ends so that both raise the same ``ValueError`` / ``TypeError`` naming the argument.
+
+    Values inside ``cu_seqlens_*`` are checked separately by :func:`check_cu_seqlens_values` (the front-ends
+    call it when the values are on the host and not traced).
+    """
+    for name, info in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, info)
+    if k[1] != q[1] or v[1] != q[1]:
+        raise TypeError(f"q, k, v: must share one dtype, got q {q[1]}, k {k[1]}, v {v[1]}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    ndim = 3 if varlen else 4
+    layout = "(total, heads, head_dim) with cu_seqlens" if varlen else "(batch, seqlen, heads, head_dim)"
+    for name, info in (("q", q), ("k", k), ("v", v)):
+        if len(info[0]) != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions {layout}, got shape {_fmt(info[0])}")
+        if any(d < 1 for d in info[0]):
+            raise ValueError(f"{name}: empty tensor of shape {_fmt(info[0])}; every dimension must be >= 1")
+    qs, ks, vs = tuple(q[0]), tuple(k[0]), tuple(v[0])
+    if not varlen:
+        if not (qs[0] == ks[0] == vs[0]):
+            raise ValueError(f"q, k, v: batch sizes differ: q {_fmt(qs)}, k {_fmt(ks)}, v {_fmt(vs)}")
+    if ks[:-1] != vs[:-1]:
+        raise ValueError(f"k, v: must agree in every dimension but the last (key length and heads), got "
+                         f"k {_fmt(ks)} and v {_fmt(vs)}")
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"q, k: head dims differ: q {_fmt(qs)} (Dqk={qs[-1]}), k {_fmt(ks)} (Dqk={ks[-1]})")
+    hq, hkv = qs[-2], ks[-2]
+    if hq % hkv:
+        raise ValueError(f"q, k: the number of query heads ({hq}) must be a multiple of the number of "
+                         f"key/value heads ({hkv}) for grouped-query attention")
+    for name, dim in (("q", qs[-1]), ("v", vs[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim {dim} is not supported; the kernels handle 1..{MAX_HEAD_DIM} "
+                             "(a tile must fit in registers and shared memory)")
+
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: give both (packed variable length) or neither")
+        for name, info in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if info[1] != "int32":
+                raise TypeError(f"{name}: must be int32, got {info[1]}")
+            if len(info[0]) != 1 or info[0][0] < 2:
+                raise ValueError(f"{name}: expected shape (n_seqs + 1,) with n_seqs >= 1, got {_fmt(info[0])}")
+        if cu_seqlens_q[0] != cu_seqlens_k[0]:
+            raise ValueError(f"cu_seqlens_q, cu_seqlens_k: must have the same length (one entry per sequence "
+                             f"+ 1), got {cu_seqlens_q[0][0]} and {cu_seqlens_k[0][0]}")
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is None:
+                raise ValueError(f"{name}: required with cu_seqlens (a static bound on the sequence lengths)")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a Python int >= 1, got {value!r}")
+        batch = cu_seqlens_q[0][0] - 1
+        shape = AttnShape(batch, max_seqlen_q, max_seqlen_k, qs[0], ks[0], hq, hkv, qs[-1], vs[-1], q[1], True)
+    else:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{name}: only meaningful with cu_seqlens_q / cu_seqlens_k (packed inputs); "
+                                 f"got {value!r} for dense inputs")
+        shape = AttnShape(qs[0], qs[1], ks[1], qs[0] * qs[1], ks[0] * ks[1], hq, hkv, qs[-1], vs[-1], q[1],
+                          False)
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(qs[-1])
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
+
+    alibi_batched = False
+    if alibi_slopes is not None:
+        _check_float("alibi_slopes", alibi_slopes)
+        ashape = tuple(alibi_slopes[0])
+        if ashape == (shape.batch, hq):
+            alibi_batched = True
+        elif ashape != (hq,):
+            raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({shape.batch}, {hq}) (heads, or batch x "
+                             f"heads), got {_fmt(ashape)}")
+    if sinks is not None:
+        _check_float("sinks", sinks)
+        if tuple(sinks[0]) != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {_fmt(sinks[0])}")
+
+    options = AttnOptions(
+        softmax_scale=scale, causal=causal, window_left=left, window_right=0 if causal else right,
+        softcap=float(softcap), has_alibi=alibi_slopes is not None, alibi_batched=alibi_batched,
+        has_sinks=sinks is not None)
+    return shape, options
+
+
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, shape: AttnShape) -> None:
+    """Values of packed-sequence offsets (host integer sequences): start at 0, non-decreasing, end at the
+    packed length, no sequence longer than ``max_seqlen_*``."""
+    for name, cu, total, max_len, mname in (
+            ("cu_seqlens_q", cu_seqlens_q, shape.total_q, shape.seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", cu_seqlens_k, shape.total_k, shape.seqlen_k, "max_seqlen_k")):
+        values = [int(x) for x in cu]
+        if values[0] != 0:
+            raise ValueError(f"{name}: must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if min(lengths) < 0:
+            raise ValueError(f"{name}: must be non-decreasing, got {values}")
+        if values[-1] != total:
+            raise ValueError(f"{name}: the last offset ({values[-1]}) must equal the packed length ({total})")
+        if max(lengths) > max_len:
+            raise ValueError(f"{mname}: {max_len} is smaller than the longest sequence ({max(lengths)})")
+
+
+# ------------------------------------------------------------------------------------------------- plans
+
+def _pad(d: int) -> int:
+    return max(16, next_power_of_2(d))
+
+
+def _fwd_tile(shape: AttnShape, target: Target, config: AttentionConfig) -> tuple[int, int, int, int]:
+    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
+    if target.interpret:
+        bm, bn, warps, stages = 64, 64, 4, 1
+    elif d <= 64:
+        bm, bn, warps, stages = 128, 64, 4, 3
+    elif d <= 128:
+        bm, bn, warps, stages = 128, 64, 8, 3
+    else:
+        bm, bn, warps, stages = 64, 64, 4, 2
+    return (config.block_m or bm, config.block_n or bn, config.num_warps or warps,
+            config.num_stages or stages)
+
+
+def _bwd_tile(shape: AttnShape, target: Target, config: AttentionConfig):
+    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
+    if target.interpret:
+        kv_m, kv_n, q_m, q_n, warps, stages = 64, 64, 64, 64, 4, 1
+    elif d <= 128:
+        kv_m, kv_n, q_m, q_n, warps, stages = 64, 128, 128, 64, 8, 2
+    else:
+        kv_m, kv_n, q_m, q_n, warps, stages = 32, 64, 64, 32, 8, 1
+    return (config.dkdv_block_m or kv_m, config.dkdv_block_n or kv_n, config.dq_block_m or q_m,
+            config.dq_block_n or q_n, config.bwd_num_warps or warps, config.bwd_num_stages or stages)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(batch, row, head) element strides of a contiguous dense ``(B, S, H, D)`` or packed ``(T, H, D)``
+    tensor; the batch stride of a packed tensor is 0 (rows are addressed through cu_seqlens)."""
+    if len(shape) == 4:
+        return (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3])
+    return (0, shape[1] * shape[2], shape[2])
+
+
+def _lse_strides(shape: AttnShape) -> tuple[int, int]:
+    return (0, shape.total_q) if shape.varlen else (shape.heads_q * shape.seqlen_q, shape.seqlen_q)
+
+
+def _window_scalars(options: AttnOptions) -> tuple[int, int]:
+    left, right = options.window_left, options.window_right
+    return (_UNBOUNDED if left < 0 else min(left, _UNBOUNDED),
+            _UNBOUNDED if right < 0 else min(right, _UNBOUNDED))
+
+
+def _common_scalars(shape: AttnShape, options: AttnOptions):
+    left, right = _window_scalars(options)
+    return (("seqlen_q", shape.seqlen_q), ("seqlen_k", shape.seqlen_k), ("total_q", shape.total_q),
+            ("total_k", shape.total_k), ("sm_scale", float(options.softmax_scale)),
+            ("softcap", float(options.softcap)), ("window_left", left), ("window_right", right))
+
+
+def _strided(prefix: str, strides: tuple[int, int, int]):
+    return tuple((f"stride_{prefix}{dim}", int(s)) for dim, s in zip("bsh", strides))
+
+
+def _flags(shape: AttnShape, options: AttnOptions):
+    return (("HAS_LOCAL", options.has_local), ("HAS_SOFTCAP", options.softcap > 0),
+            ("HAS_ALIBI", options.has_alibi), ("IS_VARLEN", shape.varlen),
+            ("DOT_PRECISION", "ieee" if shape.dtype == "float32" else "tf32"))
+
+
+def _alibi_stride(shape: AttnShape, options: AttnOptions) -> int:
+    return shape.heads_q if options.alibi_batched else 0
+
+
+def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
+                       strides: Optional[dict[str, tuple[int, int, int]]] = None,
+                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
+    """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
+
+    ``strides`` maps "q" / "k" / "v" to (batch, row, head) element strides (default: contiguous).
+    Results: out (q's dtype, ``shape.out_shape``) and lse (float32, ``shape.lse_shape``).
+    """
+    strides = strides or {}
+    st = {n: strides.get(n) or contiguous_strides(s)
+          for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
+    present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
+               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
+    bm, bn, warps, stages = _fwd_tile(shape, target, config)
+    lse_b, lse_h = _lse_strides(shape)
+    launch = Launch(
+        kernel=f"{_FWD}:attn_fwd_kernel",
+        grid=(cdiv(shape.seqlen_q, bm), shape.heads_q, shape.batch),
+        inputs=tuple(n if here else "q" for n, here in present.items()),
+        scalars=(*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
+                 *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
+                 ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options))),
+        outputs=("out", "lse"),
+        constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
+                    ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_DQK", _pad(shape.head_dim_qk)),
+                    ("BLOCK_DV", _pad(shape.head_dim_v)), ("HAS_SINKS", options.has_sinks),
+                    *_flags(shape, options)),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    buffers = (Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
+    return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=buffers,
+                launches=(launch,), results=("out", "lse"))
+
+
+def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target, has_dlse: bool = False,
+                       sinks_dtype: Optional[str] = None,
+                       strides: Optional[dict[str, tuple[int, int, int]]] = None,
+                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
+    """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
+
+    ``out`` and ``lse`` are the forward's results (contiguous); ``dlse`` a gradient arriving at lse.
+    ``strides`` maps "q" / "k" / "v" / "dout" to (batch, row, head) element strides (default: contiguous).
+    Results: dq, dk, dv (contiguous, in the inputs' dtype), then with sinks dsinks (``sinks_dtype``,
+    ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
+    """
+    strides = strides or {}
+    st = {n: strides.get(n) or contiguous_strides(s)
+          for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()),
+                       ("dout", shape.out_shape))}
+    present = {"dout": True, "q": True, "k": True, "v": True, "out": True, "lse": True, "dlse": has_dlse,
+               "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
+               "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
+
+    def name(n):
+        return n if present[n] else "q"  # placeholder pointer for an absent input
+
+    kv_m, kv_n, q_m, q_n, warps, stages = _bwd_tile(shape, target, config)
+    lse_b, lse_h = _lse_strides(shape)
+    bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
+    lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
+    flags = _flags(shape, options)
+    main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
+                    *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
+                    ("stride_ab", _alibi_stride(shape, options)))
+    dims = (("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v))
+    main_inputs = ("q", "k", "v", "dout", "lse", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
+                   name("cu_seqlens_k"))
+
+    # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
+    pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
+    launches = [
+        Launch(
+            kernel=f"{_BWD}:attn_bwd_preprocess_kernel",
+            grid=(cdiv(shape.seqlen_q, pre_m), shape.heads_q, shape.batch),
+            inputs=("out", "dout", name("dlse"), name("cu_seqlens_q")),
+            scalars=(("seqlen_q", shape.seqlen_q), ("total_q", shape.total_q),
+                     *_strided("o", contiguous_strides(shape.out_shape)), *_strided("do", st["dout"]),
+                     *lse_scalars),
+            outputs=("delta",),
+            constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
+                        ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen)),
+            num_warps=4 if target.interpret else 8, num_stages=1),
+        Launch(
+            kernel=f"{_BWD}:attn_bwd_dkdv_kernel",
+            grid=(cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch),
+            inputs=main_inputs,
+            scalars=(*main_scalars, *_strided("dk", contiguous_strides(shape.k_shape())),
+                     *_strided("dv", contiguous_strides(shape.v_shape()))),
+            outputs=("dk", "dv"),
+            constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
+                        *flags),
+            num_warps=warps, num_stages=stages),
+        Launch(
+            kernel=f"{_BWD}:attn_bwd_dq_kernel",
+            grid=(cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch),
+            inputs=main_inputs,
+            scalars=(*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape()))),
+            outputs=("dq",),
+            constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
+                        *flags),
+            num_warps=warps, num_stages=stages),
+    ]
+    buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("dq", shape.q_shape(), shape.dtype),
+               Spec("dk", shape.k_shape(), shape.dtype), Spec("dv", shape.v_shape(), shape.dtype)]
+    results = ["dq", "dk", "dv"]
+    if options.has_sinks:
+        buffers += [Spec("dsinks_part", (shape.batch, shape.heads_q), "float32"),
+                    Spec("dsinks", (shape.heads_q,), sinks_dtype or "float32")]
+        launches.append(Launch(
+            kernel=f"{_BWD}:attn_bwd_sink_kernel",
+            grid=(shape.heads_q,),
+            inputs=("lse", "delta", "sinks", name("cu_seqlens_q")),
+            scalars=(("n_seqs", shape.batch), ("seqlen_q", shape.seqlen_q), ("total_q", shape.total_q),
+                     *lse_scalars),
+            outputs=("dsinks_part", "dsinks"),
+            constexprs=(("HQ", shape.heads_q), ("BLOCK", 64 if target.interpret else 1024),
+                        ("IS_VARLEN", shape.varlen)),
+            num_warps=4, num_stages=1))
+        results += ["dsinks", "dsinks_part"]
+    return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=tuple(buffers),
+                launches=tuple(launches), results=tuple(results))

@@ -1,0 +1,417 @@
+"""Fused cross-entropy for JAX: the logits-level ``cross_entropy`` and the chunked ``linear_cross_entropy``
+that never holds the ``(N, V)`` logits, plus :func:`linear_cross_entropy_from_layer` for a Flax
+``nnx.Linear`` head or a tied ``nnx.Embed``.
+
+The same kernels and the same design as ``flashbridge.torch_api.cross_entropy`` (whose docstring explains
+the trade-off): token chunks walked by ``lax.scan`` (plus one tail chunk), the chunk's logits from
+``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST`` for float32),
+lse / loss / dlogits from our kernels, ``dh`` / ``dW`` / ``db`` from two more matmuls per chunk, ``dW``
+carried in the weight's dtype. ``jax.custom_vjp``: under ``jax.grad`` with reduction "mean" / "sum" the
+gradients are computed in the forward pass and scaled by the cotangent in the backward; with "none" the
+backward recomputes the logits from the saved fp32 lse. Every kernel call is a
+``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the rows, so ``jax.vmap``
+works (and nests). Labels outside ``[0, V)`` other than ``ignore_index`` raise a ValueError when the labels
+are concrete (outside ``jit``); traced labels cannot be inspected, so such a row gets a NaN loss and NaN
+gradients instead. The lse returned with ``return_lse`` is a constant (``stop_gradient``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core_kernels.cross_entropy.plan import (
+    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
+    plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
+from ._checks import check_arrays
+from ._runtime import dtype_name, execute, gpu_target, match_varying
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opts:
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    logit_softcap: float
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+def _broadcast_batched(axis_size, args, in_batched):
+    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+
+
+def _fold(axis_size, in_batched, *args):
+    """custom_vmap puts the mapped axis first: broadcast the unbatched arguments and merge it into the rows."""
+    args = _broadcast_batched(axis_size, args, [any(jax.tree_util.tree_leaves(b)) for b in in_batched])
+    return [a.reshape(-1, *a.shape[2:]) for a in args]
+
+
+def _fwd_call(logits, labels, *, opts: _Opts):
+    n_rows, vocab = logits.shape
+    return execute(lambda target: plan_ce_fwd(n_rows, vocab, **opts.kwargs(), target=target),
+                   {"logits": logits, "labels": labels})
+
+
+def _grad_call(logits, labels, lse, weight, *, opts: _Opts):
+    n_rows, vocab = logits.shape
+    (grad,) = execute(lambda target: plan_ce_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
+                                                  per_row_weight=True, **opts.kwargs(), target=target),
+                      {"logits": logits, "labels": labels, "lse": lse, "weight": weight})
+    return grad
+
+
+def _fwd_grad_call(logits, labels, weight, *, opts: _Opts):
+    n_rows, vocab = logits.shape
+    return execute(lambda target: plan_ce_fwd_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
+                                                   per_row_weight=True, **opts.kwargs(), target=target),
+                   {"logits": logits, "labels": labels, "weight": weight})
+
+
+def _row_op(call, n_out: int):
+    """A custom_vmap op over row-wise arrays: the mapped axis is folded into the rows (one launch)."""
+    op = jax.custom_batching.custom_vmap(call)
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        outs = op(*_fold(axis_size, in_batched, *args))  # op, not call: nested vmaps fold again
+        outs = tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs)
+        return outs, (True,) * n_out
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_op(opts: _Opts):
+    return _row_op(functools.partial(_fwd_call, opts=opts), 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_op(opts: _Opts):
+    op = _row_op(lambda *a: (_grad_call(*a, opts=opts),), 1)
+    return lambda *a: op(*a)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_grad_op(opts: _Opts):
+    return _row_op(functools.partial(_fwd_grad_call, opts=opts), 3)
+
+
+def _label_cotangent(labels):
+    return np.zeros(labels.shape, dtype=jax.dtypes.float0)
+
+
+# ---------------------------------------------------------------------------------- logits-level vjp
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ce(logits, labels, opts: _Opts):
+    return _fwd_op(opts)(logits, labels)
+
+
+def _ce_fwd(logits, labels, opts):
+    loss, lse = _fwd_op(opts)(logits, labels)
+    return (loss, lse), (logits, labels, lse)
+
+
+def _ce_bwd(opts, saved, cotangents):
+    logits, labels, lse = saved
+    dloss, _ = cotangents
+    grad = _grad_op(opts)(logits, labels, lse, dloss.astype(F32))
+    return grad, _label_cotangent(labels)
+
+
+_ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+# ---------------------------------------------------------------------------------------- linear vjp
+
+@dataclasses.dataclass(frozen=True)
+class _LinearCfg:
+    opts: _Opts
+    reduction: str
+    chunk: int
+    transposed: bool  # weight is (H, V) (a Flax nnx.Linear kernel) instead of (V, H)
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), precision=_precision(a.dtype),
+                               preferred_element_type=a.dtype)
+
+
+def _chunk_logits(h_c, weight, bias, transposed):
+    x = _dot(h_c, weight, 1, 0 if transposed else 1)  # (C, V)
+    return x if bias is None else x + bias
+
+
+def _accumulate(grad, h_c, weight, carry, transposed):
+    """(dW, db) carry -> updated, and dh_c: dh_c = grad @ W, dW += grad.T @ h_c, db += colsum(grad) in fp32."""
+    dw, db = carry
+    dh_c = _dot(grad, weight, 1, 1 if transposed else 0)
+    if transposed:
+        dw = dw + _dot(h_c, grad, 0, 0)  # (H, V)
+    else:
+        dw = dw + _dot(grad, h_c, 0, 0)  # (V, H)
+    if db is not None:
+        db = db + jnp.sum(grad, axis=0, dtype=F32)
+    return (dw, db), dh_c
+
+
+def _scan_chunks(step, carry, row_arrays, chunk: int):
+    """Run ``step(carry, rows) -> (carry, outs)`` over chunks of ``chunk`` rows: ``lax.scan`` over the
+    full chunks, one more call for the tail; the per-row outputs are concatenated back."""
+    n_rows = row_arrays[0].shape[0]
+    n_full, tail = divmod(n_rows, chunk)
+    parts = []
+    if n_full:
+        xs = tuple(a[:n_full * chunk].reshape(n_full, chunk, *a.shape[1:]) for a in row_arrays)
+        carry, ys = jax.lax.scan(step, carry, xs)
+        parts.append(tuple(y.reshape(n_full * chunk, *y.shape[2:]) for y in ys))
+    if tail:
+        carry, ys = step(carry, tuple(a[n_full * chunk:] for a in row_arrays))
+        parts.append(ys)
+    outs = parts[0] if len(parts) == 1 else tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
+    return carry, outs
+
+
+def _reduce(loss_rows, labels, ignore_index, reduction):
+    if reduction == "none":
+        return loss_rows
+    total = jnp.sum(loss_rows)
+    if reduction == "sum":
+        return total
+    return total / jnp.maximum(jnp.sum(labels != ignore_index), 1).astype(F32)
+
+
+def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
+    def step(carry, rows):
+        h_c, y_c = rows
+        return carry, _fwd_op(cfg.opts)(_chunk_logits(h_c, weight, bias, cfg.transposed), y_c)
+
+    _, (loss_rows, lse) = _scan_chunks(step, None, (hidden, labels), cfg.chunk)
+    return loss_rows, lse
+
+
+def _zero_grads(weight, bias):
+    return jnp.zeros_like(weight), (None if bias is None else jnp.zeros(bias.shape, F32))
+
+
+def _lce_forward_with_grads(hidden, weight, labels, bias, cfg: _LinearCfg):
+    n_active = jnp.sum(labels != cfg.opts.ignore_index)
+    scale = (1.0 / jnp.maximum(n_active, 1).astype(F32)) if cfg.reduction == "mean" else jnp.ones((), F32)
+
+    def step(carry, rows):
+        h_c, y_c = rows
+        logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
+        w = jnp.broadcast_to(scale, y_c.shape)
+        loss_c, lse_c, grad = _fwd_grad_op(cfg.opts)(logits, y_c, w)
+        carry, dh_c = _accumulate(grad, h_c, weight, carry, cfg.transposed)
+        return carry, (loss_c, lse_c, dh_c)
+
+    (dw, db), (loss_rows, lse, dh) = _scan_chunks(step, _zero_grads(weight, bias), (hidden, labels), cfg.chunk)
+    return loss_rows, lse, dh, dw, db
+
+
+def _lce_recompute_grads(hidden, weight, labels, bias, lse, dloss, cfg: _LinearCfg):
+    def step(carry, rows):
+        h_c, y_c, lse_c, g_c = rows
+        logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
+        grad = _grad_op(cfg.opts)(logits, y_c, lse_c, g_c)
+        carry, dh_c = _accumulate(grad, h_c, weight, carry, cfg.transposed)
+        return carry, (dh_c,)
+
+    (dw, db), (dh,) = _scan_chunks(step, _zero_grads(weight, bias), (hidden, labels, lse, dloss), cfg.chunk)
+    return dh, dw, db
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _lce(hidden, weight, labels, bias, cfg: _LinearCfg):
+    loss_rows, lse = _lce_forward(hidden, weight, labels, bias, cfg)
+    return _reduce(loss_rows, labels, cfg.opts.ignore_index, cfg.reduction), lse
+
+
+def _lce_fwd(hidden, weight, labels, bias, cfg):
+    if cfg.reduction == "none":
+        loss_rows, lse = _lce_forward(hidden, weight, labels, bias, cfg)
+        return (loss_rows, lse), (hidden, weight, labels, bias, lse)
+    loss_rows, lse, dh, dw, db = _lce_forward_with_grads(hidden, weight, labels, bias, cfg)
+    loss = _reduce(loss_rows, labels, cfg.opts.ignore_index, cfg.reduction)
+    return (loss, lse), (dh, dw, db, labels)
+
+
+def _lce_bwd(cfg, saved, cotangents):
+    dloss, _ = cotangents
+    if cfg.reduction == "none":
+        hidden, weight, labels, bias, lse = saved
+        dh, dw, db = _lce_recompute_grads(hidden, weight, labels, bias, lse, dloss.astype(F32), cfg)
+    else:
+        dh, dw, db, labels = saved
+        g = dloss.astype(F32)
+        dh = (dh.astype(F32) * g).astype(dh.dtype)
+        dw = (dw.astype(F32) * g).astype(dw.dtype)
+        db = None if db is None else db * g
+    return dh, dw, _label_cotangent(labels), db
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
+
+
+# ---------------------------------------------------------------------------------------- public API
+
+def _shape_dtype(a):
+    return None if a is None else (tuple(a.shape), dtype_name(a.dtype))
+
+
+def _validate_label_values(labels, vocab: int, ignore_index: int) -> None:
+    """Raise on labels outside [0, V) other than ignore_index when the labels are concrete (not traced)."""
+    if isinstance(labels, jax.core.Tracer):
+        return
+    y = np.asarray(labels)
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+    if bad.any():
+        raise ValueError(bad_label_message(int(bad.sum()), int(y[bad][0]), vocab, ignore_index))
+
+
+def _auto_chunk(n_rows: int, h: int, vocab: int, dtype: str) -> int:
+    free = None
+    if gpu_target() is not None:
+        try:
+            stats = jax.local_devices(backend="gpu")[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        except Exception:  # memory_stats is best effort: fall back to the weight-sized budget
+            free = None
+    return choose_chunk_size(n_rows, h, vocab, dtype, free_bytes=free)
+
+
+def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
+                  return_lse: bool = False):
+    """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
+
+    Args:
+        logits: ``(..., V)`` float32 / float16 / bfloat16.
+        labels: ``(...)`` int32 / int64 in ``[0, V)`` or ``ignore_index``.
+        ignore_index: label of rows that contribute nothing (no loss, zero gradient).
+        label_smoothing: ``s`` in [0, 1) (as ``torch.nn.functional.cross_entropy``).
+        z_loss: coefficient of the PaLM auxiliary loss ``lse^2`` (0 = off).
+        logit_softcap: ``cap > 0`` applies ``cap * tanh(x / cap)`` before the softmax (0 = off).
+        reduction: "mean" (over non-ignored rows; 0 with zero gradients when all are ignored), "sum",
+            "none".
+        return_lse: also return the float32 ``(...)`` log-sum-exp (a constant for autodiff).
+
+    Returns:
+        The float32 loss (scalar, or ``(...)`` for "none"), and the lse with ``return_lse``.
+
+    Example::
+
+        >>> logits = jax.random.normal(jax.random.key(0), (4, 10))
+        >>> loss, dlogits = jax.value_and_grad(cross_entropy)(logits, jnp.array([1, 2, -100, 9]))
+    """
+    check_arrays(logits=logits, labels=labels)
+    n_rows, vocab = check_cross_entropy_args(
+        logits=_shape_dtype(logits), labels=_shape_dtype(labels), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction)
+    _validate_label_values(labels, vocab, ignore_index)
+    lead = tuple(labels.shape)
+    opts = _Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap))
+    x, y = match_varying(logits.reshape(n_rows, vocab), labels.reshape(n_rows))
+    loss_rows, lse = _ce(x, y, opts)
+    loss = _reduce(loss_rows, y, opts.ignore_index, reduction)
+    loss = loss.reshape(lead) if reduction == "none" else loss
+    return (loss, jax.lax.stop_gradient(lse).reshape(lead)) if return_lse else loss
+
+
+def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_smoothing, z_loss,
+               logit_softcap, reduction, chunk_size, return_lse):
+    check_arrays(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    n_rows, h, vocab = check_linear_cross_entropy_args(
+        hidden=_shape_dtype(hidden), weight=_shape_dtype(weight), labels=_shape_dtype(labels),
+        bias=_shape_dtype(bias), ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size, weight_transposed=transposed)
+    _validate_label_values(labels, vocab, ignore_index)
+    lead = tuple(labels.shape)
+    chunk = min(int(chunk_size), n_rows) if chunk_size else _auto_chunk(n_rows, h, vocab, dtype_name(hidden.dtype))
+    cfg = _LinearCfg(_Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)),
+                     reduction, chunk, bool(transposed))
+    h2, w, y, b = match_varying(hidden.reshape(n_rows, h), weight, labels.reshape(n_rows), bias)
+    loss, lse = _lce(h2, w, y, b, cfg)
+    loss = loss.reshape(lead) if reduction == "none" else loss
+    return (loss, jax.lax.stop_gradient(lse).reshape(lead)) if return_lse else loss
+
+
+def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: Optional[Array] = None,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
+                         return_lse: bool = False):
+    """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
+
+    Args:
+        hidden: ``(..., H)`` float32 / float16 / bfloat16; every leading axis is a token axis.
+        weight: ``(V, H)`` in hidden's dtype (the ``nnx.Embed`` / torch ``nn.Linear`` layout; for an
+            ``nnx.Linear`` kernel ``(H, V)`` use :func:`linear_cross_entropy_from_layer`).
+        labels: ``(...)`` int32 / int64, hidden's leading shape.
+        bias: optional ``(V,)`` in hidden's dtype.
+        ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse: as in
+            :func:`cross_entropy`.
+        chunk_size: tokens per chunk (static); None picks it from N, H, V and the free device memory.
+
+    Returns:
+        The float32 loss (scalar, or ``(...)`` for "none"), and the float32 lse with ``return_lse``.
+
+    Example::
+
+        >>> k = jax.random.split(jax.random.key(0), 2)
+        >>> h, w = jax.random.normal(k[0], (6, 32)), jax.random.normal(k[1], (1000, 32))
+        >>> loss, (dh, dw) = jax.value_and_grad(linear_cross_entropy, argnums=(0, 1))(
+        ...     h, w, jnp.arange(6), chunk_size=4)
+    """
+    return _linear_ce(hidden, weight, labels, bias, transposed=False, ignore_index=ignore_index,
+                      label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
+                      reduction=reduction, chunk_size=chunk_size, return_lse=return_lse)
+
+
+def linear_cross_entropy_from_layer(layer, hidden: Array, labels: Array, **options):
+    """:func:`linear_cross_entropy` with the weights of a Flax NNX output layer: an ``nnx.Linear`` head
+    (kernel ``(H, V)`` used as is, no transposed copy, and its bias) or a tied ``nnx.Embed``
+    (embedding ``(V, H)``). Differentiable with ``nnx.grad`` / ``nnx.value_and_grad``.
+
+    Args:
+        layer: ``nnx.Linear(H, V)`` or ``nnx.Embed(V, H)``.
+        hidden: ``(..., H)``; labels ``(...)``; options: the keyword arguments of
+            :func:`linear_cross_entropy` other than ``bias``.
+
+    Example::
+
+        >>> head = nnx.Linear(32, 1000, use_bias=False, rngs=nnx.Rngs(0))
+        >>> loss = linear_cross_entropy_from_layer(head, jnp.ones((6, 32)), jnp.arange(6))
+    """
+    from flax import nnx
+
+    if "bias" in options:
+        raise TypeError("bias: linear_cross_entropy_from_layer takes the bias from the layer")
+    defaults = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, reduction="mean",
+                    chunk_size=None, return_lse=False)
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise TypeError(f"{sorted(unknown)[0]}: not an option of linear_cross_entropy")
+    kw = {**defaults, **options}
+    if isinstance(layer, nnx.Embed):
+        return _linear_ce(hidden, layer.embedding[...], labels, None, transposed=False, **kw)
+    if isinstance(layer, nnx.Linear):
+        bias = None if layer.bias is None else layer.bias[...]
+        return _linear_ce(hidden, layer.kernel[...], labels, bias, transposed=True, **kw)
+    raise TypeError(f"layer: expected a flax.nnx.Linear or flax.nnx.Embed, got {type(layer).__name__}")

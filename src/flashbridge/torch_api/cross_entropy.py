@@ -1,0 +1,432 @@
+"""Fused cross-entropy for PyTorch: the logits-level ``cross_entropy`` and the chunked
+``linear_cross_entropy`` that never holds the ``(N, V)`` logits. ``torch.library`` custom ops with fake
+kernels and autograd; ``torch.compile(fullgraph=True)`` clean.
+
+Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
+
+* Tokens are cut into chunks of ``C`` rows. Per chunk: ``logits = h_c @ W.T (+ b)`` with the framework's
+  GEMM (cuBLAS, input dtype, fp32 accumulation), then our Triton kernels: the lse / loss pass (one read,
+  online softmax, fp32) and the gradient pass (second read, one write of ``dlogits`` into a fresh chunk
+  buffer; the logits chunk is freed right after), then ``dh_c = dlogits @ W`` into its slice of ``dh`` and
+  ``dW += dlogits.T @ h_c`` (cuBLAS with beta=1) and ``db += colsum(dlogits)`` in fp32.
+* Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
+  and something requires grad: the backward only multiplies them by the upstream scalar. Three GEMMs in
+  all, eager's FLOP count. With reduction="none" the per-token upstream gradients are unknown in the
+  forward, so the forward keeps only the fp32 lse and the backward recomputes the logits chunk by chunk
+  (four GEMMs).
+* Memory: the returned gradients plus one chunk's logits and gradient, ``2 * C * V`` elements. ``C`` is
+  chosen so that this is at most the weight's size (at least 256 MiB, at most a quarter of the free
+  memory): at N=8192, H=4096, V=128256 in bf16, 4 chunks of 2048 tokens and a peak of about
+  dW + dh + one weight, 2.2 GB, against 14 GB for eager.
+* Accuracy: lse, loss and the reduction in fp32; the logits are rounded once to the input dtype (as in
+  eager); ``dW`` is rounded to the weight's dtype once per chunk (eager rounds once in all). A float32
+  ``dW`` accumulator would remove that but costs two more weights of memory; a handful of chunks keeps
+  the error within twice eager's. Deterministic: a fixed chunk order, no atomics.
+* Labels: a label outside ``[0, V)`` other than ``ignore_index`` raises a ValueError before any launch
+  (one device-to-host sync of a boolean); under ``torch.compile`` the check is skipped and such a row
+  gets a NaN loss (and NaN gradients), never an out-of-bounds read.
+* The returned lse is not differentiable (marked so: backward through it raises).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..core_kernels.cross_entropy.plan import (
+    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
+    chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
+from ._checks import check_same_device
+from ._runtime import dtype_name, execute, target_for
+
+
+def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):
+    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                logit_softcap=logit_softcap)
+
+
+# ------------------------------------------------------------------------------- logits-level custom ops
+
+@torch.library.custom_op("flashbridge::cross_entropy_fwd", mutates_args=())
+def _ce_fwd(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+            logit_softcap: float) -> tuple[Tensor, Tensor]:
+    """logits (n, V), labels (n,) -> per-row loss (float32 (n,)), lse (float32 (n,))."""
+    n_rows, vocab = logits.shape
+    plan = plan_ce_fwd(n_rows, vocab, **_opts(ignore_index, label_smoothing, z_loss, logit_softcap),
+                       target=target_for(logits.device))
+    return execute(plan, {"logits": logits.contiguous(), "labels": labels.contiguous()})
+
+
+@_ce_fwd.register_fake
+def _(logits, labels, ignore_index, label_smoothing, z_loss, logit_softcap):
+    n_rows = logits.shape[0]
+    return (logits.new_empty((n_rows,), dtype=torch.float32), logits.new_empty((n_rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashbridge::cross_entropy_bwd", mutates_args=())
+def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, dloss: Tensor, ignore_index: int,
+            label_smoothing: float, z_loss: float, logit_softcap: float) -> Tensor:
+    """Gradient of sum_i dloss_i * loss_i with respect to logits (n, V); dloss float32 (n,)."""
+    n_rows, vocab = logits.shape
+    plan = plan_ce_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype), per_row_weight=True,
+                        **_opts(ignore_index, label_smoothing, z_loss, logit_softcap),
+                        target=target_for(logits.device))
+    (grad,) = execute(plan, {"logits": logits.contiguous(), "labels": labels.contiguous(),
+                             "lse": lse.contiguous(), "weight": dloss.contiguous()})
+    return grad
+
+
+@_ce_bwd.register_fake
+def _(logits, labels, lse, dloss, ignore_index, label_smoothing, z_loss, logit_softcap):
+    return torch.empty_like(logits)
+
+
+def _ce_setup_context(ctx, inputs, output):
+    logits, labels, *options = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(logits, labels, lse)
+    ctx.options = options
+
+
+def _ce_backward(ctx, dloss, dlse):
+    logits, labels, lse = ctx.saved_tensors
+    if dloss is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None
+    grad = _ce_bwd(logits, labels, lse, dloss.float().contiguous(), *ctx.options)
+    return grad, None, None, None, None, None
+
+
+torch.library.register_autograd("flashbridge::cross_entropy_fwd", _ce_backward, setup_context=_ce_setup_context)
+
+
+# ------------------------------------------------------------------------------------ linear custom ops
+
+def _chunk_size(n_rows: int, hidden: Tensor, vocab: int, chunk_size: int) -> int:
+    if chunk_size > 0:
+        return min(chunk_size, n_rows)
+    free = None
+    if hidden.device.type == "cuda":
+        free_dev, _ = torch.cuda.mem_get_info(hidden.device)
+        free = free_dev + torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
+    return choose_chunk_size(n_rows, hidden.shape[1], vocab, dtype_name(hidden.dtype), free_bytes=free)
+
+
+def _chunk_logits(h_c: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return torch.mm(h_c, weight.t()) if bias is None else torch.addmm(bias, h_c, weight.t())
+
+
+def _accumulate(grad: Tensor, h_c: Tensor, weight: Tensor, start: int, stop: int, dh: Tensor, dw: Tensor,
+                db: Optional[Tensor]) -> None:
+    """dh[start:stop] = grad @ W; dW += grad.T @ h_c (plain store for the first chunk); db += colsum(grad)."""
+    if dh.numel():
+        torch.mm(grad, weight, out=dh[start:stop])
+    if dw.numel():
+        if start == 0:
+            torch.mm(grad.t(), h_c, out=dw)
+        else:
+            dw.addmm_(grad.t(), h_c)
+    if db is not None:
+        db += grad.sum(dim=0, dtype=torch.float32)
+
+
+def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+    dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty((0,))
+    dw = torch.empty_like(weight) if grad_weight else weight.new_empty((0,))
+    db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias else None
+    return dh, dw, db
+
+
+@torch.library.custom_op("flashbridge::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
+             label_smoothing: float, z_loss: float, logit_softcap: float, reduction: str, chunk_size: int,
+             grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden (N, H), weight (V, H), labels (N,) -> (loss, lse, dh, dw, db).
+
+    loss: float32 scalar ("mean" / "sum") or (N,) ("none"); lse float32 (N,). With reduction "mean" /
+    "sum", dh / dw / db are the gradients for an upstream gradient of 1, computed chunk by chunk during
+    the forward, for the grad_* flags that are set; the others (and all three for "none") are empty.
+    """
+    n_rows, _ = hidden.shape
+    vocab = weight.shape[0]
+    options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
+    target = target_for(hidden.device)
+    dtype = dtype_name(hidden.dtype)
+    fused = reduction != "none" and (grad_hidden or grad_weight or grad_bias)
+    chunk = _chunk_size(n_rows, hidden, vocab, chunk_size)
+    loss_rows = hidden.new_empty((n_rows,), dtype=torch.float32)
+    lse = hidden.new_empty((n_rows,), dtype=torch.float32)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, fused and grad_hidden, fused and grad_weight,
+                               fused and grad_bias)
+    if fused:
+        n_active = (labels != ignore_index).sum()
+        if reduction == "mean":
+            scale = (1.0 / n_active.clamp(min=1).to(torch.float32)).reshape(1)
+        else:
+            scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    for start, stop in chunk_bounds(n_rows, chunk):
+        h_c = hidden[start:stop]
+        logits = _chunk_logits(h_c, weight, bias)
+        named = {"logits": logits, "labels": labels[start:stop]}
+        if fused:
+            plan = plan_ce_fwd_grad(stop - start, vocab, grad_dtype=dtype, per_row_weight=False, **options,
+                                    target=target)
+            loss_c, lse_c, grad = execute(plan, {**named, "weight": scale})
+            del logits, named  # the chunk's logits are dead once the gradient is written
+            _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
+            del grad
+        else:
+            loss_c, lse_c = execute(plan_ce_fwd(stop - start, vocab, **options, target=target), named)
+        loss_rows[start:stop] = loss_c
+        lse[start:stop] = lse_c
+    if reduction == "none":
+        loss = loss_rows
+    elif reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        loss = loss_rows.sum() / (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
+    db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
+    return loss, lse, dh, dw, db_out
+
+
+@_lce_fwd.register_fake
+def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit_softcap, reduction,
+      chunk_size, grad_hidden, grad_weight, grad_bias):
+    n_rows = hidden.shape[0]
+    f32 = torch.float32
+    loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=f32)
+    fused = reduction != "none"
+    dh = hidden.new_empty(hidden.shape) if fused and grad_hidden else hidden.new_empty((0,))
+    dw = weight.new_empty(weight.shape) if fused and grad_weight else weight.new_empty((0,))
+    db = hidden.new_empty((weight.shape[0],)) if fused and grad_bias else hidden.new_empty((0,))
+    return loss, hidden.new_empty((n_rows,), dtype=f32), dh, dw, db
+
+
+@torch.library.custom_op("flashbridge::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
+             dloss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
+             chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,)) by recomputing the logits chunk by chunk
+    from the forward's lse: returns (dh, dw, db), empty where the flag is not set."""
+    n_rows, _ = hidden.shape
+    vocab = weight.shape[0]
+    options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
+    target = target_for(hidden.device)
+    chunk = _chunk_size(n_rows, hidden, vocab, chunk_size)
+    dh, dw, db = _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    for start, stop in chunk_bounds(n_rows, chunk):
+        h_c = hidden[start:stop]
+        logits = _chunk_logits(h_c, weight, bias)
+        plan = plan_ce_grad(stop - start, vocab, grad_dtype=dtype_name(hidden.dtype), per_row_weight=True,
+                            **options, target=target)
+        (grad,) = execute(plan, {"logits": logits, "labels": labels[start:stop], "lse": lse[start:stop],
+                                 "weight": dloss[start:stop]})
+        del logits
+        _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
+        del grad
+    return dh, dw, db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
+
+
+@_lce_bwd.register_fake
+def _(hidden, weight, labels, bias, lse, dloss, ignore_index, label_smoothing, z_loss, logit_softcap,
+      chunk_size, grad_hidden, grad_weight, grad_bias):
+    dh = hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty((0,))
+    dw = weight.new_empty(weight.shape) if grad_weight else weight.new_empty((0,))
+    db = hidden.new_empty((weight.shape[0],)) if grad_bias else hidden.new_empty((0,))
+    return dh, dw, db
+
+
+def _lce_setup_context(ctx, inputs, output):
+    (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit_softcap, reduction, chunk_size,
+     grad_hidden, grad_weight, grad_bias) = inputs
+    _, lse, dh, dw, db = output
+    ctx.mark_non_differentiable(lse, dh, dw, db)
+    ctx.reduction = reduction
+    ctx.flags = (grad_hidden, grad_weight, grad_bias and bias is not None)
+    ctx.options = (ignore_index, label_smoothing, z_loss, logit_softcap, chunk_size)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, labels, bias, lse)
+    else:
+        ctx.save_for_backward(dh, dw, db)
+
+
+def _lce_backward(ctx, dloss, *_):
+    gh, gw, gb = ctx.flags
+    gh, gw, gb = gh and ctx.needs_input_grad[0], gw and ctx.needs_input_grad[1], gb and ctx.needs_input_grad[3]
+    if dloss is None or not (gh or gw or gb):
+        return (None,) * 13
+    if ctx.reduction == "none":
+        hidden, weight, labels, bias, lse = ctx.saved_tensors
+        ii, ls, zl, cap, chunk = ctx.options
+        dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, dloss.float().contiguous(), ii, ls, zl, cap,
+                              chunk, gh, gw, gb)
+    else:
+        dh, dw, db = ctx.saved_tensors
+        g = dloss.float()
+        dh, dw, db = (dh * g if gh else None), (dw * g if gw else None), (db * g if gb else None)
+    return (dh if gh else None, dw if gw else None, None, db if gb else None) + (None,) * 9
+
+
+torch.library.register_autograd("flashbridge::linear_cross_entropy_fwd", _lce_backward,
+                                setup_context=_lce_setup_context)
+
+
+# ---------------------------------------------------------------------------------------- public API
+
+def _check_tensors(**tensors) -> torch.device:
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if name == 'bias' else ''}, "
+                            f"got {type(t).__name__}")
+    return check_same_device(**tensors)
+
+
+def _shape_dtype(t: Optional[Tensor]):
+    return None if t is None else (tuple(t.shape), dtype_name(t.dtype))
+
+
+def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise on labels outside [0, V) that are not ignore_index (eager only: one sync of a boolean on a GPU;
+    under torch.compile the kernels give such rows a NaN loss instead)."""
+    if torch.compiler.is_compiling():
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        raise ValueError(bad_label_message(int(bad.sum()), int(labels[bad][0]), vocab, ignore_index))
+
+
+def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str, lead) -> Tensor:
+    if reduction == "none":
+        return loss_rows.view(lead)
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows.sum() / (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
+                  return_lse: bool = False):
+    """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
+
+    One read of the logits forward (online softmax over the vocabulary, in fp32), one read and one write
+    of the gradient backward. Runs on CUDA tensors or on the CPU (Triton interpreter).
+
+    Args:
+        logits: ``(..., V)`` float32 / float16 / bfloat16.
+        labels: ``(...)`` int32 / int64 class indices in ``[0, V)``, or ``ignore_index``.
+        ignore_index: label of rows that contribute nothing (no loss, zero gradient).
+        label_smoothing: ``s`` in [0, 1): mixes the one-hot target with the uniform distribution (as
+            ``torch.nn.functional.cross_entropy``).
+        z_loss: coefficient of the PaLM auxiliary loss ``lse^2`` (0 = off).
+        logit_softcap: ``cap > 0`` applies ``cap * tanh(x / cap)`` before the softmax (0 = off).
+        reduction: "mean" (over rows whose label is not ignored; 0 with zero gradients when all are),
+            "sum" or "none".
+        return_lse: also return the float32 ``(...)`` log-sum-exp (not differentiable).
+
+    Returns:
+        The float32 loss (a scalar, or ``(...)`` for "none"), and the lse with ``return_lse``.
+
+    Example::
+
+        >>> logits = torch.randn(4, 10, requires_grad=True)
+        >>> loss = cross_entropy(logits, torch.tensor([1, 2, -100, 9]))
+        >>> loss.backward()
+    """
+    device = _check_tensors(logits=logits, labels=labels)
+    n_rows, vocab = check_cross_entropy_args(
+        logits=_shape_dtype(logits), labels=_shape_dtype(labels), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction)
+    del device
+    lead = tuple(labels.shape)
+    x = logits.reshape(n_rows, vocab).contiguous()
+    y = labels.reshape(n_rows).contiguous()
+    _validate_label_values(y, vocab, ignore_index)
+    loss_rows, lse = torch.ops.flashbridge.cross_entropy_fwd(x, y, int(ignore_index), float(label_smoothing),
+                                                             float(z_loss), float(logit_softcap))
+    loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
+    return (loss, lse.view(lead)) if return_lse else loss
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
+                         return_lse: bool = False):
+    """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
+
+    The tokens are processed in chunks (see the module docstring for the design): the peak extra memory
+    is the gradients plus one chunk's logits and their gradient. Gradients flow to hidden, weight and
+    bias (only to those that require grad).
+
+    Args:
+        hidden: ``(..., H)`` float32 / float16 / bfloat16; every leading dimension is a token.
+        weight: ``(V, H)`` in hidden's dtype (the ``nn.Linear`` / tied-embedding layout).
+        labels: ``(...)`` int32 / int64, hidden's leading shape.
+        bias: optional ``(V,)`` in hidden's dtype.
+        ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse: as in
+            :func:`cross_entropy`.
+        chunk_size: tokens per chunk; None picks it from N, H, V and the free memory
+            (``core_kernels.cross_entropy.plan.choose_chunk_size``).
+
+    Returns:
+        The float32 loss (a scalar, or ``(...)`` for "none"), and the float32 lse ``(...)`` with
+        ``return_lse``.
+
+    Example::
+
+        >>> h = torch.randn(6, 32, requires_grad=True)
+        >>> w = torch.randn(1000, 32, requires_grad=True)
+        >>> loss = linear_cross_entropy(h, w, torch.randint(0, 1000, (6,)), chunk_size=4)
+        >>> loss.backward()
+    """
+    _check_tensors(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    n_rows, h, vocab = check_linear_cross_entropy_args(
+        hidden=_shape_dtype(hidden), weight=_shape_dtype(weight), labels=_shape_dtype(labels),
+        bias=_shape_dtype(bias), ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size)
+    lead = tuple(labels.shape)
+    h2 = hidden.reshape(n_rows, h).contiguous()
+    w = weight.contiguous()
+    y = labels.reshape(n_rows).contiguous()
+    b = None if bias is None else bias.contiguous()
+    _validate_label_values(y, vocab, ignore_index)
+    grad_on = torch.is_grad_enabled()
+    loss, lse, _, _, _ = torch.ops.flashbridge.linear_cross_entropy_fwd(
+        h2, w, y, b, int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap), reduction,
+        int(chunk_size or 0), grad_on and h2.requires_grad, grad_on and w.requires_grad,
+        grad_on and b is not None and b.requires_grad)
+    if reduction == "none":
+        loss = loss.view(lead)
+    return (loss, lse.view(lead)) if return_lse else loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """``nn.Module`` form of :func:`linear_cross_entropy`, called as ``loss_fn(hidden, weight, labels)``.
+
+    Example::
+
+        >>> head = torch.nn.Linear(32, 1000, bias=False)
+        >>> loss_fn = LinearCrossEntropyLoss(ignore_index=-100, label_smoothing=0.1)
+        >>> loss = loss_fn(torch.randn(6, 32), head.weight, torch.randint(0, 1000, (6,)))
+    """
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
+                 return_lse: bool = False):
+        super().__init__()
+        self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
+        self.logit_softcap, self.reduction, self.chunk_size, self.return_lse = (
+            logit_softcap, reduction, chunk_size, return_lse)
+
+    def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None):
+        return linear_cross_entropy(
+            hidden, weight, labels, bias=bias, ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing, z_loss=self.z_loss, logit_softcap=self.logit_softcap,
+            reduction=self.reduction, chunk_size=self.chunk_size, return_lse=self.return_lse)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"z_loss={self.z_loss}, logit_softcap={self.logit_softcap}, reduction={self.reduction!r}, "
+                f"chunk_size={self.chunk_size}")

@@ -1,0 +1,541 @@
+"""Cross-entropy family on the CPU (Triton interpreter), both frameworks, against the float64 reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashbridge.core_kernels.cross_entropy import plan as P
+from flashbridge.reference import cross_entropy as R
+from helpers import assert_close, np64, rounded
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+F = torch.nn.functional
+
+from flashbridge.jax_api import cross_entropy as fjc  # noqa: E402
+from flashbridge.torch_api import cross_entropy as ftc  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOOR = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-3}
+ALL = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+
+
+def _rng(*key):
+    return np.random.default_rng(abs(hash(key)) % 2**32)
+
+
+def _labels(rng, lead, vocab, ignore_frac=0.15):
+    y = rng.integers(0, vocab, size=lead)
+    y = np.where(rng.random(lead) < ignore_frac, -100, y)
+    return y.astype(np.int64)
+
+
+def _upstream(rng, reduction, lead):
+    return rng.standard_normal(lead) if reduction == "none" else np.float64(1.3)
+
+
+def _naive_rows(z, y, ignore_index, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0):
+    """torch eager in the input dtype: the yardstick of the error bound."""
+    if logit_softcap:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    rows = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        rows = rows + z_loss * torch.logsumexp(z, -1) ** 2 * (y != ignore_index)
+    return rows
+
+
+def _naive_reduce(rows, y, reduction, ignore_index=-100):
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / (y != ignore_index).sum().clamp(min=1)
+
+
+def _t(a, dtype, grad=False):
+    return None if a is None else torch.tensor(a, dtype=TORCH_DTYPES[dtype], requires_grad=grad)
+
+
+# ------------------------------------------------------------------------------------ logits-level op
+
+CE_CASES = [  # lead, V, dtype, options, reduction
+    ((1,), 1000, "float32", {}, "mean"),
+    ((7,), 1000, "float32", ALL, "sum"),
+    ((2, 65), 1000, "bfloat16", dict(label_smoothing=0.2), "none"),
+    ((7,), 32003, "float32", dict(logit_softcap=3.0), "mean"),
+    ((130,), 1000, "float32", ALL, "none"),
+    ((5,), 1, "float32", dict(z_loss=1e-2), "mean"),
+]
+
+
+def _ce_id(c):
+    return f"{'x'.join(map(str, c[0]))}xV{c[1]}-{c[2]}-{'-'.join(c[3]) or 'plain'}-{c[4]}"
+
+
+@pytest.mark.parametrize("case", CE_CASES, ids=_ce_id)
+def test_cross_entropy_both_frameworks(case):
+    lead, vocab, dtype, opts, reduction = case
+    rng = _rng("ce", _ce_id(case))
+    x = rounded(rng.standard_normal((*lead, vocab)) * 3, dtype)
+    y = _labels(rng, lead, vocab)
+    g = _upstream(rng, reduction, lead)
+    ref, ref_lse = R.cross_entropy(x, y, reduction=reduction, return_lse=True, **opts)
+    ref_dx = R.cross_entropy_bwd(g, x, y, reduction=reduction, **opts)
+
+    xt = _t(x, dtype, grad=True)
+    naive = _naive_reduce(_naive_rows(xt.reshape(-1, vocab), torch.tensor(y).reshape(-1), -100, **opts),
+                          torch.tensor(y).reshape(-1), reduction)
+    naive = naive.reshape(lead) if reduction == "none" else naive
+    (naive_dx,) = torch.autograd.grad(naive, xt, torch.tensor(g, dtype=naive.dtype))
+
+    xt = _t(x, dtype, grad=True)
+    loss, lse = ftc.cross_entropy(xt, torch.tensor(y), reduction=reduction, return_lse=True, **opts)
+    assert loss.dtype == torch.float32 and lse.shape == lead
+    loss.backward(torch.tensor(g, dtype=torch.float32))
+    assert xt.grad.dtype == xt.dtype
+    for name, out, r, nv in (("loss", loss, ref, naive), ("lse", lse, ref_lse, None),
+                             ("dlogits", xt.grad, ref_dx, naive_dx)):
+        assert_close(out, r, nv if nv is not None else rounded(r, "float32"), name=f"torch {name}",
+                     floor=FLOOR[dtype])
+
+    def f(xj):
+        return fjc.cross_entropy(xj, jnp.asarray(y), reduction=reduction, return_lse=True, **opts)
+
+    (jloss, jlse), vjp = jax.vjp(f, jnp.asarray(x, dtype=dtype))
+    (jdx,) = vjp((jnp.asarray(g, jnp.float32), jnp.zeros(lead, jnp.float32)))
+    assert jloss.dtype == jnp.float32 and jdx.dtype == jnp.dtype(dtype)
+    assert_close(jloss, ref, naive, name="jax loss", floor=FLOOR[dtype])
+    assert_close(jlse, ref_lse, rounded(ref_lse, "float32"), name="jax lse", floor=FLOOR[dtype])
+    assert_close(jdx, ref_dx, naive_dx, name="jax dlogits", floor=FLOOR[dtype])
+    # Parity: the same kernels on the same inputs give the same bits in both frameworks.
+    np.testing.assert_array_equal(np64(jdx), np64(xt.grad))
+    np.testing.assert_array_equal(np64(jlse), np64(lse))
+
+
+def test_multi_tile_rows_and_vocabulary(monkeypatch):
+    """Small tiles: several vocabulary blocks with a ragged last one, several rows per program, a ragged
+    last row block (the online-softmax merge and every mask are exercised)."""
+    monkeypatch.setattr(P, "DEFAULT_CONFIG", P.CEConfig(block_v=128, block_n=4))
+    rng = _rng("tiles")
+    x = rng.standard_normal((13, 1000)) * 4
+    y = _labels(rng, (13,), 1000)
+    g = rng.standard_normal(13)
+    ref = R.cross_entropy(x, y, reduction="none", **ALL)
+    ref_dx = R.cross_entropy_bwd(g, x, y, reduction="none", **ALL)
+    xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    loss = ftc.cross_entropy(xt, torch.tensor(y), reduction="none", **ALL)
+    loss.backward(torch.tensor(g, dtype=torch.float32))
+    naive = _naive_rows(xt.detach().requires_grad_(), torch.tensor(y), -100, **ALL)
+    assert_close(loss, ref, naive, name="loss")
+    assert_close(xt.grad, ref_dx, R.cross_entropy_bwd(g, np64(xt), y, reduction="none", **ALL) * (1 + 1e-7),
+                 name="dlogits", floor=1e-6)
+    jl = fjc.cross_entropy(jnp.asarray(x, jnp.float32), jnp.asarray(y), reduction="none", **ALL)
+    np.testing.assert_array_equal(np64(jl), np64(loss))
+
+
+# ----------------------------------------------------------------------------------------- linear op
+
+LIN_CASES = [  # lead, H, V, dtype, chunk, bias, options, reduction
+    ((1,), 16, 1000, "float32", None, False, {}, "mean"),
+    ((7,), 32, 1000, "float32", 3, True, ALL, "sum"),
+    ((130,), 32, 1000, "float32", 65, False, dict(label_smoothing=0.1), "mean"),
+    ((130,), 32, 1000, "float32", 48, True, ALL, "none"),
+    ((2, 65), 32, 1000, "bfloat16", 64, True, dict(z_loss=1e-3), "mean"),
+    ((7,), 16, 32003, "float32", 4, False, dict(logit_softcap=5.0), "mean"),
+]
+
+
+def _lin_id(c):
+    return (f"{'x'.join(map(str, c[0]))}xH{c[1]}xV{c[2]}-{c[3]}-c{c[4]}-b{int(c[5])}-"
+            f"{'-'.join(c[6]) or 'plain'}-{c[7]}")
+
+
+def _lin_inputs(rng, lead, hidden, vocab, dtype, bias):
+    h = rounded(rng.standard_normal((*lead, hidden)), dtype)
+    w = rounded(rng.standard_normal((vocab, hidden)) / np.sqrt(hidden) * 2, dtype)
+    b = rounded(rng.standard_normal(vocab) * 0.5, dtype) if bias else None
+    return h, w, b
+
+
+def _naive_linear(h, w, y, b, dtype, reduction, g, opts):
+    ht, wt, bt = _t(h, dtype, True), _t(w, dtype, True), _t(b, dtype, True)
+    x = ht.reshape(-1, ht.shape[-1]) @ wt.T
+    x = x if bt is None else x + bt
+    yt = torch.tensor(y).reshape(-1)
+    loss = _naive_reduce(_naive_rows(x, yt, -100, **opts), yt, reduction)
+    loss = loss.reshape(y.shape) if reduction == "none" else loss
+    grads = torch.autograd.grad(loss, [t for t in (ht, wt, bt) if t is not None], torch.tensor(g, dtype=loss.dtype))
+    return loss, grads[0], grads[1], grads[2] if bt is not None else None
+
+
+@pytest.mark.parametrize("case", LIN_CASES, ids=_lin_id)
+def test_linear_cross_entropy_both_frameworks(case):
+    lead, hidden, vocab, dtype, chunk, bias, opts, reduction = case
+    rng = _rng("lin", _lin_id(case))
+    h, w, b = _lin_inputs(rng, lead, hidden, vocab, dtype, bias)
+    y = _labels(rng, lead, vocab)
+    g = _upstream(rng, reduction, lead)
+    kw = dict(reduction=reduction, **opts)
+    ref, ref_lse = R.linear_cross_entropy(h, w, y, bias=b, return_lse=True, **kw)
+    ref_grads = R.linear_cross_entropy_bwd(g, h, w, y, bias=b, **kw)
+    naive = _naive_linear(h, w, y, b, dtype, reduction, g, opts)
+    names = ("loss", "dhidden", "dweight", "dbias")
+
+    ht, wt, bt = _t(h, dtype, True), _t(w, dtype, True), _t(b, dtype, True)
+    loss, lse = ftc.linear_cross_entropy(ht, wt, torch.tensor(y), bias=bt, chunk_size=chunk, return_lse=True,
+                                         **kw)
+    loss.backward(torch.tensor(g, dtype=torch.float32))
+    outs_t = (loss, ht.grad, wt.grad, None if bt is None else bt.grad)
+    assert all(o is None or o.dtype == (torch.float32 if i == 0 else TORCH_DTYPES[dtype])
+               for i, o in enumerate(outs_t))
+    for name, out, r, nv in zip(names, outs_t, (ref, *ref_grads), naive):
+        if r is not None:
+            assert_close(out, r, nv, name=f"torch {name}", floor=FLOOR[dtype])
+    assert_close(lse, ref_lse, rounded(ref_lse, dtype), name="torch lse", floor=FLOOR[dtype])
+
+    args = [jnp.asarray(h, dtype), jnp.asarray(w, dtype)] + ([jnp.asarray(b, dtype)] if bias else [])
+
+    def f(hj, wj, bj=None):
+        return fjc.linear_cross_entropy(hj, wj, jnp.asarray(y), bias=bj, chunk_size=chunk, **kw)
+
+    jloss, vjp = jax.vjp(f, *args)
+    jgrads = vjp(jnp.asarray(g, jnp.float32))
+    outs_j = (jloss, *jgrads) + ((None,) if not bias else ())
+    for name, out, r, nv in zip(names, outs_j, (ref, *ref_grads), naive):
+        if r is not None:
+            assert_close(out, r, nv, name=f"jax {name}", floor=FLOOR[dtype])
+    # Parity: the kernels are shared, the matmuls are each framework's own (torch's vs XLA's CPU GEMM),
+    # so the two agree to rounding, not to the bit.
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for name, a, bb in zip(names, outs_t, outs_j):
+        if a is not None:
+            np.testing.assert_allclose(np64(bb), np64(a), rtol=tol, atol=tol * max(1.0, np.abs(np64(a)).max()),
+                                       err_msg=f"parity {name}")
+
+
+def test_linear_grads_only_where_required_and_weight_only():
+    rng = _rng("frozen")
+    h, w, _ = _lin_inputs(rng, (9,), 16, 1000, "float32", False)
+    y = _labels(rng, (9,), 1000)
+    ref_dh, ref_dw, _ = R.linear_cross_entropy_bwd(1.0, h, w, y)
+    ht = torch.tensor(h, dtype=torch.float32)
+    wt = torch.tensor(w, dtype=torch.float32, requires_grad=True)
+    ftc.linear_cross_entropy(ht, wt, torch.tensor(y), chunk_size=4).backward()
+    assert ht.grad is None
+    assert_close(wt.grad, ref_dw, rounded(ref_dw, "float32"), name="dweight")
+    with torch.no_grad():
+        loss = ftc.linear_cross_entropy(ht, wt, torch.tensor(y))
+    assert not loss.requires_grad
+    assert_close(loss, R.linear_cross_entropy(h, w, y), rounded(R.linear_cross_entropy(h, w, y), "float32"),
+                 name="no-grad loss")
+    del ref_dh
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_tokens_ignored_gives_zero_loss_and_zero_grads(reduction):
+    rng = _rng("ignored", reduction)
+    h, w, b = _lin_inputs(rng, (7,), 16, 1000, "float32", True)
+    y = np.full((7,), -100)
+    ht, wt, bt = _t(h, "float32", True), _t(w, "float32", True), _t(b, "float32", True)
+    loss = ftc.linear_cross_entropy(ht, wt, torch.tensor(y), bias=bt, reduction=reduction, chunk_size=3)
+    loss.sum().backward()
+    for t in (loss, ht.grad, wt.grad, bt.grad):
+        assert torch.isfinite(t).all() and not t.any()
+    jl, jg = jax.value_and_grad(lambda a, bb, c: fjc.linear_cross_entropy(
+        a, bb, jnp.asarray(y), bias=c, reduction=reduction, chunk_size=3).sum(), argnums=(0, 1, 2))(
+        jnp.asarray(h, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
+    for a in (jl, *jg):
+        assert np.all(np.isfinite(a)) and not np.any(a)
+    x = torch.tensor(h @ w.T, dtype=torch.float32, requires_grad=True)
+    ftc.cross_entropy(x, torch.tensor(y), reduction=reduction).sum().backward()
+    assert torch.isfinite(x.grad).all() and not x.grad.any()
+
+
+def test_auto_chunk_and_ragged_chunks_agree():
+    rng = _rng("chunks")
+    h, w, b = _lin_inputs(rng, (130,), 16, 1000, "float32", True)
+    y = _labels(rng, (130,), 1000)
+    results = []
+    for chunk in (None, 130, 64, 1, 129):
+        ht, wt, bt = _t(h, "float32", True), _t(w, "float32", True), _t(b, "float32", True)
+        loss = ftc.linear_cross_entropy(ht, wt, torch.tensor(y), bias=bt, chunk_size=chunk,
+                                        label_smoothing=0.05)
+        loss.backward()
+        results.append([np64(t) for t in (loss, ht.grad, wt.grad, bt.grad)])
+    ref = R.linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.05)
+    for res in results:
+        assert abs(res[0] - ref) < 1e-5 * max(1, abs(ref))
+        for a, bb in zip(res[1:], results[0][1:]):
+            np.testing.assert_allclose(a, bb, rtol=1e-5, atol=1e-6)
+
+
+def test_choose_chunk_size():
+    # The benchmark shape: 2 * C * V * 2 bytes <= the weight's 1 GB -> 4 chunks of 2048 tokens.
+    assert P.choose_chunk_size(8192, 4096, 128256, "bfloat16") == 2048
+    assert P.choose_chunk_size(130, 32, 1000, "float32") == 130  # small: one chunk
+    c = P.choose_chunk_size(8192, 4096, 128256, "bfloat16", free_bytes=2 * 2**30)
+    assert c % 64 == 0 and 2 * c * 128256 * 2 <= 2**30 // 2
+    c = P.choose_chunk_size(10000, 4096, 128256, "bfloat16")
+    assert c % 64 == 0 and 2 * c * 128256 * 2 <= 128256 * 4096 * 2 and P.cdiv(10000, c) == 5
+    assert P.chunk_bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]
+
+
+def test_backward_is_deterministic():
+    rng = _rng("det")
+    h, w, b = _lin_inputs(rng, (37,), 16, 1000, "float32", True)
+    y = _labels(rng, (37,), 1000)
+    runs = []
+    for _ in range(2):
+        ht, wt, bt = _t(h, "float32", True), _t(w, "float32", True), _t(b, "float32", True)
+        ftc.linear_cross_entropy(ht, wt, torch.tensor(y), bias=bt, chunk_size=8, **ALL).backward()
+        runs.append([ht.grad.clone(), wt.grad.clone(), bt.grad.clone()])
+    for a, bb in zip(*runs):
+        assert torch.equal(a, bb)
+
+
+# --------------------------------------------------------------------------- transforms and compilers
+
+def test_jax_jit_grad_vmap():
+    rng = _rng("jax")
+    h, w, b = _lin_inputs(rng, (3, 11), 16, 1000, "float32", True)
+    y = _labels(rng, (3, 11), 1000)
+    hj, wj, bj, yj = (jnp.asarray(a, jnp.float32) for a in (h, w, b)) + (jnp.asarray(y),)
+
+    def loss_fn(hh, ww, bb, yy):
+        return fjc.linear_cross_entropy(hh, ww, yy, bias=bb, chunk_size=4, **ALL)
+
+    val, grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2)))(hj, wj, bj, yj)
+    ref = R.linear_cross_entropy(h, w, y, bias=b, **ALL)
+    ref_grads = R.linear_cross_entropy_bwd(1.0, h, w, y, bias=b, **ALL)
+    assert_close(val, ref, rounded(ref, "float32"), name="jit loss")
+    for name, a, r in zip(("dh", "dw", "db"), grads, ref_grads):
+        assert_close(a, r, rounded(r, "float32"), name=f"jit {name}", floor=1e-5)
+
+    # vmap over sequences with a shared weight: per-example losses and gradients.
+    per_ex = jax.vmap(jax.value_and_grad(loss_fn, argnums=(0, 1)), in_axes=(0, None, None, 0))(hj, wj, bj, yj)
+    for i in range(3):
+        ri = R.linear_cross_entropy(h[i], w, y[i], bias=b, **ALL)
+        rdh, rdw, _ = R.linear_cross_entropy_bwd(1.0, h[i], w, y[i], bias=b, **ALL)
+        assert_close(per_ex[0][i], ri, rounded(ri, "float32"), name="vmap loss")
+        assert_close(per_ex[1][0][i], rdh, rounded(rdh, "float32"), name="vmap dh")
+        assert_close(per_ex[1][1][i], rdw, rounded(rdw, "float32"), name="vmap dw")
+
+    # vmap (nested) of the logits-level op with grad, jitted.
+    x = rng.standard_normal((2, 3, 5, 100)) * 2
+    yx = _labels(rng, (2, 3, 5), 100)
+    ce = lambda xx, yy: fjc.cross_entropy(xx, yy, label_smoothing=0.1)  # noqa: E731
+    vals, dx = jax.jit(jax.vmap(jax.vmap(jax.value_and_grad(ce))))(jnp.asarray(x, jnp.float32), jnp.asarray(yx))
+    for i in range(2):
+        for j in range(3):
+            r = R.cross_entropy(x[i, j], yx[i, j], label_smoothing=0.1)
+            rdx = R.cross_entropy_bwd(1.0, x[i, j], yx[i, j], label_smoothing=0.1)
+            assert_close(vals[i, j], r, rounded(r, "float32"), name="vmap ce")
+            assert_close(dx[i, j], rdx, rounded(rdx, "float32"), name="vmap dlogits")
+
+
+def test_torch_compile_fullgraph():
+    rng = _rng("compile")
+    h, w, b = _lin_inputs(rng, (2, 9), 16, 1000, "float32", True)
+    y = _labels(rng, (2, 9), 1000)
+
+    def step(hh, ww, bb, yy):
+        lin = ftc.linear_cross_entropy(hh, ww, yy, bias=bb, chunk_size=5, z_loss=1e-3)
+        ce = ftc.cross_entropy(hh @ ww.T, yy, reduction="sum", logit_softcap=3.0)
+        return lin + 0.01 * ce
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    ht, wt, bt = _t(h, "float32", True), _t(w, "float32", True), _t(b, "float32", True)
+    compiled(ht, wt, bt, torch.tensor(y)).backward()
+    eh, ew, eb = _t(h, "float32", True), _t(w, "float32", True), _t(b, "float32", True)
+    step(eh, ew, eb, torch.tensor(y)).backward()
+    for a, e in ((ht.grad, eh.grad), (wt.grad, ew.grad), (bt.grad, eb.grad)):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+    ref_dh = R.linear_cross_entropy_bwd(1.0, h, w, y, bias=b, z_loss=1e-3)[0]
+    assert np.abs(np64(ht.grad) - ref_dh - 0.01 * (R.cross_entropy_bwd(
+        1.0, h.reshape(-1, 16) @ w.T, y.reshape(-1), reduction="sum", logit_softcap=3.0) @ w).reshape(
+        h.shape)).max() < 1e-5
+
+
+def test_opcheck_custom_ops():
+    rng = _rng("opcheck")
+    x = torch.tensor(rng.standard_normal((5, 300)), dtype=torch.float32, requires_grad=True)
+    y = torch.tensor(_labels(rng, (5,), 300))
+    opts = (-100, 0.1, 1e-3, 4.0)
+    torch.library.opcheck(torch.ops.flashbridge.cross_entropy_fwd.default, (x, y, *opts))
+    _, lse = torch.ops.flashbridge.cross_entropy_fwd(x.detach(), y, *opts)
+    torch.library.opcheck(torch.ops.flashbridge.cross_entropy_bwd.default,
+                          (x.detach(), y, lse, torch.rand(5), *opts))
+    h = torch.tensor(rng.standard_normal((5, 8)), dtype=torch.float32, requires_grad=True)
+    w = torch.tensor(rng.standard_normal((300, 8)), dtype=torch.float32, requires_grad=True)
+    b = torch.tensor(rng.standard_normal(300), dtype=torch.float32, requires_grad=True)
+    for reduction in ("mean", "none"):
+        torch.library.opcheck(torch.ops.flashbridge.linear_cross_entropy_fwd.default,
+                              (h, w, y, b, *opts, reduction, 2, True, True, True))
+    _, lse, *_ = torch.ops.flashbridge.linear_cross_entropy_fwd(h.detach(), w.detach(), y, b.detach(), *opts,
+                                                                "none", 2, False, False, False)
+    torch.library.opcheck(torch.ops.flashbridge.linear_cross_entropy_bwd.default,
+                          (h.detach(), w.detach(), y, b.detach(), lse, torch.rand(5), *opts, 2, True, True, True))
+
+
+# -------------------------------------------------------------------------------------- modules, flax
+
+def test_torch_module():
+    rng = _rng("module")
+    head = torch.nn.Linear(16, 1000, bias=True)
+    h = rng.standard_normal((2, 5, 16))
+    y = _labels(rng, (2, 5), 1000)
+    loss_fn = ftc.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    ht = torch.tensor(h, dtype=torch.float32, requires_grad=True)
+    loss = loss_fn(ht, head.weight, torch.tensor(y), head.bias)
+    loss.backward()
+    w, b = np64(head.weight), np64(head.bias)
+    ref = R.linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.1, reduction="sum")
+    rdh, rdw, rdb = R.linear_cross_entropy_bwd(1.0, h, w, y, bias=b, label_smoothing=0.1, reduction="sum")
+    assert_close(loss, ref, rounded(ref, "float32"), name="module loss")
+    for name, a, r in (("dh", ht.grad, rdh), ("dw", head.weight.grad, rdw), ("db", head.bias.grad, rdb)):
+        assert_close(a, r, rounded(r, "float32"), name=name, floor=1e-5)
+    assert "label_smoothing=0.1" in repr(loss_fn)
+
+
+def test_flax_linear_head_and_tied_embedding():
+    from flax import nnx
+
+    rng = _rng("flax")
+    h = rng.standard_normal((7, 16)).astype(np.float32)
+    y = _labels(rng, (7,), 1000)
+    head = nnx.Linear(16, 1000, rngs=nnx.Rngs(0))
+    head.bias[...] = jnp.asarray(rng.standard_normal(1000), jnp.float32)
+    emb = nnx.Embed(1000, 16, rngs=nnx.Rngs(1))
+
+    def loss_fn(layer):
+        return fjc.linear_cross_entropy_from_layer(layer, jnp.asarray(h), jnp.asarray(y), chunk_size=3,
+                                                   z_loss=1e-3)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(head)
+    k, b = np64(head.kernel[...]), np64(head.bias[...])
+    ref = R.linear_cross_entropy(h, k.T, y, bias=b, z_loss=1e-3)
+    _, rdw, rdb = R.linear_cross_entropy_bwd(1.0, h, k.T, y, bias=b, z_loss=1e-3)
+    assert_close(loss, ref, rounded(ref, "float32"), name="nnx.Linear loss")
+    assert_close(grads.kernel[...], rdw.T, rounded(rdw.T, "float32"), name="nnx.Linear dkernel")
+    assert_close(grads.bias[...], rdb, rounded(rdb, "float32"), name="nnx.Linear dbias")
+
+    loss, grads = nnx.value_and_grad(loss_fn)(emb)
+    e = np64(emb.embedding[...])
+    ref = R.linear_cross_entropy(h, e, y, z_loss=1e-3)
+    _, rdw, _ = R.linear_cross_entropy_bwd(1.0, h, e, y, z_loss=1e-3)
+    assert_close(loss, ref, rounded(ref, "float32"), name="nnx.Embed loss")
+    assert_close(grads.embedding[...], rdw, rounded(rdw, "float32"), name="nnx.Embed dembedding")
+    with pytest.raises(TypeError, match="layer"):
+        fjc.linear_cross_entropy_from_layer(nnx.Conv(2, 2, (1,), rngs=nnx.Rngs(0)), jnp.asarray(h), jnp.asarray(y))
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+def test_reference_backward_matches_finite_differences():
+    rng = _rng("fd")
+    h = rng.standard_normal((4, 3))
+    w = rng.standard_normal((7, 3))
+    b = rng.standard_normal(7)
+    y = np.array([1, -100, 6, 0])
+    g = rng.standard_normal(4)
+    kw = dict(reduction="none", **ALL)
+    grads = R.linear_cross_entropy_bwd(g, h, w, y, bias=b, **kw)
+    for idx, arr in enumerate((h, w, b)):
+        num = np.zeros_like(arr)
+        for i in np.ndindex(arr.shape):
+            args = [h.copy(), w.copy(), b.copy()]
+            args[idx][i] += 1e-6
+            up = np.dot(g, R.linear_cross_entropy(*args[:2], y, bias=args[2], **kw))
+            args[idx][i] -= 2e-6
+            down = np.dot(g, R.linear_cross_entropy(*args[:2], y, bias=args[2], **kw))
+            num[i] = (up - down) / 2e-6
+        np.testing.assert_allclose(grads[idx], num, rtol=1e-6, atol=1e-8)
+    # Mean over non-ignored rows matches torch's definition.
+    x = h @ w.T
+    t = F.cross_entropy(torch.tensor(x), torch.tensor(y), label_smoothing=0.1)
+    assert abs(R.cross_entropy(x, y, label_smoothing=0.1) - t.item()) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def _bad_cases():
+    h, w, y = np.ones((4, 8)), np.ones((50, 8)), np.array([0, 1, 2, 3])
+    f32 = "float32"
+    lin = [  # (kwargs overrides, exception, message fragment)
+        (dict(labels=np.array([0, 1, 50, 3])), ValueError, "outside \\[0, 50\\)"),
+        (dict(labels=np.array([0, -1, 2, 3])), ValueError, "labels: 1 label"),
+        (dict(labels=np.array([0, 1, 2])), ValueError, "labels: expected shape"),
+        (dict(labels=np.array([0.0, 1, 2, 3])), TypeError, "labels: dtype"),
+        (dict(weight=np.ones((50, 9))), ValueError, "weight: hidden size 9"),
+        (dict(weight=np.ones((50, 8, 1))), ValueError, "weight: expected a 2-D"),
+        (dict(weight_dtype="float16"), TypeError, "weight: dtype float16"),
+        (dict(dtype="int32"), TypeError, "hidden: dtype int32"),
+        (dict(bias=np.ones(49)), ValueError, "bias: expected shape"),
+        (dict(hidden=np.ones((0, 8)), labels=np.zeros((0,), np.int64)), ValueError, "at least"),
+        (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+        (dict(z_loss=-1.0), ValueError, "z_loss"),
+        (dict(logit_softcap=float("nan")), ValueError, "logit_softcap"),
+        (dict(reduction="avg"), ValueError, "reduction"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(ignore_index=1.5), TypeError, "ignore_index"),
+    ]
+    return [(h, w, y, f32, *c) for c in lin]
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[c[6] for c in BAD])
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_bad_input_is_rejected_with_a_clear_error(framework, i):
+    h, w, y, dtype, over, exc, match = BAD[i]
+    over = dict(over)
+    h, w, y = over.pop("hidden", h), over.pop("weight", w), over.pop("labels", y)
+    dtype = over.pop("dtype", dtype)
+    w_dtype = over.pop("weight_dtype", dtype)
+    b = over.pop("bias", None)
+    if framework == "torch":
+        td = {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32}
+        args = (torch.tensor(h, dtype=td[dtype]), torch.tensor(w, dtype=td[w_dtype]), torch.tensor(y))
+        bb = None if b is None else torch.tensor(b, dtype=td[dtype])
+        fn, ce = ftc.linear_cross_entropy, ftc.cross_entropy
+    else:
+        args = (jnp.asarray(h, dtype), jnp.asarray(w, w_dtype), jnp.asarray(y))
+        bb = None if b is None else jnp.asarray(b, dtype)
+        fn, ce = fjc.linear_cross_entropy, fjc.cross_entropy
+    with pytest.raises(exc, match=match):
+        fn(*args, bias=bb, **over)
+    if "weight" not in match and "bias" not in match and "chunk" not in match and "hidden" not in match:
+        # The logits-level op applies the same rules to (logits, labels).
+        logits = args[0] @ args[1].T if args[0].shape[-1] == args[1].shape[-1] else None
+        if logits is not None:
+            with pytest.raises(exc, match=match.replace("hidden", "logits")):
+                ce(logits, args[2], **over)
+
+
+def test_invalid_labels_under_tracing_give_nan_not_garbage():
+    """Labels that cannot be inspected (traced by jit, or a direct custom-op call) reach the kernels:
+    the documented result is a NaN loss and NaN gradients for that row, never an out-of-bounds read."""
+    rng = _rng("nan")
+    x = rng.standard_normal((4, 50)).astype(np.float32)
+    y = np.array([0, 77, -100, 3])
+    loss = jax.jit(lambda a, b: fjc.cross_entropy(a, b, reduction="none"))(jnp.asarray(x), jnp.asarray(y))
+    assert np.isnan(loss[1]) and np.all(np.isfinite(np.asarray(loss)[[0, 2, 3]]))
+    rows, _ = torch.ops.flashbridge.cross_entropy_fwd(torch.tensor(x), torch.tensor(y), -100, 0.0, 0.0, 0.0)
+    assert torch.isnan(rows[1]) and torch.isfinite(rows[[0, 2, 3]]).all()
+    g = jax.jit(jax.grad(lambda a, b: fjc.cross_entropy(a, b)))(jnp.asarray(x), jnp.asarray(y))
+    assert np.all(np.isnan(g[1])) and np.all(np.isfinite(np.asarray(g)[[0, 2, 3]]))
+
+
+def test_lse_is_not_differentiable():
+    x = torch.randn(3, 20, requires_grad=True)
+    _, lse = ftc.cross_entropy(x, torch.tensor([1, 2, 3]), return_lse=True)
+    assert not lse.requires_grad
+    h = torch.randn(3, 8, requires_grad=True)
+    _, lse = ftc.linear_cross_entropy(h, torch.randn(20, 8), torch.tensor([1, 2, 3]), return_lse=True)
+    assert not lse.requires_grad
+    g = jax.grad(lambda a: fjc.cross_entropy(a, jnp.array([1, 2, 3]), return_lse=True)[1].sum())(
+        jnp.asarray(np.random.default_rng(0).standard_normal((3, 20)), jnp.float32))
+    assert not np.any(g)
