@@ -1,6 +1,9 @@
 """Cross-entropy family on the CPU (Triton interpreter), both frameworks, against the float64 reference."""
 from __future__ import annotations
 
+import os
+import zlib
+
 import numpy as np
 import pytest
 
@@ -17,12 +20,16 @@ from flashbridge.jax_api import cross_entropy as fjc  # noqa: E402
 from flashbridge.torch_api import cross_entropy as ftc  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FLOOR = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-3}
+FLOOR = {"float32": 1e-7, "float16": 1e-4, "bfloat16": 1e-4}
 ALL = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 
 
+SEED = int(os.environ.get("FLASHBRIDGE_TEST_SEED", "0"))
+
+
 def _rng(*key):
-    return np.random.default_rng(abs(hash(key)) % 2**32)
+    """A generator per test case, stable across processes (str hashes are salted per process)."""
+    return np.random.default_rng([zlib.crc32(repr(key).encode()), SEED])
 
 
 def _labels(rng, lead, vocab, ignore_frac=0.15):
@@ -126,10 +133,11 @@ def test_multi_tile_rows_and_vocabulary(monkeypatch):
     xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
     loss = ftc.cross_entropy(xt, torch.tensor(y), reduction="none", **ALL)
     loss.backward(torch.tensor(g, dtype=torch.float32))
-    naive = _naive_rows(xt.detach().requires_grad_(), torch.tensor(y), -100, **ALL)
+    xn = xt.detach().clone().requires_grad_()
+    naive = _naive_rows(xn, torch.tensor(y), -100, **ALL)
+    (naive_dx,) = torch.autograd.grad(naive, xn, torch.tensor(g, dtype=torch.float32))
     assert_close(loss, ref, naive, name="loss")
-    assert_close(xt.grad, ref_dx, R.cross_entropy_bwd(g, np64(xt), y, reduction="none", **ALL) * (1 + 1e-7),
-                 name="dlogits", floor=1e-6)
+    assert_close(xt.grad, ref_dx, naive_dx, name="dlogits")
     jl = fjc.cross_entropy(jnp.asarray(x, jnp.float32), jnp.asarray(y), reduction="none", **ALL)
     np.testing.assert_array_equal(np64(jl), np64(loss))
 
@@ -143,6 +151,7 @@ LIN_CASES = [  # lead, H, V, dtype, chunk, bias, options, reduction
     ((130,), 32, 1000, "float32", 48, True, ALL, "none"),
     ((2, 65), 32, 1000, "bfloat16", 64, True, dict(z_loss=1e-3), "mean"),
     ((7,), 16, 32003, "float32", 4, False, dict(logit_softcap=5.0), "mean"),
+    ((7,), 16, 1000, "float16", 2, True, ALL, "none"),
 ]
 
 
@@ -300,7 +309,7 @@ def test_jax_jit_grad_vmap():
     rng = _rng("jax")
     h, w, b = _lin_inputs(rng, (3, 11), 16, 1000, "float32", True)
     y = _labels(rng, (3, 11), 1000)
-    hj, wj, bj, yj = (jnp.asarray(a, jnp.float32) for a in (h, w, b)) + (jnp.asarray(y),)
+    hj, wj, bj, yj = (*(jnp.asarray(a, jnp.float32) for a in (h, w, b)), jnp.asarray(y))
 
     def loss_fn(hh, ww, bb, yy):
         return fjc.linear_cross_entropy(hh, ww, yy, bias=bb, chunk_size=4, **ALL)
@@ -363,19 +372,20 @@ def test_opcheck_custom_ops():
     y = torch.tensor(_labels(rng, (5,), 300))
     opts = (-100, 0.1, 1e-3, 4.0)
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_fwd.default, (x, y, *opts))
-    _, lse = torch.ops.flashbridge.cross_entropy_fwd(x.detach(), y, *opts)
+    _, lse, lse_lo = torch.ops.flashbridge.cross_entropy_fwd(x.detach(), y, *opts)
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_bwd.default,
-                          (x.detach(), y, lse, torch.rand(5), *opts))
+                          (x.detach(), y, lse, lse_lo, torch.rand(5), *opts))
     h = torch.tensor(rng.standard_normal((5, 8)), dtype=torch.float32, requires_grad=True)
     w = torch.tensor(rng.standard_normal((300, 8)), dtype=torch.float32, requires_grad=True)
     b = torch.tensor(rng.standard_normal(300), dtype=torch.float32, requires_grad=True)
     for reduction in ("mean", "none"):
         torch.library.opcheck(torch.ops.flashbridge.linear_cross_entropy_fwd.default,
                               (h, w, y, b, *opts, reduction, 2, True, True, True))
-    _, lse, *_ = torch.ops.flashbridge.linear_cross_entropy_fwd(h.detach(), w.detach(), y, b.detach(), *opts,
+    _, lse, lse_lo, *_ = torch.ops.flashbridge.linear_cross_entropy_fwd(h.detach(), w.detach(), y, b.detach(), *opts,
                                                                 "none", 2, False, False, False)
     torch.library.opcheck(torch.ops.flashbridge.linear_cross_entropy_bwd.default,
-                          (h.detach(), w.detach(), y, b.detach(), lse, torch.rand(5), *opts, 2, True, True, True))
+                          (h.detach(), w.detach(), y, b.detach(), lse, lse_lo, torch.rand(5), *opts, 2, True, True,
+                           True))
 
 
 # -------------------------------------------------------------------------------------- modules, flax
@@ -523,7 +533,7 @@ def test_invalid_labels_under_tracing_give_nan_not_garbage():
     y = np.array([0, 77, -100, 3])
     loss = jax.jit(lambda a, b: fjc.cross_entropy(a, b, reduction="none"))(jnp.asarray(x), jnp.asarray(y))
     assert np.isnan(loss[1]) and np.all(np.isfinite(np.asarray(loss)[[0, 2, 3]]))
-    rows, _ = torch.ops.flashbridge.cross_entropy_fwd(torch.tensor(x), torch.tensor(y), -100, 0.0, 0.0, 0.0)
+    rows, _, _ = torch.ops.flashbridge.cross_entropy_fwd(torch.tensor(x), torch.tensor(y), -100, 0.0, 0.0, 0.0)
     assert torch.isnan(rows[1]) and torch.isfinite(rows[[0, 2, 3]]).all()
     g = jax.jit(jax.grad(lambda a, b: fjc.cross_entropy(a, b)))(jnp.asarray(x), jnp.asarray(y))
     assert np.all(np.isnan(g[1])) and np.all(np.isfinite(np.asarray(g)[[0, 2, 3]]))

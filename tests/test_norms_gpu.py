@@ -26,7 +26,7 @@ def _jgpu(a, dtype):
 
 @pytest.mark.parametrize("op", ["rms", "ln"])
 @pytest.mark.parametrize("rows,cols", [(4096, 8192), (8192, 2048), (3, 65536), (1000, 1), (130, 17), (1024, 1000)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gpu_matches_reference_and_jax(op, rows, cols, dtype, with_residual):
     if dtype != "bfloat16" and rows * cols > 4096 * 2048:

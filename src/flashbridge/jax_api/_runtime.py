@@ -71,11 +71,14 @@ def _execute_gpu(plan: Plan, names: tuple[str, ...], *arrays):
     env = dict(zip(names, arrays))
     for launch in plan.launches:
         specs = [plan.spec(n) for n in launch.outputs]
+        # jax-triton types a Python float as fp64 where Triton's own launcher uses fp32: pass np.float32
+        # so both front-ends compile the same kernel (and get the same bits).
+        scalars = [np.float32(v) if isinstance(v, float) else v for v in launch.scalar_values()]
         outs = jt.triton_call(
-            *[env[n] for n in launch.inputs], *launch.scalar_values(),
+            *[env[n] for n in launch.inputs], *scalars,
             kernel=get_kernel(launch.kernel, False),
             out_shape=[jax.ShapeDtypeStruct(s.shape, jnp_dtype(s.dtype)) for s in specs],
-            grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True,
             zeroed_outputs=tuple(i for i, s in enumerate(specs) if s.zero),
             **launch.constexpr_dict())
         env.update(zip(launch.outputs, outs))

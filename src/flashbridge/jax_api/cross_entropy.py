@@ -63,11 +63,11 @@ def _fwd_call(logits, labels, *, opts: _Opts):
                    {"logits": logits, "labels": labels})
 
 
-def _grad_call(logits, labels, lse, weight, *, opts: _Opts):
+def _grad_call(logits, labels, lse, lse_lo, weight, *, opts: _Opts):
     n_rows, vocab = logits.shape
     (grad,) = execute(lambda target: plan_ce_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
                                                   per_row_weight=True, **opts.kwargs(), target=target),
-                      {"logits": logits, "labels": labels, "lse": lse, "weight": weight})
+                      {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weight})
     return grad
 
 
@@ -93,7 +93,7 @@ def _row_op(call, n_out: int):
 
 @functools.lru_cache(maxsize=None)
 def _fwd_op(opts: _Opts):
-    return _row_op(functools.partial(_fwd_call, opts=opts), 2)
+    return _row_op(functools.partial(_fwd_call, opts=opts), 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,18 +115,19 @@ def _label_cotangent(labels):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _ce(logits, labels, opts: _Opts):
-    return _fwd_op(opts)(logits, labels)
+    loss, lse, _ = _fwd_op(opts)(logits, labels)
+    return loss, lse
 
 
 def _ce_fwd(logits, labels, opts):
-    loss, lse = _fwd_op(opts)(logits, labels)
-    return (loss, lse), (logits, labels, lse)
+    loss, lse, lse_lo = _fwd_op(opts)(logits, labels)
+    return (loss, lse), (logits, labels, lse, lse_lo)
 
 
 def _ce_bwd(opts, saved, cotangents):
-    logits, labels, lse = saved
+    logits, labels, lse, lse_lo = saved
     dloss, _ = cotangents
-    grad = _grad_op(opts)(logits, labels, lse, dloss.astype(F32))
+    grad = _grad_op(opts)(logits, labels, lse, lse_lo, dloss.astype(F32))
     return grad, _label_cotangent(labels)
 
 
@@ -201,8 +202,8 @@ def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
         h_c, y_c = rows
         return carry, _fwd_op(cfg.opts)(_chunk_logits(h_c, weight, bias, cfg.transposed), y_c)
 
-    _, (loss_rows, lse) = _scan_chunks(step, None, (hidden, labels), cfg.chunk)
-    return loss_rows, lse
+    _, (loss_rows, lse, lse_lo) = _scan_chunks(step, None, (hidden, labels), cfg.chunk)
+    return loss_rows, lse, lse_lo
 
 
 def _zero_grads(weight, bias):
@@ -225,28 +226,29 @@ def _lce_forward_with_grads(hidden, weight, labels, bias, cfg: _LinearCfg):
     return loss_rows, lse, dh, dw, db
 
 
-def _lce_recompute_grads(hidden, weight, labels, bias, lse, dloss, cfg: _LinearCfg):
+def _lce_recompute_grads(hidden, weight, labels, bias, lse, lse_lo, dloss, cfg: _LinearCfg):
     def step(carry, rows):
-        h_c, y_c, lse_c, g_c = rows
+        h_c, y_c, lse_c, lo_c, g_c = rows
         logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
-        grad = _grad_op(cfg.opts)(logits, y_c, lse_c, g_c)
+        grad = _grad_op(cfg.opts)(logits, y_c, lse_c, lo_c, g_c)
         carry, dh_c = _accumulate(grad, h_c, weight, carry, cfg.transposed)
         return carry, (dh_c,)
 
-    (dw, db), (dh,) = _scan_chunks(step, _zero_grads(weight, bias), (hidden, labels, lse, dloss), cfg.chunk)
+    (dw, db), (dh,) = _scan_chunks(step, _zero_grads(weight, bias), (hidden, labels, lse, lse_lo, dloss),
+                                   cfg.chunk)
     return dh, dw, db
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _lce(hidden, weight, labels, bias, cfg: _LinearCfg):
-    loss_rows, lse = _lce_forward(hidden, weight, labels, bias, cfg)
+    loss_rows, lse, _ = _lce_forward(hidden, weight, labels, bias, cfg)
     return _reduce(loss_rows, labels, cfg.opts.ignore_index, cfg.reduction), lse
 
 
 def _lce_fwd(hidden, weight, labels, bias, cfg):
     if cfg.reduction == "none":
-        loss_rows, lse = _lce_forward(hidden, weight, labels, bias, cfg)
-        return (loss_rows, lse), (hidden, weight, labels, bias, lse)
+        loss_rows, lse, lse_lo = _lce_forward(hidden, weight, labels, bias, cfg)
+        return (loss_rows, lse), (hidden, weight, labels, bias, lse, lse_lo)
     loss_rows, lse, dh, dw, db = _lce_forward_with_grads(hidden, weight, labels, bias, cfg)
     loss = _reduce(loss_rows, labels, cfg.opts.ignore_index, cfg.reduction)
     return (loss, lse), (dh, dw, db, labels)
@@ -255,8 +257,8 @@ def _lce_fwd(hidden, weight, labels, bias, cfg):
 def _lce_bwd(cfg, saved, cotangents):
     dloss, _ = cotangents
     if cfg.reduction == "none":
-        hidden, weight, labels, bias, lse = saved
-        dh, dw, db = _lce_recompute_grads(hidden, weight, labels, bias, lse, dloss.astype(F32), cfg)
+        hidden, weight, labels, bias, lse, lse_lo = saved
+        dh, dw, db = _lce_recompute_grads(hidden, weight, labels, bias, lse, lse_lo, dloss.astype(F32), cfg)
     else:
         dh, dw, db, labels = saved
         g = dloss.astype(F32)

@@ -59,7 +59,7 @@ def _scores(q, k, *, scale, softcap, slopes, causal, window_size):
 
 def _lse(s, sinks):
     """Row log-sum-exp over keys (and the sink): s (H, Sq, Sk) -> (H, Sq); -inf for empty rows."""
-    m = np.max(s, axis=-1)
+    m = np.max(s, axis=-1, initial=-np.inf)
     if sinks is not None:
         m = np.maximum(m, sinks[:, None])
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -167,8 +167,8 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
         dkk = np.einsum("hqk,qhd->khd", ds, qq)
         dvv = np.einsum("hqk,qhd->khd", p, do)
         sk = dkk.shape[0]
-        dk[ks] = dkk.reshape(sk, hkv, group, -1).sum(axis=2)
-        dv[ks] = dvv.reshape(sk, hkv, group, -1).sum(axis=2)
+        dk[ks] = dkk.reshape(sk, hkv, group, dkk.shape[-1]).sum(axis=2)
+        dv[ks] = dvv.reshape(sk, hkv, group, dvv.shape[-1]).sum(axis=2)
         if sinks is not None:
             p_sink = np.exp(sinks[:, None] - np.where(np.isfinite(row_lse), row_lse, np.inf))  # (H, Sq)
             dsinks -= np.sum(p_sink * delta, axis=1)

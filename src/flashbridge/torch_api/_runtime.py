@@ -41,6 +41,14 @@ def target_for(device: torch.device) -> Target:
     raise ValueError(f"flashbridge kernels run on CUDA or CPU tensors, got a tensor on {device}")
 
 
+def _compile_options(launch, interpret: bool) -> dict:
+    """The same compile options as the JAX runtime passes to jax-triton (fp fusion stated explicitly:
+    the two launchers' defaults need not agree, and the bits of the results depend on it)."""
+    if interpret:
+        return {}
+    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
+
+
 _poison = False
 
 
@@ -83,8 +91,7 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
             kernel = get_kernel(launch.kernel, interpret)
             args = ([env[n] for n in launch.inputs] + launch.scalar_values()
                     + [env[n] for n in launch.outputs])
-            kernel[launch.grid](*args, **launch.constexpr_dict(), num_warps=launch.num_warps,
-                                num_stages=launch.num_stages)
+            kernel[launch.grid](*args, **launch.constexpr_dict(), **_compile_options(launch, interpret))
     out = []
     for name in plan.results:
         t, want = env[name], TORCH_DTYPES[plan.spec(name).dtype]

@@ -50,8 +50,8 @@ def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):
 
 @torch.library.custom_op("flashbridge::cross_entropy_fwd", mutates_args=())
 def _ce_fwd(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
-            logit_softcap: float) -> tuple[Tensor, Tensor]:
-    """logits (n, V), labels (n,) -> per-row loss (float32 (n,)), lse (float32 (n,))."""
+            logit_softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """logits (n, V), labels (n,) -> per-row loss, lse, lse_lo (float32 (n,) each; see plan_ce_fwd)."""
     n_rows, vocab = logits.shape
     plan = plan_ce_fwd(n_rows, vocab, **_opts(ignore_index, label_smoothing, z_loss, logit_softcap),
                        target=target_for(logits.device))
@@ -61,11 +61,11 @@ def _ce_fwd(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: 
 @_ce_fwd.register_fake
 def _(logits, labels, ignore_index, label_smoothing, z_loss, logit_softcap):
     n_rows = logits.shape[0]
-    return (logits.new_empty((n_rows,), dtype=torch.float32), logits.new_empty((n_rows,), dtype=torch.float32))
+    return tuple(logits.new_empty((n_rows,), dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("flashbridge::cross_entropy_bwd", mutates_args=())
-def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, dloss: Tensor, ignore_index: int,
+def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, lse_lo: Tensor, dloss: Tensor, ignore_index: int,
             label_smoothing: float, z_loss: float, logit_softcap: float) -> Tensor:
     """Gradient of sum_i dloss_i * loss_i with respect to logits (n, V); dloss float32 (n,)."""
     n_rows, vocab = logits.shape
@@ -73,28 +73,28 @@ def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, dloss: Tensor, ignore_i
                         **_opts(ignore_index, label_smoothing, z_loss, logit_softcap),
                         target=target_for(logits.device))
     (grad,) = execute(plan, {"logits": logits.contiguous(), "labels": labels.contiguous(),
-                             "lse": lse.contiguous(), "weight": dloss.contiguous()})
+                             "lse": lse.contiguous(), "lse_lo": lse_lo.contiguous(), "weight": dloss.contiguous()})
     return grad
 
 
 @_ce_bwd.register_fake
-def _(logits, labels, lse, dloss, ignore_index, label_smoothing, z_loss, logit_softcap):
+def _(logits, labels, lse, lse_lo, dloss, ignore_index, label_smoothing, z_loss, logit_softcap):
     return torch.empty_like(logits)
 
 
 def _ce_setup_context(ctx, inputs, output):
     logits, labels, *options = inputs
-    _, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(logits, labels, lse)
+    _, lse, lse_lo = output
+    ctx.mark_non_differentiable(lse, lse_lo)
+    ctx.save_for_backward(logits, labels, lse, lse_lo)
     ctx.options = options
 
 
-def _ce_backward(ctx, dloss, dlse):
-    logits, labels, lse = ctx.saved_tensors
+def _ce_backward(ctx, dloss, *_):
+    logits, labels, lse, lse_lo = ctx.saved_tensors
     if dloss is None or not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
-    grad = _ce_bwd(logits, labels, lse, dloss.float().contiguous(), *ctx.options)
+    grad = _ce_bwd(logits, labels, lse, lse_lo, dloss.float().contiguous(), *ctx.options)
     return grad, None, None, None, None, None
 
 
@@ -142,10 +142,10 @@ def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
 def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
              label_smoothing: float, z_loss: float, logit_softcap: float, reduction: str, chunk_size: int,
              grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """hidden (N, H), weight (V, H), labels (N,) -> (loss, lse, dh, dw, db).
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden (N, H), weight (V, H), labels (N,) -> (loss, lse, lse_lo, dh, dw, db).
 
-    loss: float32 scalar ("mean" / "sum") or (N,) ("none"); lse float32 (N,). With reduction "mean" /
+    loss: float32 scalar ("mean" / "sum") or (N,) ("none"); lse, lse_lo float32 (N,) (plan_ce_fwd). With reduction "mean" /
     "sum", dh / dw / db are the gradients for an upstream gradient of 1, computed chunk by chunk during
     the forward, for the grad_* flags that are set; the others (and all three for "none") are empty.
     """
@@ -158,6 +158,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     chunk = _chunk_size(n_rows, hidden, vocab, chunk_size)
     loss_rows = hidden.new_empty((n_rows,), dtype=torch.float32)
     lse = hidden.new_empty((n_rows,), dtype=torch.float32)
+    lse_lo = torch.zeros_like(lse)  # only the recomputing backward ("none") reads it
     dh, dw, db = _grad_buffers(hidden, weight, bias, fused and grad_hidden, fused and grad_weight,
                                fused and grad_bias)
     if fused:
@@ -178,7 +179,8 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
             _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
             del grad
         else:
-            loss_c, lse_c = execute(plan_ce_fwd(stop - start, vocab, **options, target=target), named)
+            loss_c, lse_c, lse_lo[start:stop] = execute(plan_ce_fwd(stop - start, vocab, **options, target=target),
+                                                        named)
         loss_rows[start:stop] = loss_c
         lse[start:stop] = lse_c
     if reduction == "none":
@@ -188,7 +190,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     else:
         loss = loss_rows.sum() / (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
-    return loss, lse, dh, dw, db_out
+    return loss, lse, lse_lo, dh, dw, db_out
 
 
 @_lce_fwd.register_fake
@@ -201,12 +203,12 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit
     dh = hidden.new_empty(hidden.shape) if fused and grad_hidden else hidden.new_empty((0,))
     dw = weight.new_empty(weight.shape) if fused and grad_weight else weight.new_empty((0,))
     db = hidden.new_empty((weight.shape[0],)) if fused and grad_bias else hidden.new_empty((0,))
-    return loss, hidden.new_empty((n_rows,), dtype=f32), dh, dw, db
+    return loss, hidden.new_empty((n_rows,), dtype=f32), hidden.new_empty((n_rows,), dtype=f32), dh, dw, db
 
 
 @torch.library.custom_op("flashbridge::linear_cross_entropy_bwd", mutates_args=())
 def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
-             dloss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
+             lse_lo: Tensor, dloss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
              chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
              ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,)) by recomputing the logits chunk by chunk
@@ -223,7 +225,7 @@ def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
         plan = plan_ce_grad(stop - start, vocab, grad_dtype=dtype_name(hidden.dtype), per_row_weight=True,
                             **options, target=target)
         (grad,) = execute(plan, {"logits": logits, "labels": labels[start:stop], "lse": lse[start:stop],
-                                 "weight": dloss[start:stop]})
+                                 "lse_lo": lse_lo[start:stop], "weight": dloss[start:stop]})
         del logits
         _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
         del grad
@@ -231,7 +233,7 @@ def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
 
 
 @_lce_bwd.register_fake
-def _(hidden, weight, labels, bias, lse, dloss, ignore_index, label_smoothing, z_loss, logit_softcap,
+def _(hidden, weight, labels, bias, lse, lse_lo, dloss, ignore_index, label_smoothing, z_loss, logit_softcap,
       chunk_size, grad_hidden, grad_weight, grad_bias):
     dh = hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty((0,))
     dw = weight.new_empty(weight.shape) if grad_weight else weight.new_empty((0,))
@@ -242,13 +244,13 @@ def _(hidden, weight, labels, bias, lse, dloss, ignore_index, label_smoothing, z
 def _lce_setup_context(ctx, inputs, output):
     (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit_softcap, reduction, chunk_size,
      grad_hidden, grad_weight, grad_bias) = inputs
-    _, lse, dh, dw, db = output
-    ctx.mark_non_differentiable(lse, dh, dw, db)
+    _, lse, lse_lo, dh, dw, db = output
+    ctx.mark_non_differentiable(lse, lse_lo, dh, dw, db)
     ctx.reduction = reduction
     ctx.flags = (grad_hidden, grad_weight, grad_bias and bias is not None)
     ctx.options = (ignore_index, label_smoothing, z_loss, logit_softcap, chunk_size)
     if reduction == "none":
-        ctx.save_for_backward(hidden, weight, labels, bias, lse)
+        ctx.save_for_backward(hidden, weight, labels, bias, lse, lse_lo)
     else:
         ctx.save_for_backward(dh, dw, db)
 
@@ -259,9 +261,9 @@ def _lce_backward(ctx, dloss, *_):
     if dloss is None or not (gh or gw or gb):
         return (None,) * 13
     if ctx.reduction == "none":
-        hidden, weight, labels, bias, lse = ctx.saved_tensors
+        hidden, weight, labels, bias, lse, lse_lo = ctx.saved_tensors
         ii, ls, zl, cap, chunk = ctx.options
-        dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, dloss.float().contiguous(), ii, ls, zl, cap,
+        dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, lse_lo, dloss.float().contiguous(), ii, ls, zl, cap,
                               chunk, gh, gw, gb)
     else:
         dh, dw, db = ctx.saved_tensors
@@ -344,7 +346,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     x = logits.reshape(n_rows, vocab).contiguous()
     y = labels.reshape(n_rows).contiguous()
     _validate_label_values(y, vocab, ignore_index)
-    loss_rows, lse = torch.ops.flashbridge.cross_entropy_fwd(x, y, int(ignore_index), float(label_smoothing),
+    loss_rows, lse, _ = torch.ops.flashbridge.cross_entropy_fwd(x, y, int(ignore_index), float(label_smoothing),
                                                              float(z_loss), float(logit_softcap))
     loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
     return (loss, lse.view(lead)) if return_lse else loss
@@ -393,7 +395,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     b = None if bias is None else bias.contiguous()
     _validate_label_values(y, vocab, ignore_index)
     grad_on = torch.is_grad_enabled()
-    loss, lse, _, _, _ = torch.ops.flashbridge.linear_cross_entropy_fwd(
+    loss, lse, _, _, _, _ = torch.ops.flashbridge.linear_cross_entropy_fwd(
         h2, w, y, b, int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap), reduction,
         int(chunk_size or 0), grad_on and h2.requires_grad, grad_on and w.requires_grad,
         grad_on and b is not None and b.requires_grad)

@@ -24,23 +24,28 @@ _NEG_BIG = -3.4028234663852886e38  # most negative float32: a lane that has seen
 
 
 @triton.jit
-def _tanh(u):
-    # tanh without libdevice (the interpreter has none): odd Taylor series near 0, exp formula elsewhere.
+def _tanh_sech2(u):
+    """(tanh(u), 1 - tanh(u)**2) without libdevice (the interpreter has none) and without cancellation:
+    an odd Taylor series below |u| = 0.25; above, with t = exp(-2|u|), tanh = (1 - t) / (1 + t) and
+    1 - tanh**2 = 4t / (1 + t)**2 (accurate even where tanh saturates)."""
     a = tl.abs(u)
     t = tl.exp(-2.0 * a)
     big = (1.0 - t) / (1.0 + t)
-    a2 = a * a
-    a2 = tl.minimum(a2, 0.0625)  # the series is only used below 0.25; keep it finite elsewhere
+    a2 = tl.minimum(a * a, 0.0625)  # the series is only used below 0.25; keep it finite elsewhere
     small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
         -0.05396825396825397 + a2 * (0.021869488536155203 + a2 * -0.008863235529902197)))))
-    r = tl.where(a < 0.25, small, big)
-    return tl.where(u < 0, -r, r)
+    is_small = a < 0.25
+    r = tl.where(is_small, small, big)
+    one_plus_t = 1.0 + t
+    sech2 = tl.where(is_small, 1.0 - small * small, 4.0 * t / (one_plus_t * one_plus_t))
+    return tl.where(u < 0, -r, r), sech2
 
 
 @triton.jit
 def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     if HAS_SOFTCAP:
-        x = softcap * _tanh(x / softcap)
+        th, _ = _tanh_sech2(x / softcap)
+        x = softcap * th
     return x
 
 
@@ -48,7 +53,7 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 def ce_fwd_kernel(
     LOGITS, LABELS,  # inputs: [n_rows, V] any float dtype, [n_rows] int32/int64
     n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
-    LOSS, LSE,  # outputs: float32 [n_rows] each
+    LOSS, LSE, LSE_LO,  # outputs: float32 [n_rows] each; lse + lse_lo is the lse to ~2x float32 precision
     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
@@ -73,7 +78,13 @@ def ce_fwd_kernel(
         m = m_new
     m_row = tl.max(m, axis=1)  # [BLOCK_N]
     s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
-    lse = tl.where(row_ok, m_row + tl.log(tl.where(row_ok, s_row, 1.0)), 0.0)  # rows past n_rows: 0
+    log_s = tl.log(tl.where(row_ok, s_row, 1.0))
+    m_row = tl.where(row_ok, m_row, 0.0)  # rows past n_rows: 0
+    # TwoSum: lse + lse_lo == m_row + log_s exactly. The gradient uses exp((z - lse) - lse_lo), accurate
+    # where one logit dominates and |lse| is large (the rounding of lse alone would cost ulp(lse) there).
+    lse = m_row + log_s
+    bb = lse - m_row
+    lse_lo = (m_row - (lse - bb)) + (log_s - bb)
 
     label = tl.load(LABELS + rows, mask=row_ok, other=ignore_index)
     active = label != ignore_index
@@ -88,11 +99,12 @@ def ce_fwd_kernel(
     loss = tl.where(bad, float("nan"), loss)
     tl.store(LOSS + rows, loss, mask=row_ok)
     tl.store(LSE + rows, lse, mask=row_ok)
+    tl.store(LSE_LO + rows, lse_lo, mask=row_ok)
 
 
 @triton.jit
 def ce_grad_kernel(
-    LOGITS, LABELS, LSE, WEIGHT,  # inputs: [n_rows, V], [n_rows], float32 [n_rows], float32 [n_rows] or [1]
+    LOGITS, LABELS, LSE, LSE_LO, WEIGHT,  # [n_rows, V], [n_rows], f32 [n_rows] x2, f32 [n_rows] or [1]
     n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
     GRAD,  # output: [n_rows, V], the gradient of sum_i w_i * loss_i with respect to the logits
     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW_WEIGHT: tl.constexpr,
@@ -106,6 +118,7 @@ def ce_grad_kernel(
     active = label != ignore_index
     bad = active & ((label < 0) | (label >= V))
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    lse_lo = tl.load(LSE_LO + rows, mask=row_ok, other=0.0)
     if PER_ROW_WEIGHT:
         w = tl.load(WEIGHT + rows, mask=row_ok, other=0.0).to(tl.float32)
     else:
@@ -125,11 +138,14 @@ def ce_grad_kernel(
         mask = row_ok[:, None] & (cols[None, :] < V)
         ptrs = offs[:, None] + cols[None, :]
         x = tl.load(LOGITS + ptrs, mask=mask, other=0.0).to(tl.float32)
-        z = _capped(x, softcap, HAS_SOFTCAP)
-        p = tl.exp(z - lse[:, None])
+        if HAS_SOFTCAP:
+            th, sech2 = _tanh_sech2(x / softcap)
+            z = softcap * th
+        else:
+            z = x
+        p = tl.exp((z - lse[:, None]) - lse_lo[:, None])
         g = coef[:, None] * p - off_label[:, None]
         g = tl.where(cols[None, :] == label[:, None], g - on_label[:, None], g)
         if HAS_SOFTCAP:
-            t = z / softcap
-            g = g * (1.0 - t * t)
+            g = g * sech2
         tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=mask)

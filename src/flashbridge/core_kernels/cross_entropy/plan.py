@@ -3,9 +3,9 @@
 Logits are viewed as ``(n_rows, V)``, C-contiguous (the front-ends copy non-contiguous arrays); labels as
 ``(n_rows,)``. Three plans:
 
-* :func:`plan_ce_fwd`: logits, labels -> per-row loss (float32) and lse (float32); one read of the logits.
-* :func:`plan_ce_grad`: logits, labels, lse, weight -> the gradient of ``sum_i w_i * loss_i`` with respect
-  to the logits; one read of the logits, one write of the gradient.
+* :func:`plan_ce_fwd`: logits, labels -> per-row loss, lse and lse_lo (float32); one read of the logits.
+* :func:`plan_ce_grad`: logits, labels, lse, lse_lo, weight -> the gradient of ``sum_i w_i * loss_i``
+  with respect to the logits; one read of the logits, one write of the gradient.
 * :func:`plan_ce_fwd_grad`: both launches back to back (the chunk step of the linear op, which computes
   its gradients during the forward).
 
@@ -208,7 +208,7 @@ def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
     scalars, flags = _options(*options)
     return Launch(
         kernel=f"{_KERNELS}:ce_fwd_kernel", grid=(cdiv(n_rows, block_n),), inputs=(logits, "labels"),
-        scalars=(("n_rows", n_rows),) + scalars, outputs=("loss", "lse"),
+        scalars=(("n_rows", n_rows),) + scalars, outputs=("loss", "lse", "lse_lo"),
         constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags,
         num_warps=num_warps, num_stages=1)
 
@@ -218,7 +218,7 @@ def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config)
     scalars, flags = _options(*options)
     return Launch(
         kernel=f"{_KERNELS}:ce_grad_kernel", grid=(cdiv(n_rows, block_n),),
-        inputs=(logits, "labels", "lse", "weight"), scalars=(("n_rows", n_rows),) + scalars,
+        inputs=(logits, "labels", "lse", "lse_lo", "weight"), scalars=(("n_rows", n_rows),) + scalars,
         outputs=("grad",),
         constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
                     ("PER_ROW_WEIGHT", per_row_weight)) + flags,
@@ -227,22 +227,25 @@ def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config)
 
 def plan_ce_fwd(n_rows: int, vocab: int, *, ignore_index: int, label_smoothing: float, z_loss: float,
                 logit_softcap: float, target: Target, config: CEConfig | None = None) -> Plan:
-    """Plan inputs: logits ``(n_rows, V)``, labels ``(n_rows,)``. Results: loss, lse (float32 ``(n_rows,)``)."""
+    """Plan inputs: logits ``(n_rows, V)``, labels ``(n_rows,)``. Results: loss, lse, lse_lo (float32
+    ``(n_rows,)``; ``lse + lse_lo`` is the log-sum-exp to about twice float32's precision, which the
+    gradient kernel needs where one logit dominates)."""
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
     return Plan(inputs=("logits", "labels"),
-                buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32")),
+                buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32"),
+                         Spec("lse_lo", (n_rows,), "float32")),
                 launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),),
-                results=("loss", "lse"))
+                results=("loss", "lse", "lse_lo"))
 
 
 def plan_ce_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
                  label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
                  config: CEConfig | None = None) -> Plan:
-    """Plan inputs: logits, labels, lse (float32 ``(n_rows,)``), weight (float32, ``(n_rows,)`` when
-    ``per_row_weight`` else ``(1,)``). Result: grad ``(n_rows, V)`` in ``grad_dtype``."""
+    """Plan inputs: logits, labels, lse, lse_lo (float32 ``(n_rows,)``, from the forward), weight
+    (float32, ``(n_rows,)`` when ``per_row_weight`` else ``(1,)``). Result: grad ``(n_rows, V)`` in ``grad_dtype``."""
     assert grad_dtype in FLOAT_DTYPES
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
-    return Plan(inputs=("logits", "labels", "lse", "weight"),
+    return Plan(inputs=("logits", "labels", "lse", "lse_lo", "weight"),
                 buffers=(Spec("grad", (n_rows, vocab), grad_dtype),),
                 launches=(_grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config),),
                 results=("grad",))
@@ -257,7 +260,7 @@ def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
     return Plan(inputs=("logits", "labels", "weight"),
                 buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32"),
-                         Spec("grad", (n_rows, vocab), grad_dtype)),
+                         Spec("lse_lo", (n_rows,), "float32"), Spec("grad", (n_rows, vocab), grad_dtype)),
                 launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),
                           _grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config)),
                 results=("loss", "lse", "grad"))

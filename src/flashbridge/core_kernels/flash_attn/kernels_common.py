@@ -117,8 +117,9 @@ def load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.c
 
 @triton.jit
 def tanh_f32(x):
-    """tanh through exp2 (the interpreter has no libdevice): 1 - 2 / (exp(2x) + 1), exact at +-inf,
-    absolute error ~1e-7 near 0."""
+    """tanh through exp2 (the interpreter has no libdevice): 1 - 2 / (exp(2x) + 1), absolute error ~1e-7.
+    |x| is clamped at 15, where tanh is 1 to float32 precision, so exp2 never overflows."""
+    x = tl.minimum(tl.maximum(x, -15.0), 15.0)
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
@@ -231,8 +232,9 @@ def online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION: tl.constexpr):
 def softmax_finalize(acc, m_i, l_i):
     """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf."""
     seen = l_i > 0.0
-    out = acc * tl.where(seen, 1.0 / l_i, 0.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_i)) * LN2, float("-inf"))
+    l_safe = tl.where(seen, l_i, 1.0)  # no 1/0 or log(0), even in lanes that are discarded
+    out = acc * tl.where(seen, 1.0 / l_safe, 0.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     return out, lse
 
 

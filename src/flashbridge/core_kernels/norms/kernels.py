@@ -8,7 +8,7 @@ One forward kernel covers the whole family through constexpr flags::
     y = dropout(z) (+ post_residual)        HAS_DROPOUT: counter-based Philox keyed by (seed, element index),
                                             so the backward regenerates the mask instead of storing it
 
-A program owns a [BLOCK_M, BLOCK_N] tile: BLOCK_M whole rows (BLOCK_N >= row width), so each input is read
+A forward program owns BLOCK_M whole rows (a [BLOCK_M, NCHUNK, CHUNK] tile, NCHUNK * CHUNK >= width), so each input is read
 once and each output written once. The backward is persistent: each program walks row tiles with a fixed
 stride and keeps its dweight / dbias partial sums in registers; ``sum_partials_kernel`` then reduces the
 per-program partials in a fixed order, so dweight is deterministic without atomics.
@@ -27,27 +27,23 @@ def _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @triton.jit
-def _row_mean_m2(h, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_CHUNKS: tl.constexpr):
-    """Mean and sum of squared deviations of each row of h [BLOCK_M, BLOCK_N], one pass over registers.
+def _row_mean_m2(h, mask, LOG2_CHUNKS: tl.constexpr):
+    """Mean and sum of squared deviations of each row of h [BLOCK_M, NCHUNK, CHUNK], one pass over registers.
 
-    The row is cut into 2**LOG2_CHUNKS chunks; each chunk's (count, mean, M2) is exact (two passes over
-    registers), and the chunks are merged pairwise by Welford/Chan in a tree, so no long sum of squares
-    ever cancels catastrophically.
+    Each of the NCHUNK parts of a row gets an exact (count, mean, M2) from two passes over registers; the
+    parts are then merged pairwise by Welford/Chan in a tree, so no long sum of squares ever cancels
+    catastrophically. Only the small [BLOCK_M, NCHUNK] statistics are reshaped, never the tile.
     """
-    NCHUNK: tl.constexpr = 1 << LOG2_CHUNKS
-    CHUNK: tl.constexpr = BLOCK_N // NCHUNK
-    h3 = tl.reshape(h, (BLOCK_M, NCHUNK, CHUNK))
-    ok3 = tl.reshape(mask, (BLOCK_M, NCHUNK, CHUNK))
-    n = tl.sum(ok3.to(tl.float32), axis=2)  # [BLOCK_M, NCHUNK]
-    mean = tl.sum(h3, axis=2) / tl.maximum(n, 1.0)
-    dev = tl.where(ok3, h3 - mean[:, :, None], 0.0)
+    n = tl.sum(mask.to(tl.float32), axis=2)  # [BLOCK_M, NCHUNK]
+    mean = tl.sum(h, axis=2) / tl.maximum(n, 1.0)
+    dev = tl.where(mask, h - mean[:, :, None], 0.0)
     m2 = tl.sum(dev * dev, axis=2)
     for _ in tl.static_range(LOG2_CHUNKS):  # halve the number of parts each level
-        n_a, n_b = tl.split(tl.reshape(n, (BLOCK_M, n.shape[1] // 2, 2)))
-        mean_a, mean_b = tl.split(tl.reshape(mean, (BLOCK_M, mean.shape[1] // 2, 2)))
-        m2_a, m2_b = tl.split(tl.reshape(m2, (BLOCK_M, m2.shape[1] // 2, 2)))
+        n_a, n_b = tl.split(tl.reshape(n, (n.shape[0], n.shape[1] // 2, 2)))
+        mean_a, mean_b = tl.split(tl.reshape(mean, (mean.shape[0], mean.shape[1] // 2, 2)))
+        m2_a, m2_b = tl.split(tl.reshape(m2, (m2.shape[0], m2.shape[1] // 2, 2)))
         n, mean, m2 = _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
-    return tl.reshape(mean, (BLOCK_M,)), tl.reshape(m2, (BLOCK_M,))
+    return tl.reshape(mean, (mean.shape[0],)), tl.reshape(m2, (m2.shape[0],))
 
 
 @triton.jit
@@ -62,16 +58,19 @@ def norm_fwd_kernel(
     X, W, B, RES, POST_RES, SEED,  # inputs (unused ones are placeholders, see the HAS_* flags)
     n_rows, eps, dropout_p,  # runtime scalars
     Y, H, MEAN, RSTD,  # outputs (H / MEAN are placeholders when not HAS_RES / IS_RMS)
-    N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOG2_CHUNKS: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_POST_RES: tl.constexpr,
+    N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, LOG2_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_POST_RES: tl.constexpr,
 ):
+    # The tile is [BLOCK_M, NCHUNK, CHUNK]: rows, then each row cut into the NCHUNK parts whose statistics
+    # LayerNorm merges. Loading it 3-D (instead of reshaping a 2-D tile) keeps the registers' layout.
+    NCHUNK: tl.constexpr = 1 << LOG2_CHUNKS
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = tl.arange(0, NCHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [NCHUNK, CHUNK]
     col_ok = cols < N_COLS
-    mask = (rows[:, None] < n_rows) & col_ok[None, :]  # [BLOCK_M, BLOCK_N]
-    offs = rows[:, None].to(tl.int64) * N_COLS + cols[None, :]
+    mask = (rows < n_rows)[:, None, None] & col_ok[None, :, :]  # [BLOCK_M, NCHUNK, CHUNK]
+    offs = rows[:, None, None].to(tl.int64) * N_COLS + cols[None, :, :]
 
     h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -82,19 +81,19 @@ def norm_fwd_kernel(
         h = h_out.to(tl.float32)
 
     if IS_RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / N_COLS + eps)  # [BLOCK_M]
-        z = h * rstd[:, None]
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=2), axis=1) / N_COLS + eps)  # [BLOCK_M]
+        z = h * rstd[:, None, None]
     else:
-        mean, m2 = _row_mean_m2(h, mask, BLOCK_M, BLOCK_N, LOG2_CHUNKS)  # [BLOCK_M] each
+        mean, m2 = _row_mean_m2(h, mask, LOG2_CHUNKS)  # [BLOCK_M] each
         rstd = 1.0 / tl.sqrt(m2 / N_COLS + eps)
-        z = (h - mean[:, None]) * rstd[:, None]
+        z = (h - mean[:, None, None]) * rstd[:, None, None]
         tl.store(MEAN + rows, mean, mask=rows < n_rows)
     tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
     if HAS_W:
-        z *= tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z *= tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, :]
     if HAS_B:
-        z += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, :]
     if HAS_DROPOUT:
         z = tl.where(_dropout_keep(SEED, offs, dropout_p), z / (1.0 - dropout_p), 0.0)
     if HAS_POST_RES:

@@ -23,7 +23,7 @@ class NormConfig:
     bwd_programs_per_sm: persistent backward programs per SM (each keeps one partial dweight row).
     bwd_num_stages: software-pipelining depth of the backward's row-tile loop.
     log2_chunks: LayerNorm statistics merge 2**log2_chunks exact per-chunk (count, mean, M2) triples
-        with Welford/Chan's parallel formula (capped by the block width).
+        with Welford/Chan's parallel formula (capped by the block width; RMSNorm needs no chunks).
     """
 
     block_m: int | None = None
@@ -33,16 +33,21 @@ class NormConfig:
     log2_chunks: int = 3  # LayerNorm statistics: a row is merged from 2**log2_chunks Welford parts
 
 
-def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig) -> tuple[int, int, int]:
+def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig, backward: bool) -> tuple[int, int, int]:
+    """(rows per program, padded width, warps). GPU defaults measured on an H200 (bf16, widths 2048 and
+    8192, benchmarks/bench_norms.py --tune): forward ~8K elements and ~32 per thread; backward ~8-16K
+    elements per program, 2-4 rows."""
     block_n = next_power_of_2(n_cols)
     if config.block_m is not None:
         block_m = config.block_m
     elif target.interpret:
         # The interpreter pays per program, not per element: take big tiles.
         block_m = min(next_power_of_2(n_rows), max(1, 16384 // block_n))
+    elif backward:
+        block_m = max(1, min(4, 16384 // block_n))
     else:
         block_m = max(1, min(16, 8192 // block_n))
-    num_warps = config.num_warps or max(4, min(16, block_m * block_n // 512))
+    num_warps = config.num_warps or max(4, min(16, block_m * block_n // 1024))
     return block_m, block_n, num_warps
 
 
@@ -105,7 +110,8 @@ def plan_norm_fwd(
     present = {"x": True, "weight": has_weight, "bias": has_bias, "residual": has_res,
                "post_residual": has_post_residual, "seed": has_dropout}
     inputs = tuple(name for name, here in present.items() if here)
-    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config)
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config, backward=False)
+    log2_chunks = 0 if is_rms else min(config.log2_chunks, block_n.bit_length() - 1)
     buffers = (
         Spec("y", (n_rows, n_cols), x_dtype),
         Spec("h", (n_rows, n_cols) if has_res else (0,), residual_dtype or x_dtype),
@@ -118,8 +124,8 @@ def plan_norm_fwd(
         inputs=tuple(name if present[name] else "x" for name in present),
         scalars=(("n_rows", n_rows), ("eps", float(eps)), ("dropout_p", float(dropout_p))),
         outputs=("y", "h", "mean", "rstd"),
-        constexprs=(("N_COLS", n_cols), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
-                    ("LOG2_CHUNKS", min(config.log2_chunks, block_n.bit_length() - 1)), ("IS_RMS", is_rms),
+        constexprs=(("N_COLS", n_cols), ("BLOCK_M", block_m), ("LOG2_CHUNKS", log2_chunks),
+                    ("CHUNK", block_n >> log2_chunks), ("IS_RMS", is_rms),
                     ("HAS_W", has_weight), ("HAS_B", has_bias), ("HAS_RES", has_res),
                     ("HAS_DROPOUT", has_dropout), ("HAS_POST_RES", has_post_residual)),
         num_warps=num_warps,
@@ -142,7 +148,7 @@ def plan_norm_bwd(
     has_dropout = dropout_p > 0.0
     present = {"dy": True, "h": True, "weight": has_w, "mean": not is_rms, "rstd": True,
                "seed": has_dropout, "dh": has_dh}
-    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config)
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config, backward=True)
     num_tiles = max(1, cdiv(n_rows, block_m))
     num_programs = min(num_tiles, max(1, target.num_sms * config.bwd_programs_per_sm))
     buffers = [

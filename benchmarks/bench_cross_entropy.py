@@ -1,0 +1,167 @@
+"""Benchmark of the cross-entropy family on a GPU (bf16), ours and the baselines in the same run.
+
+1. ``linear_cross_entropy`` forward+backward at N=8192, H=4096, V=128256 (gradients for hidden and weight):
+   time (median) and peak extra memory (everything allocated beyond the inputs, the returned gradients
+   included) for flashbridge torch, flashbridge JAX (time of the jitted value_and_grad; memory from XLA's
+   compiled memory analysis: temporaries + outputs), eager ``F.cross_entropy(h @ W.T)`` and liger-kernel's
+   ``LigerFusedLinearCrossEntropyLoss`` when it is importable.
+2. The logits-level ``cross_entropy`` at N=8192, V=128256: forward (logits read once) and forward+backward
+   (read twice, gradient written once) in TB/s against the device-to-device copy ceiling measured in the
+   same run; eager ``F.cross_entropy`` alongside.
+
+Usage: ``PYTHONPATH=src python benchmarks/bench_cross_entropy.py [--quick]``; writes
+``results/cross_entropy.json`` and ``results/cross_entropy.png`` (or under $OUT).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+import _common  # noqa: F401  (puts src/ on sys.path)
+from _common import measure_copy_ceiling, print_table, results_dir, save, time_jax, time_torch
+
+N, H, V = 8192, 4096, 128256
+
+
+def _peak_extra_torch(fn) -> float:
+    """Peak bytes allocated by ``fn()`` beyond what was allocated before it (its outputs included)."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return float(peak)
+
+
+def bench_linear(quick: bool) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from flashbridge.torch_api.cross_entropy import linear_cross_entropy
+
+    n = N // 4 if quick else N
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, H, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=g, device="cuda") * H**-0.5 * 2).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, V, (n,), generator=g, device="cuda")
+    rows = []
+
+    def add(name, fn):
+        try:
+            fn()  # warm up / compile
+            mem = _peak_extra_torch(fn)
+            ms = time_torch(fn)
+            rows.append({"impl": name, "time_ms": ms, "peak_extra_gb": mem / 1e9})
+        except Exception as exc:  # a missing or broken baseline is recorded, the others still run
+            rows.append({"impl": name, "error": f"{type(exc).__name__}: {exc}"})
+        print(rows[-1], flush=True)
+
+    add("flashbridge torch", lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)))
+    add("eager F.cross_entropy(h @ W.T)", lambda: torch.autograd.grad(
+        F.cross_entropy(h @ w.T, y), (h, w)))
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss()
+        add("liger-kernel fused linear CE", lambda: torch.autograd.grad(liger(w, h, y), (h, w)))
+    except ImportError as exc:
+        rows.append({"impl": "liger-kernel fused linear CE", "error": f"not importable: {exc}"})
+
+    try:
+        import jax
+        import jax.numpy as jnp
+        from flashbridge.jax_api.cross_entropy import linear_cross_entropy as jlce
+
+        dev = jax.devices("gpu")[0]
+        hj = jax.device_put(jnp.asarray(h.detach().float().cpu().numpy(), jnp.bfloat16), dev)
+        wj = jax.device_put(jnp.asarray(w.detach().float().cpu().numpy(), jnp.bfloat16), dev)
+        yj = jax.device_put(jnp.asarray(y.cpu().numpy()), dev)
+        fn = jax.value_and_grad(lambda a, b, c: jlce(a, b, c), argnums=(0, 1))
+        compiled = jax.jit(fn).lower(hj, wj, yj).compile()
+        ma = compiled.memory_analysis()
+        mem = float(ma.temp_size_in_bytes + ma.output_size_in_bytes) if ma is not None else float("nan")
+        ms = time_jax(fn, hj, wj, yj)
+        rows.append({"impl": "flashbridge jax", "time_ms": ms, "peak_extra_gb": mem / 1e9})
+    except Exception as exc:
+        rows.append({"impl": "flashbridge jax", "error": f"{type(exc).__name__}: {exc}"})
+    print(rows[-1], flush=True)
+    for r in rows:
+        r["shape"] = f"{n}x{H}x{V} bf16"
+        if "time_ms" in r:
+            r["tflops"] = 6.0 * n * H * V / (r["time_ms"] * 1e-3) / 1e12
+    return rows
+
+
+def bench_logits(quick: bool, ceiling: float) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from flashbridge.torch_api.cross_entropy import cross_entropy
+
+    n = N // 4 if quick else N
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(n, V, generator=g, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, V, (n,), generator=g, device="cuda")
+    nbytes = n * V * 2
+    rows = []
+    for name, fwd in (("flashbridge torch", lambda: cross_entropy(x, y)),
+                      ("eager F.cross_entropy", lambda: F.cross_entropy(x, y))):
+        with torch.no_grad():
+            ms_f = time_torch(fwd)
+        ms_fb = time_torch(lambda: torch.autograd.grad(fwd(), x))
+        rows.append({"impl": name, "fwd_ms": ms_f, "fwd_tbs": nbytes / (ms_f * 1e-3) / 1e12,
+                     "fwd_bwd_ms": ms_fb, "fwd_bwd_tbs": 3 * nbytes / (ms_fb * 1e-3) / 1e12})
+    for r in rows:
+        r["fwd_of_ceiling"] = r["fwd_tbs"] / ceiling
+        r["fwd_bwd_of_ceiling"] = r["fwd_bwd_tbs"] / ceiling
+        r["shape"] = f"{n}x{V} bf16"
+        print(r, flush=True)
+    return rows
+
+
+def plot(linear: list[dict], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in linear if "time_ms" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["impl"] for r in ok]
+    axes[0].barh(names, [r["time_ms"] for r in ok])
+    axes[0].set_xlabel("forward+backward (ms)")
+    axes[1].barh(names, [r["peak_extra_gb"] for r in ok])
+    axes[1].set_xlabel("peak extra memory (GB)")
+    fig.suptitle(f"linear cross-entropy, {ok[0]['shape'] if ok else ''}, H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a quarter of the tokens")
+    args = parser.parse_args(argv)
+    ceiling = measure_copy_ceiling()
+    linear = bench_linear(args.quick)
+    logits = bench_logits(args.quick, ceiling)
+    print_table("linear cross-entropy forward+backward", ["impl", "time (ms)", "peak extra (GB)", "TFLOP/s"],
+                [[r["impl"], r.get("time_ms", r.get("error", "-")), r.get("peak_extra_gb", "-"),
+                  r.get("tflops", "-")] for r in linear])
+    print_table(f"cross_entropy on logits (copy ceiling {ceiling:.2f} TB/s)",
+                ["impl", "fwd ms", "fwd TB/s", "fwd / ceiling", "fwd+bwd ms", "fwd+bwd TB/s", "fwd+bwd / ceiling"],
+                [[r["impl"], r["fwd_ms"], r["fwd_tbs"], r["fwd_of_ceiling"], r["fwd_bwd_ms"], r["fwd_bwd_tbs"],
+                  r["fwd_bwd_of_ceiling"]] for r in logits])
+    path = save("cross_entropy", {"copy_ceiling_tbs": ceiling, "linear": linear, "logits": logits,
+                                  "quick": args.quick})
+    plot(linear, results_dir() / "cross_entropy.png")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""FlashAttention for JAX: a ``jax.custom_vjp`` op whose kernel calls carry ``custom_vmap`` rules, and a
+``jax.nn.dot_product_attention``-compatible function.
+
+The same kernels as the torch front-end (``attn_fwd_kernel`` and the backward kernels); jit, grad, vmap
+and shard_map all work. Under vmap, dense inputs fold the mapped axis into the batch (one launch);
+packed inputs and per-example sinks map sequentially.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
+                                            plan_attention_bwd, plan_attention_fwd)
+from ._checks import check_arrays
+from ._runtime import dtype_name, execute
+
+Array = jax.Array
+
+
+def _info(a):
+    return None if a is None else (tuple(a.shape), dtype_name(a.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything about a call that is not an array (hashable: a custom_vjp nondiff argument)."""
+
+    options: AttnOptions
+    max_seqlen_q: Optional[int]
+    max_seqlen_k: Optional[int]
+
+
+def _shape(static: _Static, q, k, v, alibi, sinks, cu_q, cu_k):
+    shape, _ = check_attention_args(q=_info(q), k=_info(k), v=_info(v), alibi_slopes=_info(alibi),
+                                    sinks=_info(sinks), cu_seqlens_q=_info(cu_q), cu_seqlens_k=_info(cu_k),
+                                    max_seqlen_q=static.max_seqlen_q, max_seqlen_k=static.max_seqlen_k)
+    return shape
+
+
+def _with_alibi(options: AttnOptions, alibi) -> AttnOptions:
+    return dataclasses.replace(options, has_alibi=alibi is not None,
+                               alibi_batched=alibi is not None and alibi.ndim == 2)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+def _fwd_call(q, k, v, alibi, sinks, cu_q, cu_k, *, static: _Static):
+    shape = _shape(static, q, k, v, alibi, sinks, cu_q, cu_k)
+    options = _with_alibi(static.options, alibi)
+
+    def make_plan(target):
+        return plan_attention_fwd(shape, options, target=target)
+
+    given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q,
+             "cu_seqlens_k": cu_k}
+    out, lse = execute(make_plan, {n: a for n, a in given.items() if a is not None})
+    return out, lse
+
+
+def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, *, static: _Static):
+    shape = _shape(static, q, k, v, alibi, sinks, cu_q, cu_k)
+    options = _with_alibi(static.options, alibi)
+
+    def make_plan(target):
+        return plan_attention_bwd(shape, options, target=target, has_dlse=dlse is not None,
+                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype))
+
+    given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
+             "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    results = execute(make_plan, {n: a for n, a in given.items() if a is not None})
+    dq, dk, dv = results[:3]
+    dsinks, dsinks_part = (results[3], results[4]) if sinks is not None else (None, None)
+    return dq, dk, dv, dsinks, dsinks_part
+
+
+def _any(flags) -> bool:
+    return any(jax.tree_util.tree_leaves(flags))
+
+
+def _batched(axis_size, args, in_batched):
+    """Give every array in ``args`` a leading mapped axis (custom_vmap puts mapped axes first)."""
+    return [a if a is None or _any(b) else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, b in zip(args, in_batched)]
+
+
+def _fold(a):
+    return None if a is None else a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def _fold_alibi(axis_size, batch, alibi, batched):
+    """ALiBi slopes for a batch of ``axis_size * batch`` sequences: (Hq,) stays, else (V*B, Hq)."""
+    if alibi is None or (not batched and alibi.ndim == 1):
+        return alibi
+    if not batched:
+        alibi = jnp.broadcast_to(alibi, (axis_size, *alibi.shape))
+    if alibi.ndim == 2:  # (V, Hq): per example, the same for each sequence
+        alibi = jnp.broadcast_to(alibi[:, None, :], (axis_size, batch, alibi.shape[-1]))
+    return _fold(alibi)
+
+
+def _must_map(varlen: bool, in_batched_sinks) -> bool:
+    # Packed sequences cannot be folded into one batch without new offsets, and the kernels read one sink
+    # per head: map those cases one example at a time.
+    return varlen or _any(in_batched_sinks)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_op(static: _Static):
+    call = functools.partial(_fwd_call, static=static)
+    op = jax.custom_batching.custom_vmap(call)
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, q, k, v, alibi, sinks, cu_q, cu_k):
+        args = [q, k, v, alibi, sinks, cu_q, cu_k]
+        if _must_map(cu_q is not None, in_batched[4]):
+            outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
+            return outs, (True, True)
+        q, k, v = _batched(axis_size, [q, k, v], in_batched[:3])
+        batch = q.shape[1]
+        out, lse = call(_fold(q), _fold(k), _fold(v), _fold_alibi(axis_size, batch, alibi, _any(in_batched[3])),
+                        sinks, None, None)
+        return (out.reshape(axis_size, batch, *out.shape[1:]),
+                lse.reshape(axis_size, batch, *lse.shape[1:])), (True, True)
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_op(static: _Static):
+    call = functools.partial(_bwd_call, static=static)
+    op = jax.custom_batching.custom_vmap(call)
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k):
+        args = [dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k]
+        has_sinks = sinks is not None
+        out_batched = (True, True, True, True if has_sinks else None, True if has_sinks else None)
+        if _must_map(cu_q is not None, in_batched[8]):
+            outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
+            return outs, out_batched
+        dout, q, k, v, out, lse, dlse = _batched(axis_size, args[:7], in_batched[:7])
+        batch = q.shape[1]
+        dq, dk, dv, _, part = call(_fold(dout), _fold(q), _fold(k), _fold(v), _fold(out), _fold(lse),
+                                   _fold(dlse), _fold_alibi(axis_size, batch, alibi, _any(in_batched[7])),
+                                   sinks, None, None)
+        unfold = lambda a: a.reshape(axis_size, batch, *a.shape[1:])  # noqa: E731
+        dsinks = dsinks_part = None
+        if has_sinks:
+            # Each example's sink gradient is the sum of its own sequences' terms.
+            dsinks_part = unfold(part)
+            dsinks = jnp.sum(dsinks_part, axis=1).astype(sinks.dtype)
+        return (unfold(dq), unfold(dk), unfold(dv), dsinks, dsinks_part), out_batched
+
+    return op
+
+
+# ------------------------------------------------------------------------------------ differentiable op
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, alibi, sinks, cu_q, cu_k, static):
+    return _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k)
+
+
+def _attention_fwd(q, k, v, alibi, sinks, cu_q, cu_k, static):
+    out, lse = _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k)
+    return (out, lse), (q, k, v, out, lse, alibi, sinks, cu_q, cu_k)
+
+
+def _attention_bwd(static, saved, cotangents):
+    q, k, v, out, lse, alibi, sinks, cu_q, cu_k = saved
+    dout, dlse = cotangents
+    dq, dk, dv, dsinks, _ = _bwd_op(static)(dout.astype(out.dtype), q, k, v, out, lse, dlse, alibi, sinks,
+                                            cu_q, cu_k)
+    return dq, dk, dv, None, dsinks, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _is_concrete(a) -> bool:
+    return not isinstance(a, jax.core.Tracer)
+
+
+def _match_varying(*arrays):
+    """Inside shard_map, make every array vary over the union of the mesh axes its peers vary over.
+
+    A custom_vjp backward must return cotangents typed like the primal inputs; sinks replicated over the
+    batch axis get a per-shard gradient. Casting them to 'varying' up front lets JAX insert the psum of
+    that cast's transpose, so the replicated input receives the summed gradient. Outside shard_map this
+    is a no-op.
+    """
+    def vma(a):
+        return frozenset(getattr(jax.typeof(a), "vma", ()) or ())
+
+    union = frozenset().union(*(vma(a) for a in arrays if a is not None))
+    if not union:
+        return arrays
+    out = []
+    for a in arrays:
+        missing = () if a is None else tuple(sorted(union - vma(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                    window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Array] = None,
+                    softcap: float = 0.0, sinks: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
+                    cu_seqlens_k: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
+                    max_seqlen_k: Optional[int] = None, deterministic: bool = True, return_lse: bool = False):
+    """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
+
+    Args:
+        q: ``(B, Sq, Hq, Dqk)``, or packed ``(total_q, Hq, Dqk)`` with ``cu_seqlens_q``; float16, bfloat16 or
+            float32 (float32 accumulation). ``1 <= Dqk <= 256``.
+        k: ``(B, Sk, Hkv, Dqk)`` or ``(total_k, Hkv, Dqk)``, q's dtype; ``Hq`` a multiple of ``Hkv`` (GQA/MQA).
+        v: ``(B, Sk, Hkv, Dv)`` or ``(total_k, Hkv, Dv)``; ``Dv`` may differ from ``Dqk``.
+        causal: query i sees keys ``j <= i + Sk - Sq`` (bottom-right aligned, as flash-attn 2.1+); rows that
+            see no key output 0 and lse -inf.
+        softmax_scale: defaults to ``1 / sqrt(Dqk)``.
+        window_size: ``(left, right)``: query i sees keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
+            -1 leaves a side unbounded. Combines with causal.
+        alibi_slopes: ``(Hq,)`` or ``(B, Hq)``: adds ``-slope * |i + Sk - Sq - j|``; no gradient.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        sinks: ``(Hq,)``: a per-head logit in the softmax denominator that attends to nothing; differentiable.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(n_seqs + 1,)`` packed offsets; ``max_seqlen_q`` /
+            ``max_seqlen_k`` (Python ints) are static bounds. Concrete offsets are validated; traced ones
+            (under jit) cannot be, and the kernels then only guarantee in-bounds memory accesses.
+        deterministic: accepted for compatibility; the backward is always deterministic.
+        return_lse: also return the float32 LSE ``(B, Hq, Sq)`` (packed ``(Hq, total_q)``), differentiable.
+
+    Returns:
+        ``out`` in q's dtype, shaped like q with v's head dim; or ``(out, lse)``.
+
+    Example::
+
+        >>> q = k = v = jnp.ones((2, 128, 8, 64), jnp.bfloat16)
+        >>> out = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True))(q, k, v)
+    """
+    arrays = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks,
+              "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    check_arrays(**arrays)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    shape, options = check_attention_args(
+        **{n: _info(a) for n, a in arrays.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
+        check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(), shape)
+    static = _Static(options, max_seqlen_q, max_seqlen_k)
+    out, lse = _attention(*_match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
+    return (out, lse) if return_lse else out
+
+
+def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                          mask: Optional[Array] = None, *, scale: Optional[float] = None, is_causal: bool = False,
+                          query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size: int | tuple[int, int] | None = None, implementation=None,
+                          return_residual: bool = False):
+    """Drop-in for :func:`jax.nn.dot_product_attention`: ``softmax(q k^T * scale) v`` in BTNH layout.
+
+    Same conventions as jax.nn: query ``(B, T, N, H)`` (or unbatched ``(T, N, H)``), key/value
+    ``(B, S, K, H)`` with N a multiple of K; ``is_causal`` and ``local_window_size`` (an int or
+    ``(left, right)``) are aligned to the top-left corner (query t sees keys ``t - left .. t + right``);
+    ``return_residual`` also returns the log-sum-exp ``(B, T, N)`` in the output dtype. ``bias``,
+    ``mask`` and the sequence-length arguments must be None (the kernels never build a mask: use
+    :func:`flash_attention` with ``cu_seqlens`` for ragged batches); ``implementation`` is ignored.
+
+    Example::
+
+        >>> q = k = v = jnp.ones((2, 128, 8, 64), jnp.float16)
+        >>> out = dot_product_attention(q, k, v, is_causal=True)
+    """
+    for name, arg in (("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
+                      ("key_value_seq_lengths", key_value_seq_lengths)):
+        if arg is not None:
+            raise ValueError(f"{name}: not supported by flashbridge's dot_product_attention (only None); use "
+                             "is_causal / local_window_size, or flash_attention with cu_seqlens")
+    check_arrays(query=query, key=key, value=value)
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    shape, options = check_attention_args(q=_info(query), k=_info(key), v=_info(value), softmax_scale=scale)
+    diag = shape.seqlen_k - shape.seqlen_q
+    left = right = None
+    if local_window_size is not None:
+        if isinstance(local_window_size, int):
+            local_window_size = (local_window_size, local_window_size)
+        left, right = (int(s) for s in local_window_size)
+        if left < 0 or right < 0:
+            raise ValueError(f"local_window_size: sides must be >= 0, got {local_window_size}")
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    # jax.nn aligns masks to the top-left corner (t sees s with -left <= s - t <= right); the kernels measure
+    # from the bottom-right diagonal t + S - T: shift both sides by that offset.
+    options = dataclasses.replace(options, window_left=None if left is None else left + diag,
+                                  window_right=None if right is None else right - diag)
+    out, lse = _attention(*_match_varying(query, key, value), None, None, None, None,
+                          _Static(options, None, None))
+    if unbatched:
+        out, lse = out[0], lse[0]
+    if return_residual:
+        return out, jnp.swapaxes(lse, -1, -2).astype(out.dtype)
+    return out

@@ -1,0 +1,679 @@
+"""FlashAttention family on the CPU (Triton interpreter): reference, torch and JAX front-ends, drop-ins.
+
+Every kernel result is compared with the float64 reference (flashbridge.reference.attention) under the
+flash-attn rule: error <= 2 x the error of a naive implementation in the same dtype + a small floor.
+Shapes are small (the interpreter pays per program and per operation) but odd everywhere.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flashbridge.reference import attention as ref
+from helpers import assert_close, np64
+
+torch_api = pytest.importorskip("flashbridge.torch_api.attention")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------ case helpers
+
+def make_inputs(seed, *, b=2, sq=17, sk=17, hq=2, hkv=2, dqk=32, dv=None, dtype="float32", seqlens=None,
+                alibi=None, sinks=False):
+    """Fresh random inputs (never zeros). ``seqlens``: list of (len_q, len_k) -> packed varlen inputs."""
+    g = torch.Generator().manual_seed(seed)
+    dv = dv or dqk
+    dt = TORCH_DTYPES[dtype]
+    kw = {}
+    if seqlens is not None:
+        lq = [a for a, _ in seqlens]
+        lk = [c for _, c in seqlens]
+        shapes = ((sum(lq), hq, dqk), (sum(lk), hkv, dqk), (sum(lk), hkv, dv))
+        kw["cu_seqlens_q"] = torch.tensor(np.concatenate([[0], np.cumsum(lq)]), dtype=torch.int32)
+        kw["cu_seqlens_k"] = torch.tensor(np.concatenate([[0], np.cumsum(lk)]), dtype=torch.int32)
+        kw["max_seqlen_q"], kw["max_seqlen_k"] = max(lq), max(lk)
+        b = len(seqlens)
+    else:
+        shapes = ((b, sq, hq, dqk), (b, sk, hkv, dqk), (b, sk, hkv, dv))
+    q, k, v = (torch.randn(s, generator=g).to(dt) for s in shapes)
+    if alibi == "heads":
+        kw["alibi_slopes"] = torch.rand(hq, generator=g) * 0.5 + 0.05
+    elif alibi == "batch":
+        kw["alibi_slopes"] = torch.rand(b, hq, generator=g) * 0.5 + 0.05
+    if sinks:
+        kw["sinks"] = torch.randn(hq, generator=g)
+    return q, k, v, kw
+
+
+def ref_options(kw, **options):
+    """Options for the numpy reference (tensors -> numpy)."""
+    out = dict(options)
+    for name, val in kw.items():
+        out[name] = val.detach().numpy() if isinstance(val, torch.Tensor) else val
+    return out
+
+
+def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
+                softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, **_):
+    """Attention computed plainly in the inputs' dtype (differentiable): the 'naive same-dtype
+    implementation' the tolerance is measured against. Returns (out, lse)."""
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    if cu_seqlens_q is None:
+        seqs = [((i,), (i,)) for i in range(q.shape[0])]
+    else:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [((slice(cq[i], cq[i + 1]),), (slice(ck[i], ck[i + 1]),)) for i in range(len(cq) - 1)]
+    group = q.shape[-2] // k.shape[-2]
+    outs, lses = [], []
+    for i, (qs, ks) in enumerate(seqs):
+        qq, kk, vv = q[qs], k[ks].repeat_interleave(group, -2), v[ks].repeat_interleave(group, -2)
+        sq, sk = qq.shape[0], kk.shape[0]
+        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
+            dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs()
+            s = s - (slopes[:, None, None] * dist).to(dtype)
+        mask = torch.from_numpy(ref.visible_mask(sq, sk, causal=causal, window_size=window_size))
+        s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(-1, sq, 1)], dim=-1)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.nan_to_num(torch.softmax(s, dim=-1))[..., :sk]
+        outs.append(torch.einsum("hqk,khd->qhd", p, vv))
+        lses.append(lse)
+    if cu_seqlens_q is None:
+        return torch.stack(outs), torch.stack(lses)
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def check_forward_backward(q, k, v, kw, options, *, dlse=False, floor=1e-5):
+    """Run flashbridge (torch) forward + backward and compare everything with the float64 reference."""
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    for t in leaves:
+        t.requires_grad_(True)
+    out, lse = torch_api.flash_attention(q, k, v, **kw, **options, return_lse=True)
+    ro, rl = ref.flash_attention(np64(q), np64(k), np64(v), **ref_options(kw, **options))
+    n_out, n_lse = naive_torch(q.detach(), k.detach(), v.detach(), **kw, **options)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_close(out, ro, n_out, name="out", floor=floor)
+    finite = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(np64(lse)), finite), "lse: -inf pattern differs from the reference"
+    assert_close(np.where(finite, np64(lse), 0.0), np.where(finite, rl, 0.0),
+                 np.where(finite, np64(n_lse), 0.0), name="lse", floor=floor)
+
+    g = torch.Generator().manual_seed(123)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    dl = torch.randn(lse.shape, generator=g) if dlse else None
+    loss = (out * dout).sum() + ((torch.where(lse.isfinite(), lse, 0.0) * dl).sum() if dlse else 0.0)
+    grads = torch.autograd.grad(loss, leaves)
+    rgrads = ref.flash_attention_bwd(np64(dout), np64(q), np64(k), np64(v), **ref_options(kw, **options),
+                                     dlse=None if dl is None else dl.numpy())
+    # naive gradients, in the inputs' dtype
+    nleaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    nkw = dict(kw)
+    if "sinks" in kw:
+        nkw["sinks"] = nleaves[3]
+    n_out, n_lse = naive_torch(*nleaves[:3], **nkw, **options)
+    nloss = (n_out * dout).sum() + ((torch.where(n_lse.isfinite(), n_lse, 0.0) * dl).sum() if dlse else 0.0)
+    ngrads = torch.autograd.grad(nloss, nleaves)
+    for name, got, want, naive in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads, ngrads):
+        assert got.shape == naive.shape, f"{name}: shape {tuple(got.shape)}"
+        assert_close(got, want, naive, name=name, floor=floor)
+    return out, lse, grads
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+def _fd_check(seed, **spec):
+    rng = np.random.default_rng(seed)
+    options = spec.pop("options")
+    q, k, v, kw = make_inputs(seed, dtype="float32", **spec)
+    q, k, v = np64(q), np64(k), np64(v)
+    kw = ref_options(kw)
+    sinks = kw.pop("sinks", None)
+    out, lse = ref.flash_attention(q, k, v, sinks=sinks, **kw, **options)
+    dout = rng.standard_normal(out.shape)
+    dlse = rng.standard_normal(lse.shape)
+    finite = np.isfinite(lse)
+
+    def loss(q_, k_, v_, s_):
+        o, l_ = ref.flash_attention(q_, k_, v_, sinks=s_, **kw, **options)
+        return np.sum(o * dout) + np.sum(np.where(finite, l_, 0.0) * dlse)
+
+    grads = ref.flash_attention_bwd(dout, q, k, v, sinks=sinks, **kw, **options, dlse=dlse)
+    args = [q, k, v, sinks]
+    eps = 1e-6
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        direction = rng.standard_normal(args[i].shape)
+        plus = list(args)
+        minus = list(args)
+        plus[i] = args[i] + eps * direction
+        minus[i] = args[i] - eps * direction
+        fd = (loss(*plus) - loss(*minus)) / (2 * eps)
+        analytic = float(np.sum(grad * direction))
+        assert abs(fd - analytic) <= 1e-6 * max(1.0, abs(fd)), (i, fd, analytic)
+
+
+@pytest.mark.parametrize("spec", [
+    dict(sq=7, sk=9, options={}),
+    dict(sq=9, sk=5, hq=4, hkv=2, dqk=8, dv=6, options=dict(causal=True, softcap=1.5)),
+    dict(sq=6, sk=11, hq=2, hkv=1, dqk=4, alibi="batch", sinks=True, options=dict(window_size=(3, 1))),
+    dict(sq=8, sk=4, dqk=4, sinks=True, alibi="heads", options=dict(causal=True, window_size=(1, -1))),
+    dict(seqlens=[(3, 5), (6, 2), (1, 7)], hq=4, hkv=2, dqk=4, sinks=True, alibi="heads",
+         options=dict(causal=True, softcap=2.0, softmax_scale=0.3)),
+], ids=["dense", "causal-gqa-softcap", "window-alibi-sinks", "masked-rows", "varlen-all"])
+def test_reference_backward_matches_finite_differences(spec):
+    _fd_check(7, **dict(spec))
+
+
+def test_reference_masking_conventions():
+    # bottom-right causal: with Sq > Sk the first Sq - Sk rows see nothing: out 0, lse -inf (sink if any)
+    q, k, v, kw = make_inputs(0, b=1, sq=5, sk=3, sinks=True)
+    out, lse = ref.flash_attention(np64(q), np64(k), np64(v), causal=True)
+    assert np.all(out[:, :2] == 0) and np.all(np.isneginf(lse[..., :2])) and np.all(np.isfinite(lse[..., 2:]))
+    out, lse = ref.flash_attention(np64(q), np64(k), np64(v), causal=True, sinks=kw["sinks"].numpy())
+    assert np.all(out[:, :2] == 0)
+    np.testing.assert_allclose(lse[0, :, :2], np.repeat(kw["sinks"].numpy()[:, None], 2, axis=1))
+    mask = ref.visible_mask(3, 5, causal=True, window_size=(1, -1))
+    assert mask.tolist() == [[False, True, True, False, False], [False, False, True, True, False],
+                             [False, False, False, True, True]]
+
+
+# ------------------------------------------------------------------------------------- torch: accuracy
+
+@pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (17, 17), (63, 130), (130, 63), (130, 130)])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_torch_odd_lengths(sq, sk, causal):
+    q, k, v, kw = make_inputs(sq * 1000 + sk, b=1, sq=sq, sk=sk, dqk=40)
+    check_forward_backward(q, k, v, kw, dict(causal=causal))
+
+
+@pytest.mark.parametrize("dqk,dv", [(16, 16), (64, 64), (80, 80), (40, 24), (24, 72), (1, 3)])
+def test_torch_head_dims(dqk, dv):
+    q, k, v, kw = make_inputs(dqk * 100 + dv, sq=63, sk=17, dqk=dqk, dv=dv)
+    check_forward_backward(q, k, v, kw, dict(causal=dqk % 2 == 0))
+
+
+OPTION_CASES = {
+    "window": (dict(sq=63, sk=130), dict(window_size=(20, 5))),
+    "window-left-causal": (dict(sq=130, sk=63), dict(causal=True, window_size=(9, -1))),
+    "window-right-only": (dict(sq=17, sk=63), dict(window_size=(-1, 0))),
+    "gqa": (dict(hq=4, hkv=2, sq=63, sk=63), dict(causal=True)),
+    "mqa": (dict(hq=3, hkv=1, sq=17, sk=63), dict()),
+    "softcap": (dict(sq=63, sk=17), dict(softcap=0.7, softmax_scale=1.3)),
+    "alibi-heads": (dict(sq=17, sk=63, alibi="heads"), dict(causal=True)),
+    "alibi-batch": (dict(sq=63, sk=17, alibi="batch"), dict()),
+    "sinks": (dict(sq=63, sk=63, sinks=True), dict()),
+    "sinks-causal-masked-rows": (dict(sq=63, sk=17, sinks=True), dict(causal=True)),
+    "all": (dict(hq=4, hkv=2, sq=63, sk=130, alibi="batch", sinks=True, dqk=40, dv=24),
+            dict(causal=True, window_size=(30, -1), softcap=2.0)),
+    "varlen": (dict(seqlens=[(17, 17), (1, 63), (63, 5), (130, 130)]), dict()),
+    "varlen-causal-gqa": (dict(seqlens=[(17, 63), (63, 17), (0, 5), (5, 0)], hq=4, hkv=1), dict(causal=True)),
+    "varlen-all": (dict(seqlens=[(63, 130), (17, 1), (40, 40)], hq=4, hkv=2, alibi="batch", sinks=True),
+                   dict(causal=True, window_size=(16, 3), softcap=1.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_torch_options(name):
+    spec, options = OPTION_CASES[name]
+    q, k, v, kw = make_inputs(len(name), **spec)
+    check_forward_backward(q, k, v, kw, options)
+
+
+def test_torch_lse_gradient():
+    q, k, v, kw = make_inputs(3, hq=4, hkv=2, sq=63, sk=17, sinks=True)
+    check_forward_backward(q, k, v, kw, dict(causal=True), dlse=True)
+
+
+def test_torch_fully_masked_rows_are_zero_and_neg_inf():
+    # causal with Sq > Sk: the first Sq - Sk rows see no key; window (0, 0) with Sq < Sk shifts the diagonal
+    q, k, v, kw = make_inputs(5, sq=63, sk=17)
+    out, lse, grads = check_forward_backward(q, k, v, kw, dict(causal=True))
+    assert torch.all(out[:, :46] == 0) and torch.all(lse[..., :46] == float("-inf"))
+    assert torch.all(grads[0][:, :46] == 0)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_low_precision(dtype):
+    q, k, v, kw = make_inputs(11, hq=4, hkv=2, sq=63, sk=130, dqk=64, dtype=dtype, sinks=True)
+    check_forward_backward(q, k, v, kw, dict(causal=True, softcap=3.0))
+
+
+def test_torch_strided_inputs():
+    # BHSD tensors seen through a transpose, and a packed qkv projection: no copies needed on CUDA; the
+    # results must match the contiguous ones exactly.
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 17, 3, 4, 32, generator=g)
+    q, k, v = qkv.unbind(2)
+    out = torch_api.flash_attention(q, k, v, causal=True)
+    expect = torch_api.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(out, expect)
+
+
+def test_torch_backward_is_deterministic():
+    q, k, v, kw = make_inputs(9, hq=4, hkv=1, sq=130, sk=63, sinks=True)
+    leaves = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), kw["sinks"].requires_grad_()]
+    dout = torch.randn(2, 130, 4, 32)
+    runs = []
+    for _ in range(2):
+        out = torch_api.flash_attention(q, k, v, causal=True, **kw)
+        runs.append(torch.autograd.grad((out * dout).sum(), leaves))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ torch: integration
+
+def test_torch_compile_fullgraph():
+    q, k, v, kw = make_inputs(2, hq=4, hkv=2, sq=17, sk=33, sinks=True)
+    for t in (q, k, v, kw["sinks"]):
+        t.requires_grad_(True)
+
+    def f(q, k, v, sinks):
+        out, lse = torch_api.flash_attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        return out.float().square().sum() + lse.sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v, kw["sinks"])
+    grads = torch.autograd.grad(loss, (q, k, v, kw["sinks"]))
+    eager_loss = f(q, k, v, kw["sinks"])
+    eager = torch.autograd.grad(eager_loss, (q, k, v, kw["sinks"]))
+    assert torch.equal(loss, eager_loss)
+    for a, b in zip(grads, eager):
+        assert torch.equal(a, b)
+
+
+def test_torch_opcheck():
+    q, k, v, kw = make_inputs(4, hq=2, hkv=1, sq=9, sk=17, dqk=16, sinks=True, alibi="heads")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    kw["sinks"].requires_grad_(True)
+    args = (q, k, v, kw["alibi_slopes"], kw["sinks"], None, None, None, None, 0.25, True, 4, 0, 0.0)
+    torch.library.opcheck(torch.ops.flashbridge.flash_attn_fwd.default, args)
+    out, lse = torch.ops.flashbridge.flash_attn_fwd(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                torch.randn_like(lse), kw["alibi_slopes"], kw["sinks"].detach(), None, None, None, None, 0.25,
+                True, 4, 0, 0.0)
+    torch.library.opcheck(torch.ops.flashbridge.flash_attn_bwd.default, bwd_args)
+
+
+# ----------------------------------------------------------------------------------- torch: bad inputs
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+BAD_INPUTS = [
+    ("batch", dict(q=_t(2, 5, 2, 8), k=_t(3, 5, 2, 8), v=_t(3, 5, 2, 8)), ValueError, "batch"),
+    ("kv length", dict(k=_t(2, 6, 2, 8)), ValueError, "k, v"),
+    ("kv heads", dict(v=_t(2, 5, 1, 8)), ValueError, "k, v"),
+    ("head dim", dict(k=_t(2, 5, 2, 7)), ValueError, "head dims differ"),
+    ("gqa ratio", dict(q=_t(2, 5, 3, 8)), ValueError, "multiple"),
+    ("head dim > 256", dict(q=_t(1, 2, 1, 257), k=_t(1, 2, 1, 257), v=_t(1, 2, 1, 8)), ValueError, "257"),
+    ("dv > 256", dict(v=_t(2, 5, 2, 300)), ValueError, "300"),
+    ("int dtype", dict(q=torch.ones(2, 5, 2, 8, dtype=torch.int32)), TypeError, "q: dtype int32"),
+    ("float64", dict(q=_t(2, 5, 2, 8, dtype=torch.float64)), TypeError, "float64"),
+    ("mixed dtypes", dict(k=_t(2, 5, 2, 8, dtype=torch.float16)), TypeError, "share one dtype"),
+    ("3-D without cu_seqlens", dict(q=_t(5, 2, 8)), ValueError, "4 dimensions"),
+    ("window < -1", dict(window_size=(-2, 0)), ValueError, "window_size"),
+    ("window not a pair", dict(window_size=3), ValueError, "window_size"),
+    ("softcap < 0", dict(softcap=-1.0), ValueError, "softcap"),
+    ("sinks shape", dict(sinks=_t(3)), ValueError, "sinks"),
+    ("sinks dtype", dict(sinks=torch.ones(2, dtype=torch.int32)), TypeError, "sinks"),
+    ("slopes shape", dict(alibi_slopes=_t(2, 3)), ValueError, "alibi_slopes"),
+    ("slopes 3-D", dict(alibi_slopes=_t(2, 2, 1)), ValueError, "alibi_slopes"),
+    ("max_seqlen without cu", dict(max_seqlen_q=5), ValueError, "max_seqlen_q"),
+    ("not a tensor", dict(q=np.ones((2, 5, 2, 8), np.float32)), TypeError, "q: expected a torch.Tensor"),
+    ("scale nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("empty", dict(q=_t(2, 0, 2, 8)), ValueError, "empty"),
+]
+
+
+@pytest.mark.parametrize("name,override,error,match", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_torch_bad_inputs(name, override, error, match):
+    args = dict(q=_t(2, 5, 2, 8), k=_t(2, 5, 2, 8), v=_t(2, 5, 2, 8))
+    args.update(override)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(error, match=match):
+        torch_api.flash_attention(q, k, v, **args)
+
+
+def _packed(**override):
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    args = dict(q=_t(8, 2, 8), k=_t(8, 2, 8), v=_t(8, 2, 8), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5,
+                max_seqlen_k=5)
+    args.update(override)
+    return args
+
+
+BAD_VARLEN = [
+    ("cu int64", dict(cu_seqlens_q=torch.tensor([0, 3, 8])), TypeError, "cu_seqlens_q: must be int32"),
+    ("only one cu", dict(cu_seqlens_k=None), ValueError, "give both"),
+    ("cu lengths differ", dict(cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)), ValueError,
+     "same length"),
+    ("not monotone", dict(cu_seqlens_q=torch.tensor([0, 6, 5], dtype=torch.int32)), ValueError,
+     "non-decreasing"),
+    ("not starting at 0", dict(cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError,
+     "start at 0"),
+    ("end != packed length", dict(cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32)), ValueError,
+     "packed length"),
+    ("max_seqlen too small", dict(max_seqlen_q=4), ValueError, "max_seqlen_q"),
+    ("max_seqlen missing", dict(max_seqlen_k=None), ValueError, "max_seqlen_k"),
+    ("dense with cu", dict(q=_t(1, 8, 2, 8)), ValueError, "3 dimensions"),
+    ("slopes batch", dict(alibi_slopes=_t(3, 2)), ValueError, "alibi_slopes"),
+]
+
+
+@pytest.mark.parametrize("name,override,error,match", BAD_VARLEN, ids=[c[0] for c in BAD_VARLEN])
+def test_torch_bad_varlen_inputs(name, override, error, match):
+    args = _packed(**override)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(error, match=match):
+        torch_api.flash_attention(q, k, v, **args)
+
+
+# --------------------------------------------------------------------------------------- torch drop-ins
+
+@pytest.mark.parametrize("case", [
+    dict(q=(2, 4, 17, 32), k=(2, 4, 17, 32), v=(2, 4, 17, 32), is_causal=True),
+    dict(q=(2, 4, 17, 32), k=(2, 2, 40, 32), v=(2, 2, 40, 16), is_causal=True, enable_gqa=True, scale=0.3),
+    dict(q=(2, 2, 40, 16), k=(2, 2, 17, 16), v=(2, 2, 17, 16), is_causal=True),
+    dict(q=(3, 17, 24), k=(3, 9, 24), v=(3, 9, 8)),
+    dict(q=(2, 3, 2, 9, 16), k=(2, 3, 2, 9, 16), v=(2, 3, 2, 9, 16), is_causal=True),
+], ids=["causal", "gqa-top-left", "sq>sk-top-left", "3d", "5d"])
+def test_sdpa_drop_in_matches_torch(case):
+    case = dict(case)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(case.pop(n), generator=g, requires_grad=True) for n in "qkv")
+    out = torch_api.scaled_dot_product_attention(q, k, v, **case)
+    expect = torch.nn.functional.scaled_dot_product_attention(q, k, v, **case)
+    assert out.shape == expect.shape
+    torch.testing.assert_close(out, expect, atol=2e-6, rtol=1e-5)
+    dout = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(expect, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
+
+
+def test_sdpa_drop_in_rejects_masks_and_dropout():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="attn_mask"):
+        torch_api.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout_p"):
+        torch_api.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        torch_api.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kind", ["self", "cross-kdim", "causal-mask", "is-causal", "unbatched"])
+def test_multihead_attention_drop_in(batch_first, kind):
+    torch.manual_seed(0)
+    kdim = vdim = None
+    if kind == "cross-kdim":
+        kdim, vdim = 12, 20
+    theirs = torch.nn.MultiheadAttention(32, 4, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    ours = torch_api.MultiheadAttention(32, 4, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    n, lq, lk = 2, 9, 13
+    shape = (lambda l, e: (n, l, e)) if batch_first else (lambda l, e: (l, n, e))
+    if kind == "unbatched":
+        shape = lambda l, e: (l, e)  # noqa: E731
+    query = torch.randn(shape(lq, 32), requires_grad=True)
+    key = torch.randn(shape(lk if kind == "cross-kdim" else lq, kdim or 32))
+    value = torch.randn(shape(lk if kind == "cross-kdim" else lq, vdim or 32))
+    if kind in ("self", "causal-mask", "is-causal", "unbatched"):
+        key = value = query
+    kwargs = {}
+    if kind in ("causal-mask", "is-causal"):
+        kwargs["attn_mask"] = torch.nn.Transformer.generate_square_subsequent_mask(lq)
+        if kind == "is-causal":
+            kwargs["is_causal"] = True
+    out, w = ours(query, key, value, **kwargs)
+    expect, w_expect = theirs(query, key, value, **kwargs)
+    torch.testing.assert_close(out, expect, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(w, w_expect, atol=2e-6, rtol=1e-5)
+    g_ours = torch.autograd.grad(out.sum(), [query, *ours.parameters()])
+    g_theirs = torch.autograd.grad(expect.sum(), [query, *theirs.parameters()])
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    out_fast, none = ours(query, key, value, need_weights=False, **kwargs)
+    assert none is None and torch.equal(out_fast, out)
+
+
+def test_multihead_attention_rejects_unsupported_masks():
+    mha = torch_api.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match="attn_mask"):
+        mha(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.bool).fill_diagonal_(True))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mha(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout"):
+        torch_api.MultiheadAttention(16, 2, dropout=0.1, batch_first=True).train()(x, x, x)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        torch_api.MultiheadAttention(16, 2, add_bias_kv=True)
+
+
+# ------------------------------------------------------------------------------------------------- JAX
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+
+def _jax_api():
+    from flashbridge.jax_api import attention as jax_attention
+    return jax_attention
+
+
+def _to_jax(t):
+    if t is None or not isinstance(t, torch.Tensor):
+        return t
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(t.numpy())
+
+
+JAX_CASES = {
+    "causal-gqa-sinks": (dict(hq=4, hkv=2, sq=63, sk=17, sinks=True), dict(causal=True)),
+    "window-alibi-softcap": (dict(sq=17, sk=63, alibi="batch", dqk=40, dv=24),
+                             dict(window_size=(8, 2), softcap=1.5)),
+    "varlen-all": (dict(seqlens=[(17, 63), (40, 5)], hq=4, hkv=1, alibi="heads", sinks=True),
+                   dict(causal=True, window_size=(20, -1))),
+}
+
+
+@pytest.mark.parametrize("name", list(JAX_CASES))
+def test_jax_forward_backward_matches_reference(name):
+    ja = _jax_api()
+    spec, options = JAX_CASES[name]
+    q, k, v, kw = make_inputs(len(name), **spec)
+    jkw = {n: _to_jax(a) for n, a in kw.items()}
+    sinks = jkw.pop("sinks", None)
+
+    def loss(q, k, v, sinks, dout, dlse):
+        out, lse = ja.flash_attention(q, k, v, sinks=sinks, **jkw, **options, return_lse=True)
+        return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse), (out, lse)
+
+    ro, rl = ref.flash_attention(np64(q), np64(k), np64(v), **ref_options(kw, **options))
+    rng = np.random.default_rng(0)
+    dout, dlse = rng.standard_normal(ro.shape).astype(np.float32), rng.standard_normal(rl.shape).astype(np.float32)
+    argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(
+        _to_jax(q), _to_jax(k), _to_jax(v), sinks, dout, dlse)
+    n_out, _ = naive_torch(q, k, v, **kw, **options)
+    assert_close(out, ro, n_out, name="out")
+    rgrads = ref.flash_attention_bwd(dout, np64(q), np64(k), np64(v), **ref_options(kw, **options), dlse=dlse)
+    for name_, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
+        # the torch suite checks the naive bound; here the same kernels must land within float32 noise
+        np.testing.assert_allclose(np64(got), want, atol=2e-5 * max(1.0, np.abs(want).max()), err_msg=name_)
+
+
+def test_cross_framework_parity_is_bitwise():
+    ja = _jax_api()
+    for dtype in ("float32", "bfloat16"):
+        q, k, v, kw = make_inputs(17, hq=4, hkv=2, sq=63, sk=40, alibi="batch", sinks=True, dtype=dtype)
+        options = dict(causal=True, window_size=(30, -1), softcap=2.0)
+        leaves = [t.requires_grad_(True) for t in (q, k, v, kw["sinks"])]
+        out, lse = torch_api.flash_attention(q, k, v, **kw, **options, return_lse=True)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.dtype)
+        tgrads = torch.autograd.grad((out.float() * dout.float()).sum(), leaves)
+        jkw = {n: _to_jax(a.detach()) for n, a in kw.items()}
+        sinks = jkw.pop("sinks")
+        (jout, jlse), vjp = jax.vjp(lambda q, k, v, s: ja.flash_attention(q, k, v, sinks=s, **jkw, **options,
+                                                                            return_lse=True),
+                                    *[_to_jax(t.detach()) for t in (q, k, v)], sinks)
+        jgrads = vjp((_to_jax(dout), jnp.zeros_like(jlse)))
+        np.testing.assert_array_equal(np64(jout), np64(out))
+        np.testing.assert_array_equal(np64(jlse), np64(lse))
+        for a, b in zip(jgrads, tgrads):
+            np.testing.assert_array_equal(np64(a), np64(b))
+
+
+def test_jax_vmap_folds_and_maps():
+    ja = _jax_api()
+    q, k, v, kw = make_inputs(21, b=2, hq=4, hkv=2, sq=17, sk=33, sinks=True, alibi="heads")
+    q, k, v, sinks, slopes = (_to_jax(t) for t in (q, k, v, kw["sinks"], kw["alibi_slopes"]))
+    qs, ks, vs = (jnp.stack([x, x * 0.5 + 0.1]) for x in (q, k, v))  # a mapped axis of 2
+
+    def loss(q, k, v, s, a):
+        return jnp.sum(jnp.sin(ja.flash_attention(q, k, v, causal=True, sinks=s, alibi_slopes=a)))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    # folded path: sinks and slopes shared
+    batched = jax.vmap(grad, in_axes=(0, 0, 0, None, None))(qs, ks, vs, sinks, slopes)
+    for i in range(2):
+        single = grad(qs[i], ks[i], vs[i], sinks, slopes)
+        for a, b in zip(batched[:3], single[:3]):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(batched[3][i]), np.asarray(single[3]), atol=1e-5)
+    # mapped path: per-example sinks and slopes
+    ss, aa = jnp.stack([sinks, sinks + 1.0]), jnp.stack([slopes, slopes * 2.0])
+    batched = jax.vmap(grad)(qs, ks, vs, ss, aa)
+    for i in range(2):
+        single = grad(qs[i], ks[i], vs[i], ss[i], aa[i])
+        for a, b in zip(batched, single):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), atol=1e-6)
+
+
+def test_jax_vmap_varlen():
+    ja = _jax_api()
+    q, k, v, kw = make_inputs(23, seqlens=[(5, 9), (12, 3)], hq=2, hkv=1)
+    jkw = {n: _to_jax(a) for n, a in kw.items()}
+    q, k, v = (_to_jax(t) for t in (q, k, v))
+    f = lambda q: ja.flash_attention(q, k, v, causal=True, **jkw)  # noqa: E731
+    batched = jax.vmap(f)(jnp.stack([q, -q]))
+    np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(f(-q)))
+
+
+def test_jax_shard_map_over_batch_and_heads():
+    ja = _jax_api()
+    from jax.sharding import Mesh, PartitionSpec as P
+    try:
+        from jax import shard_map
+    except ImportError:
+        from jax.experimental.shard_map import shard_map
+    devices = np.array(jax.devices()[:4])
+    if devices.size < 4:
+        pytest.skip("needs 4 host devices (XLA_FLAGS set in conftest)")
+    mesh = Mesh(devices.reshape(2, 2), ("batch", "heads"))
+    q, k, v, kw = make_inputs(29, b=2, hq=4, hkv=2, sq=17, sk=17, sinks=True)
+    q, k, v, sinks = (_to_jax(t) for t in (q, k, v, kw["sinks"]))
+    spec = P("batch", None, "heads", None)
+
+    def f(q, k, v, s):
+        return ja.flash_attention(q, k, v, causal=True, sinks=s)
+
+    sharded = jax.jit(shard_map(f, mesh=mesh, in_specs=(spec, spec, spec, P("heads")), out_specs=spec))
+    np.testing.assert_array_equal(np.asarray(sharded(q, k, v, sinks)), np.asarray(f(q, k, v, sinks)))
+
+    def loss(q, k, v, s):
+        return jnp.sum(sharded(q, k, v, s) ** 2)
+
+    g_sharded = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    g_plain = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for a, b in zip(g_sharded, g_plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_jax_bad_inputs():
+    ja = _jax_api()
+    x = jnp.ones((2, 5, 2, 8))
+    with pytest.raises(ValueError, match="multiple"):
+        ja.flash_attention(jnp.ones((2, 5, 3, 8)), x, x)
+    with pytest.raises(TypeError, match="share one dtype"):
+        ja.flash_attention(x, x.astype(jnp.float16), x)
+    with pytest.raises(ValueError, match="softcap"):
+        ja.flash_attention(x, x, x, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        ja.flash_attention(x, x, x, sinks=jnp.ones(3))
+    cu = jnp.array([0, 6, 5], jnp.int32)
+    p = jnp.ones((5, 2, 8))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ja.flash_attention(p, p, p, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+    with pytest.raises(TypeError, match="int32"):
+        ja.flash_attention(p, p, p, cu_seqlens_q=cu.astype(jnp.float32), cu_seqlens_k=cu, max_seqlen_q=6,
+                           max_seqlen_k=6)
+
+
+@pytest.mark.parametrize("case", [
+    dict(q=(2, 17, 4, 32), k=(2, 17, 4, 32), is_causal=True),
+    dict(q=(2, 17, 4, 32), k=(2, 40, 2, 32), is_causal=True, scale=0.3),
+    dict(q=(2, 17, 4, 16), k=(2, 40, 2, 16), local_window_size=(5, 2)),
+    dict(q=(2, 33, 2, 16), k=(2, 33, 2, 16), is_causal=True, local_window_size=7),
+    dict(q=(17, 4, 16), k=(23, 4, 16)),
+], ids=["causal", "gqa-top-left", "window", "causal-window", "unbatched"])
+def test_jax_dot_product_attention_drop_in(case):
+    ja = _jax_api()
+    case = dict(case)
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal(case.pop("q")), jnp.float32)
+    k = jnp.asarray(rng.standard_normal(case.pop("k")), jnp.float32)
+    v = jnp.asarray(rng.standard_normal(k.shape), jnp.float32)
+    ours = ja.dot_product_attention(q, k, v, **case)
+    theirs = jax.nn.dot_product_attention(q, k, v, **case)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-6, rtol=1e-5)
+    g = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, **case))), argnums=(0, 1, 2))(q, k, v)  # noqa
+    for a, b in zip(g(ja.dot_product_attention), g(jax.nn.dot_product_attention)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    out, res = ja.dot_product_attention(q, k, v, **case, return_residual=True)
+    _, res_expect = jax.nn.dot_product_attention(q, k, v, **case, return_residual=True)
+    assert res.shape == res_expect.shape == q.shape[:-1] and res.dtype == res_expect.dtype
+    np.testing.assert_allclose(np.asarray(res), np.asarray(res_expect), atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="mask"):
+        ja.dot_product_attention(q, k, v, mask=jnp.ones((1,), bool))
+
+
+@pytest.mark.parametrize("mode", ["plain", "is_causal", "causal-mask", "gqa"])
+def test_flax_multihead_attention_drop_in(mode):
+    from flax import nnx
+    from flashbridge.jax_api.attention_flax import MultiHeadAttention
+    kwargs = dict(num_heads=4, in_features=32, qkv_features=48, out_features=24)
+    if mode == "gqa":
+        kwargs["num_kv_heads"] = 2
+    theirs = nnx.MultiHeadAttention(**kwargs, decode=False, rngs=nnx.Rngs(0))
+    ours = MultiHeadAttention(**kwargs, rngs=nnx.Rngs(1))
+    assert sorted(k for k, _ in nnx.to_flat_state(nnx.state(ours))) == \
+        sorted(k for k, _ in nnx.to_flat_state(nnx.state(theirs)))
+    nnx.update(ours, nnx.state(theirs))
+    x = jax.random.normal(jax.random.key(0), (2, 9, 32))
+    call = {}
+    if mode == "is_causal":
+        call["is_causal"] = True
+    if mode == "causal-mask":
+        call["mask"] = nnx.make_causal_mask(jnp.ones((2, 9)))
+    np.testing.assert_allclose(np.asarray(ours(x, **call)), np.asarray(theirs(x, **call)), atol=2e-6, rtol=1e-5)
+    if mode == "plain":
+        with pytest.raises(ValueError, match="mask"):
+            ours(x, mask=jnp.ones((2, 1, 9, 9), bool).at[..., 0].set(False))
