@@ -203,6 +203,23 @@ def tune(ceiling):
     return rows_out
 
 
+def welford_parts(ceiling):
+    """LayerNorm forward with 1, 2, 4, 8 Welford parts per row (log2_chunks 0..3): what the merge costs."""
+    rows_out = []
+    for rows, cols in MAIN_SHAPES:
+        x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 2 + 1
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        for log2_chunks in range(4):
+            plan = plan_norm_fwd(rows, cols, x_dtype="bfloat16", residual_dtype=None, is_rms=False,
+                                 has_weight=True, has_bias=True, has_post_residual=False, dropout_p=0.0,
+                                 eps=EPS, target=target_for(x.device), config=NormConfig(log2_chunks=log2_chunks))
+            ms = time_torch(lambda: execute(plan, {"x": x, "weight": w, "bias": b}))
+            rows_out.append([f"{rows}x{cols}", 2**log2_chunks, ms, 2 * x.numel() * 2 / (ms * 1e-3) / 1e12])
+    print_table("LayerNorm forward: Welford parts per row", ["shape", "parts", "ms", "TB/s"], rows_out)
+    return rows_out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tune", action="store_true")
@@ -214,6 +231,7 @@ def main():
     payload = {"copy_ceiling_tbps": ceiling, "main": [], "sweep": []}
     if args.tune:
         payload["tune"] = tune(ceiling)
+    payload["welford_parts"] = welford_parts(ceiling)
     table = []
     for rows, cols in MAIN_SHAPES:
         for op in ("rms", "ln", "rms+res", "ln+res"):
