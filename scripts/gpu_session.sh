@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
-#   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms (default: all)
+#   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
+#   bench-attention-quick (default: env tests memcheck check bench-norms)
 # Results and logs go to $OUT (or ./gpu-out). Carried wheels (jax-triton, liger-kernel) are read from .whl/.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -20,10 +21,12 @@ for stage in "${stages[@]}"; do
   case $stage in
     env) { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
            python3 -c 'import torch, triton, jax; print(torch.__version__, triton.__version__, jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt" ;;
-    tests) python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
-    memcheck) compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/memcheck.py 2>&1 | tee "$OUT/memcheck.log" | tail -15; status=$((status | PIPESTATUS[0])) ;;
+    tests) python3 -m pytest tests -m gpu -q -p no:cacheprovider -n 4 --timeout 120 ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/tests_gpu.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
+    memcheck) compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/memcheck.py 2>&1 | tee "$OUT/memcheck.log" | tail -15; status=$((status | PIPESTATUS[0]))
+              compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/test_attention_gpu.py 2>&1 | tee "$OUT/memcheck_attention.log" | tail -15; status=$((status | PIPESTATUS[0])) ;;
     check) python3 -m flashbridge check --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | tail -60 ;;
     bench-norms) python3 benchmarks/bench_norms.py 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
+    bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

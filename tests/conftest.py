@@ -18,6 +18,15 @@ def _has_cuda() -> bool:
 
 HAS_CUDA = _has_cuda()
 
+if HAS_CUDA:
+    # Importing jax_triton sets TRITON_CACHE_DIR="" for the whole process, after which every Triton compile
+    # fails; import it once, here, through the runtime helper that repairs the variable.
+    try:
+        from flashbridge.jax_api._runtime import _jax_triton
+        _jax_triton()
+    except ImportError:
+        pass
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

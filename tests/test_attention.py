@@ -78,9 +78,10 @@ def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
             s = softcap * torch.tanh(s / softcap)
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
-            dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)[None, :]).abs()
-            s = s - (slopes[:, None, None] * dist).to(dtype)
-        mask = torch.from_numpy(ref.visible_mask(sq, sk, causal=causal, window_size=window_size))
+            dist = (torch.arange(sq, device=q.device)[:, None] + sk - sq
+                    - torch.arange(sk, device=q.device)[None, :]).abs()
+            s = s - (slopes[:, None, None].to(q.device) * dist).to(dtype)
+        mask = torch.from_numpy(ref.visible_mask(sq, sk, causal=causal, window_size=window_size)).to(q.device)
         s = s.masked_fill(~mask, float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(-1, sq, 1)], dim=-1)
@@ -644,8 +645,10 @@ def test_jax_dot_product_attention_drop_in(case):
     ours = ja.dot_product_attention(q, k, v, **case)
     theirs = jax.nn.dot_product_attention(q, k, v, **case)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-6, rtol=1e-5)
-    g = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, **case))), argnums=(0, 1, 2))(q, k, v)  # noqa
-    for a, b in zip(g(ja.dot_product_attention), g(jax.nn.dot_product_attention)):
+    def grads(f):
+        return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, **case))), argnums=(0, 1, 2))(q, k, v)
+
+    for a, b in zip(grads(ja.dot_product_attention), grads(jax.nn.dot_product_attention)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     out, res = ja.dot_product_attention(q, k, v, **case, return_residual=True)
     _, res_expect = jax.nn.dot_product_attention(q, k, v, **case, return_residual=True)

@@ -20,7 +20,11 @@ from flashbridge.jax_api import cross_entropy as fjc  # noqa: E402
 from flashbridge.torch_api import cross_entropy as ftc  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Floors relative to max(1, |ref|): tight for the kernels' own outputs (loss, lse, dlogits); for the linear
+# op's gradients the float32 GEMMs (dh = dlogits @ W, dW = dlogits.T @ h; ours chunked, the naive one not)
+# add ~eps*sqrt(K) of rounding noise whose maxima differ run to run, so those get the helpers' default.
 FLOOR = {"float32": 1e-7, "float16": 1e-4, "bfloat16": 1e-4}
+GEMM_FLOOR = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-3}
 ALL = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 
 
@@ -200,7 +204,7 @@ def test_linear_cross_entropy_both_frameworks(case):
                for i, o in enumerate(outs_t))
     for name, out, r, nv in zip(names, outs_t, (ref, *ref_grads), naive):
         if r is not None:
-            assert_close(out, r, nv, name=f"torch {name}", floor=FLOOR[dtype])
+            assert_close(out, r, nv, name=f"torch {name}", floor=(FLOOR if name == "loss" else GEMM_FLOOR)[dtype])
     assert_close(lse, ref_lse, rounded(ref_lse, dtype), name="torch lse", floor=FLOOR[dtype])
 
     args = [jnp.asarray(h, dtype), jnp.asarray(w, dtype)] + ([jnp.asarray(b, dtype)] if bias else [])
@@ -213,7 +217,7 @@ def test_linear_cross_entropy_both_frameworks(case):
     outs_j = (jloss, *jgrads) + ((None,) if not bias else ())
     for name, out, r, nv in zip(names, outs_j, (ref, *ref_grads), naive):
         if r is not None:
-            assert_close(out, r, nv, name=f"jax {name}", floor=FLOOR[dtype])
+            assert_close(out, r, nv, name=f"jax {name}", floor=(FLOOR if name == "loss" else GEMM_FLOOR)[dtype])
     # Parity: the kernels are shared, the matmuls are each framework's own (torch's vs XLA's CPU GEMM),
     # so the two agree to rounding, not to the bit.
     tol = 1e-5 if dtype == "float32" else 2e-2

@@ -15,6 +15,7 @@ that should be specialised (a row width that sets the block size, feature flags)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -69,8 +70,13 @@ class Launch:
     def scalar_values(self) -> list[int | float]:
         return [v for _, v in self.scalars]
 
-    def constexpr_dict(self) -> dict[str, Any]:
+    @functools.cached_property
+    def _constexpr_dict(self) -> dict[str, Any]:
         return dict(self.constexprs)
+
+    def constexpr_dict(self) -> dict[str, Any]:
+        """The constexprs as keyword arguments (built once per Launch: plans are cached)."""
+        return self._constexpr_dict
 
 
 @dataclasses.dataclass(frozen=True)

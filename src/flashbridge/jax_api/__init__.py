@@ -1,17 +1,20 @@
 """JAX front-end: custom_vjp / custom_vmap ops and Flax NNX modules over flashbridge's kernels.
 
-The Flax modules (``RMSNorm``, ``LayerNorm``) are imported lazily, so the functional ops need no flax.
+The Flax modules (``RMSNorm``, ``LayerNorm``, ``MultiHeadAttention``) are imported lazily, so the functional
+ops need no flax.
 """
+from .attention import dot_product_attention, flash_attention
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 
-_FLAX_MODULES = {"RMSNorm", "LayerNorm"}
+_FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "MultiHeadAttention": ".attention_flax"}
 
 
 def __getattr__(name):
     if name in _FLAX_MODULES:
-        from . import flax as _flax_modules
-        return getattr(_flax_modules, name)
+        import importlib
+        return getattr(importlib.import_module(_FLAX_MODULES[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "layer_norm_dropout_residual", "rms_norm"]
+__all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "dot_product_attention", "flash_attention",
+           "layer_norm", "layer_norm_dropout_residual", "rms_norm"]

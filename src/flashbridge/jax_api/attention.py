@@ -195,8 +195,10 @@ def _match_varying(*arrays):
     that cast's transpose, so the replicated input receives the summed gradient. Outside shard_map this
     is a no-op.
     """
-    def vma(a):
-        return frozenset(getattr(jax.typeof(a), "vma", ()) or ())
+    def vma(a):  # the mesh axes an array varies over (jax >= 0.10: manual_axis_type; before: vma)
+        aval = jax.typeof(a)
+        manual = getattr(aval, "manual_axis_type", None)
+        return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
 
     union = frozenset().union(*(vma(a) for a in arrays if a is not None))
     if not union:

@@ -1,5 +1,7 @@
 """PyTorch front-end: custom ops (torch.library) and nn.Module drop-ins over flashbridge's kernels."""
-from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
+from .attention import MultiheadAttention, flash_attention, scaled_dot_product_attention
 from .modules import LayerNorm, RMSNorm
+from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 
-__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "layer_norm_dropout_residual", "rms_norm"]
+__all__ = ["LayerNorm", "MultiheadAttention", "RMSNorm", "flash_attention", "layer_norm",
+           "layer_norm_dropout_residual", "rms_norm", "scaled_dot_product_attention"]

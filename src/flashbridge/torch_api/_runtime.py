@@ -86,7 +86,10 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
         env[name] = t.float() if interpret and t.dtype == torch.bfloat16 else t
     for spec in plan.buffers:
         env[spec.name] = _alloc(spec, _launch_dtype(spec.dtype, interpret), device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    # Triton launches on the current device: switch only when the tensors live elsewhere (the switch
+    # itself costs host time on every call).
+    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
         for launch in plan.launches:
             kernel = get_kernel(launch.kernel, interpret)
             args = ([env[n] for n in launch.inputs] + launch.scalar_values()

@@ -6,6 +6,7 @@ C-contiguous arrays (they copy non-contiguous ones), so the row stride is ``n_co
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
 
@@ -94,6 +95,7 @@ def check_norm_args(
     return n_rows, n_cols
 
 
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments: build each once
 def plan_norm_fwd(
     n_rows: int, n_cols: int, *, x_dtype: str, residual_dtype: str | None, is_rms: bool,
     has_weight: bool, has_bias: bool, has_post_residual: bool, dropout_p: float, eps: float,
@@ -134,6 +136,7 @@ def plan_norm_fwd(
     return Plan(inputs=inputs, buffers=buffers, launches=(launch,), results=("y", "h", "mean", "rstd"))
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_norm_bwd(
     n_rows: int, n_cols: int, *, dx_dtype: str, weight_dtype: str | None, bias_dtype: str | None,
     is_rms: bool, has_dh: bool, dropout_p: float, target: Target, config: NormConfig = NormConfig(),
@@ -179,15 +182,22 @@ def plan_norm_bwd(
 
 
 def sum_partials_launch(part: str, out: str, n_parts: int, n_cols: int, target: Target) -> Launch:
-    """Sum a ``(n_parts, n_cols)`` float32 buffer over its rows, in a fixed order."""
-    block_n = min(next_power_of_2(n_cols), 4096 if target.interpret else 256)
+    """Sum a ``(n_parts, n_cols)`` float32 buffer over its rows, in a fixed order.
+
+    Column blocks are narrow enough that the grid covers every SM (the partials are a few MB, read by
+    latency-bound programs otherwise)."""
+    if target.interpret:
+        block_n = min(next_power_of_2(n_cols), 4096)
+    else:
+        block_n = max(16, min(256, next_power_of_2(cdiv(n_cols, target.num_sms))))
     return Launch(
         kernel=f"{_KERNELS}:sum_partials_kernel",
         grid=(cdiv(n_cols, block_n),),
         inputs=(part,),
         outputs=(out,),
         constexprs=(("N_PARTS", n_parts), ("N_COLS", n_cols),
-                    ("BLOCK_P", min(next_power_of_2(n_parts), 32)), ("BLOCK_N", block_n)),
+                    ("BLOCK_P", min(next_power_of_2(n_parts), 128 if target.interpret else 64)),
+                    ("BLOCK_N", block_n)),
         num_warps=4,
         num_stages=1,
     )

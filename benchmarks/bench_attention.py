@@ -1,0 +1,392 @@
+"""FlashAttention benchmark on a CUDA GPU: ours (torch and JAX paths) beside SDPA (flash and cuDNN
+backends), FlexAttention (compiled) and jax.nn.dot_product_attention (cuDNN), same inputs, same run.
+
+TFLOP/s = 4 * B * H * Sq * Sk * D forward (halved when causal; for windows and packed batches the exact
+count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward. bf16 throughout.
+
+    python benchmarks/bench_attention.py              # main grid, GQA / varlen / window rows, plot
+    python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the issue's bar)
+    python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
+    python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
+                                                      # of time, print registers / spills / shared memory
+"""
+from __future__ import annotations
+
+import argparse
+import traceback
+
+from _common import environment, print_table, results_dir, save, time_jax, time_torch
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flashbridge.core_kernels.flash_attn.plan import (GPU_TILES, AttentionConfig, check_attention_args,
+                                                      plan_attention_bwd, plan_attention_fwd)
+from flashbridge.torch_api._runtime import execute, target_for
+from flashbridge.torch_api.attention import flash_attention
+
+H = 16
+TOKENS = 16384  # B * S
+SEQLENS = (1024, 4096, 16384)
+HEAD_DIMS = (64, 128, 256)
+
+
+# ------------------------------------------------------------------------------------------- flop counts
+
+def visible_pairs(sq, sk, causal, window=(-1, -1)):
+    """Number of (query, key) pairs a query sees, bottom-right aligned (exact, O(Sq))."""
+    i = np.arange(sq) + (sk - sq)
+    hi = np.minimum(i if causal else (i + window[1] if window[1] >= 0 else np.full(sq, sk - 1)), sk - 1)
+    lo = np.maximum(i - window[0], 0) if window[0] >= 0 else np.zeros(sq, dtype=np.int64)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def tflops(pairs, b, h, d, ms, backward):
+    flops = 4.0 * b * h * pairs * d * (2.5 if backward else 1.0)
+    return flops / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------- providers
+
+def _time_fwd_bwd(fn, leaves):
+    """(forward ms, backward ms) of ``fn()`` (a torch function of ``leaves``)."""
+    with torch.no_grad():
+        fwd_ms = time_torch(fn)
+    out = fn()
+    dout = torch.randn_like(out)
+    bwd_ms = time_torch(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+    return fwd_ms, bwd_ms
+
+
+def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
+    """name -> callable returning (fwd_ms, bwd_ms); every provider gets fresh bf16 inputs."""
+    dev, dt = "cuda", torch.bfloat16
+
+    def bshd():
+        q = torch.randn(b, s, hq, d, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(b, s, hkv, d, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(b, s, hkv, d, device=dev, dtype=dt, requires_grad=True)
+        return q, k, v
+
+    def bhsd():
+        q = torch.randn(b, hq, s, d, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(b, hkv, s, d, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(b, hkv, s, d, device=dev, dtype=dt, requires_grad=True)
+        return q, k, v
+
+    def ours():
+        q, k, v = bshd()
+        return _time_fwd_bwd(lambda: flash_attention(q, k, v, causal=causal, window_size=window), (q, k, v))
+
+    def sdpa(backend):
+        def run():
+            from torch.nn.attention import sdpa_kernel
+            q, k, v = bhsd()
+            with sdpa_kernel(backend):
+                return _time_fwd_bwd(lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=hq != hkv), (q, k, v))
+        return run
+
+    def flex():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        q, k, v = bhsd()
+        left = window[0]
+
+        def mask_mod(b_, h_, qi, ki):
+            ok = ki <= qi if causal else qi >= 0
+            if left >= 0:
+                ok = ok & (qi - ki <= left)
+            return ok
+
+        block_mask = create_block_mask(mask_mod, None, None, s, s, device=dev) if (causal or left >= 0) else None
+        compiled = torch.compile(flex_attention)
+        return _time_fwd_bwd(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=hq != hkv), (q, k, v))
+
+    from torch.nn.attention import SDPBackend
+    out = {"flashbridge-torch": ours, "flex (compiled)": flex}
+    if window == (-1, -1) or window[0] < 0:
+        out["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+        out["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    return out
+
+
+def jax_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.attention import flash_attention as jfa
+
+    key = jax.random.key(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+
+    def timed(f):
+        def run():
+            fwd_ms = time_jax(f, q, k, v)
+            out, vjp_fn = jax.vjp(f, q, k, v)
+            dout = jnp.ones_like(out)
+            bwd_ms = time_jax(lambda fn, ct: fn(ct), vjp_fn, dout)
+            return fwd_ms, bwd_ms
+        return run
+
+    out = {"flashbridge-jax": timed(lambda q, k, v: jfa(q, k, v, causal=causal, window_size=window))}
+    if window == (-1, -1):
+        out["jax.nn cudnn"] = timed(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
+    return out
+
+
+def bench(b, s, hq, hkv, d, causal, window=(-1, -1), with_jax=True):
+    pairs = visible_pairs(s, s, causal, window)
+    providers = torch_providers(b, s, hq, hkv, d, causal, window)
+    if with_jax:
+        try:
+            providers.update(jax_providers(b, s, hq, hkv, d, causal, window))
+        except ImportError as exc:
+            print(f"JAX unavailable: {exc}")
+    res = {}
+    for name, run in providers.items():
+        try:
+            fwd_ms, bwd_ms = run()
+            res[name] = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": tflops(pairs, b, hq, d, fwd_ms, False),
+                         "bwd_tflops": tflops(pairs, b, hq, d, bwd_ms, True)}
+        except Exception as exc:  # a baseline that does not support the shape: recorded, not fatal
+            res[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            print(f"{name} failed on B={b} S={s} D={d} causal={causal}: {exc}")
+        torch.cuda.empty_cache()
+    return res
+
+
+def bench_varlen(lengths, hq, hkv, d, causal):
+    """Packed ragged batch: ours (torch) only; TFLOP/s from the exact visible pairs of every sequence."""
+    total = sum(lengths)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(total, hq, d, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(total, hkv, d, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(total, hkv, d, device=dev, dtype=dt, requires_grad=True)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=dev)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), causal=causal)
+    fwd_ms, bwd_ms = _time_fwd_bwd(lambda: flash_attention(q, k, v, **kw), (q, k, v))
+    pairs = sum(visible_pairs(n, n, causal) for n in lengths)
+    return {"flashbridge-torch": {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                                  "fwd_tflops": tflops(pairs, 1, hq, d, fwd_ms, False),
+                                  "bwd_tflops": tflops(pairs, 1, hq, d, bwd_ms, True)}}
+
+
+# --------------------------------------------------------------------------------------------------- tune
+
+def tune(d, causal, s=4096):
+    """Time the three main kernels for block-size candidates (plan + runtime directly, no autograd)."""
+    b = TOKENS // s
+    dev, dt = "cuda", torch.bfloat16
+    q, k, v, dout = (torch.randn(b, s, H, d, device=dev, dtype=dt) for _ in range(4))
+    info = ((b, s, H, d), "bfloat16")
+    shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
+    target = target_for(q.device)
+    pairs = visible_pairs(s, s, causal)
+    rows = []
+    fwd_cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
+                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2)]
+    out = lse = None
+    for bm, bn, w, st in fwd_cands:
+        cfg = AttentionConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        try:
+            plan = plan_attention_fwd(shape, options, target=target, config=cfg)
+            out, lse = execute(plan, {"q": q, "k": k, "v": v})
+            ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
+            rows.append({"kernel": "fwd", "tile": (bm, bn, w, st), "ms": ms,
+                         "tflops": tflops(pairs, b, H, d, ms, False)})
+        except Exception as exc:
+            rows.append({"kernel": "fwd", "tile": (bm, bn, w, st), "error": str(exc)[:120]})
+    if out is None:
+        return rows
+    bwd_cands = {"dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2),
+                          (16, 128, 8, 3), (32, 32, 8, 2)],
+                 "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2)]}
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    for kernel, cands in bwd_cands.items():
+        for tile in cands:
+            bm, bn, w, st = tile
+            cfg = AttentionConfig(**{f"{kernel}_block_m": bm, f"{kernel}_block_n": bn,
+                                     f"{kernel}_num_warps": w, f"{kernel}_num_stages": st})
+            try:
+                plan = plan_attention_bwd(shape, options, target=target, config=cfg)
+                execute(plan, inputs)
+                ms = time_torch(lambda: execute(plan, inputs))
+                # the whole backward (preprocess + dkdv + dq) is timed; only this kernel's tile changes
+                rows.append({"kernel": kernel, "tile": tile, "bwd_ms": ms,
+                             "bwd_tflops": tflops(pairs, b, H, d, ms, True)})
+            except Exception as exc:
+                rows.append({"kernel": kernel, "tile": tile, "error": str(exc)[:120]})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ ptxas
+
+def ptxas_report(dims=HEAD_DIMS, dtypes=("bfloat16",)):
+    """Compile the default plans for sm_90 without a GPU (Triton's bundled ptxas) and print each kernel's
+    registers and stack (spills). Specialisation mimics the launcher: pointers and multiples of 16 get
+    divisibility 16, ints equal to 1 become constants."""
+    import inspect
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashbridge.core_kernels import Target, get_kernel
+
+    ptr = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32"}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    target = Target(interpret=False, num_sms=132)
+    for dtype in dtypes:
+        for d in dims:
+            for causal in (False, True):
+                info = ((2, 1024, 16, d), dtype)
+                shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
+                dtypes_of = {"q": dtype, "k": dtype, "v": dtype, "dout": dtype, "out": dtype, "lse": "float32"}
+                for plan in (plan_attention_fwd(shape, options, target=target),
+                             plan_attention_bwd(shape, options, target=target)):
+                    for launch in plan.launches:
+                        fn = get_kernel(launch.kernel, False)
+                        names = list(inspect.signature(fn.fn).parameters)
+                        args = [*launch.inputs, *(n for n, _ in launch.scalars), *launch.outputs]
+                        values = [None] * len(launch.inputs) + launch.scalar_values() + [None] * len(launch.outputs)
+                        sig, attrs, consts = {}, {}, dict(launch.constexpr_dict())
+                        for i, (pname, arg, value) in enumerate(zip(names, args, values)):
+                            if value is None:
+                                sig[pname] = ptr[dtypes_of.get(arg) or plan.spec(arg).dtype]
+                                attrs[(i,)] = [["tt.divisibility", 16]]
+                            elif isinstance(value, float):
+                                sig[pname] = "fp32"
+                            elif value == 1:
+                                consts[pname] = 1
+                            else:
+                                sig[pname] = "i32"
+                                if value % 16 == 0:
+                                    attrs[(i,)] = [["tt.divisibility", 16]]
+                        for c in consts:
+                            sig[c] = "constexpr"
+                        kernel = triton.compile(
+                            ASTSource(fn=fn, signature=sig, attrs=attrs,
+                                      constexprs={(names.index(k),): v for k, v in consts.items()}),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                            f.write(kernel.asm["cubin"])
+                            f.flush()
+                            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                                   capture_output=True, text=True).stdout
+                        line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
+                        print(f"{dtype} D={d} causal={causal} {launch.kernel.split(':')[1]:28s} "
+                              f"warps={launch.num_warps} stages={launch.num_stages} "
+                              f"smem={kernel.metadata.shared} {' '.join(line.split()[:2])}")
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--ptxas", action="store_true")
+    args = parser.parse_args()
+    if args.ptxas:
+        ptxas_report()
+        return
+    print(environment())
+    print("GPU tile defaults:", GPU_TILES)
+    payload = {"main": [], "extra": [], "tune": []}
+    seqlens = (4096,) if args.quick else SEQLENS
+    dims = (128,) if args.quick else HEAD_DIMS
+    table = []
+
+    def record(label, entry_list, meta, res):
+        entry_list.append({**meta, "results": res})
+        for name, r in res.items():
+            if "error" in r:
+                table.append([label, name, "-", "-", "-", "-"])
+            else:
+                table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
+
+    for d in dims:
+        for s in seqlens:
+            for causal in (False, True):
+                b = TOKENS // s
+                res = bench(b, s, H, H, d, causal, with_jax=not args.no_jax)
+                record(f"D{d} S{s} {'causal' if causal else 'full'}", payload["main"],
+                       {"b": b, "s": s, "h": H, "d": d, "causal": causal}, res)
+    if not args.quick:
+        for causal in (False, True):
+            res = bench(4, 4096, 32, 8, 128, causal, with_jax=not args.no_jax)
+            record(f"GQA 32/8 D128 S4096 {'causal' if causal else 'full'}", payload["extra"],
+                   {"kind": "gqa", "b": 4, "s": 4096, "hq": 32, "hkv": 8, "d": 128, "causal": causal}, res)
+        rng = np.random.default_rng(0)
+        lengths = []
+        while sum(lengths) < TOKENS:
+            lengths.append(int(min(rng.integers(128, 4096), TOKENS - sum(lengths))))
+        for causal in (False, True):
+            try:
+                res = bench_varlen(lengths, H, H, 128, causal)
+            except Exception:
+                traceback.print_exc()
+                res = {"flashbridge-torch": {"error": "failed"}}
+            record(f"varlen {len(lengths)} seqs D128 {'causal' if causal else 'full'}", payload["extra"],
+                   {"kind": "varlen", "lengths": lengths, "h": H, "d": 128, "causal": causal}, res)
+        for left in (4096, 1024):
+            res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax)
+            record(f"window {left} causal D128 S16384", payload["extra"],
+                   {"kind": "window", "b": 1, "s": 16384, "h": H, "d": 128, "window": [left, 0]}, res)
+    if args.tune:
+        for d in dims:
+            for causal in (False, True):
+                payload["tune"].append({"d": d, "causal": causal, "rows": tune(d, causal)})
+                for r in payload["tune"][-1]["rows"]:
+                    print(d, causal, r)
+    print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
+                ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)
+    plot(payload["main"])
+    path = save("attention_h200", payload)
+    print(f"wrote {path}")
+
+
+def plot(main_rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["d"] for r in main_rows})
+    fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
+    for col, d in enumerate(dims):
+        for row, direction in enumerate(("fwd", "bwd")):
+            ax = axes[row][col]
+            entries = [r for r in main_rows if r["d"] == d]
+            names = sorted({n for e in entries for n in e["results"]})
+            for name in names:
+                for causal, style in ((False, "-"), (True, "--")):
+                    pts = [(e["s"], e["results"][name].get(f"{direction}_tflops")) for e in entries
+                           if e["causal"] == causal and name in e["results"]]
+                    pts = [(x, y) for x, y in pts if y is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), style, marker="o", label=f"{name}{' causal' if causal else ''}",
+                                linewidth=2.5 if name.startswith("flashbridge") else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"D={d} {direction}")
+            ax.set_xlabel("sequence length (B*S = 16384, H = 16)")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path = results_dir() / "attention_h200.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

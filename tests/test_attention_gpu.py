@@ -1,0 +1,195 @@
+"""FlashAttention on a CUDA GPU in bf16 at realistic sizes (skipped without a GPU).
+
+Reference: the same attention computed plainly in float64 on the GPU (``naive_torch`` of the CPU suite
+in double precision, which is what flashbridge.reference computes, only faster at these sizes); the naive
+bf16 implementation sets the tolerance: error <= 2 x its error + a small floor.
+
+``python tests/test_attention_gpu.py`` runs one ragged packed-batch case forward and backward in both
+frameworks, for ``compute-sanitizer --tool memcheck``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_close, np64
+from test_attention import naive_torch
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _inputs(seed, *, b=2, sq=1024, sk=None, hq=8, hkv=None, dqk=128, dv=None, dtype="bfloat16", seqlens=None,
+            alibi=False, sinks=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sk, hkv, dv = sk or sq, hkv or hq, dv or dqk
+    dt = DTYPES[dtype]
+    kw = {}
+    if seqlens is not None:
+        lq = [a for a, _ in seqlens]
+        lk = [c for _, c in seqlens]
+        shapes = ((sum(lq), hq, dqk), (sum(lk), hkv, dqk), (sum(lk), hkv, dv))
+        kw["cu_seqlens_q"] = torch.tensor(np.concatenate([[0], np.cumsum(lq)]), dtype=torch.int32, device="cuda")
+        kw["cu_seqlens_k"] = torch.tensor(np.concatenate([[0], np.cumsum(lk)]), dtype=torch.int32, device="cuda")
+        kw["max_seqlen_q"], kw["max_seqlen_k"] = max(lq), max(lk)
+    else:
+        shapes = ((b, sq, hq, dqk), (b, sk, hkv, dqk), (b, sk, hkv, dv))
+    q, k, v = (torch.randn(s, generator=g, device="cuda").to(dt) for s in shapes)
+    if alibi:
+        kw["alibi_slopes"] = torch.rand(hq, generator=g, device="cuda") * 0.1
+    if sinks:
+        kw["sinks"] = torch.randn(hq, generator=g, device="cuda")
+    return q, k, v, kw
+
+
+def _run_naive(q, k, v, kw, options, dout, dtype):
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    nkw = dict(kw)
+    if "sinks" in kw:
+        leaves.append(kw["sinks"].detach().to(dtype if dtype == torch.float64 else torch.float32)
+                      .requires_grad_(True))
+        nkw["sinks"] = leaves[3]
+    out, lse = naive_torch(*leaves[:3], **nkw, **options)
+    grads = torch.autograd.grad((out * dout.to(dtype)).sum(), leaves)
+    return out, lse, grads
+
+
+def check(q, k, v, kw, options, *, floor=1e-3):
+    from flashbridge.torch_api.attention import flash_attention
+    leaves = [q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)]
+    if "sinks" in kw:
+        leaves.append(kw["sinks"].requires_grad_(True))
+    out, lse = flash_attention(q, k, v, **kw, **options, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    r_out, r_lse, r_grads = _run_naive(q, k, v, kw, options, dout, torch.float64)
+    n_out, _, n_grads = _run_naive(q, k, v, kw, options, dout, q.dtype)
+    assert_close(out, r_out, n_out, name="out", floor=floor)
+    finite = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(torch.where(finite, lse.double(), 0.0), torch.where(finite, r_lse, 0.0),
+                               atol=1e-3, rtol=1e-4)
+    for name, a, r, n in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads, n_grads):
+        assert_close(a, r, n, name=name, floor=floor)
+    return out, grads
+
+
+CASES = {
+    "d64": (dict(sq=2048, dqk=64), dict()),
+    "d128-causal": (dict(sq=2048), dict(causal=True)),
+    "d256-causal": (dict(sq=1024, dqk=256), dict(causal=True)),
+    "d80-odd-lengths": (dict(sq=1000, sk=1537, dqk=80), dict(causal=True)),
+    "mla-192-128": (dict(sq=1024, dqk=192, dv=128), dict(causal=True)),
+    "gqa-32-8": (dict(sq=2048, hq=32, hkv=8), dict(causal=True)),
+    "sliding-window": (dict(sq=4096, b=1), dict(causal=True, window_size=(511, 0))),
+    "softcap-alibi-sinks": (dict(sq=1024, alibi=True, sinks=True), dict(causal=True, softcap=30.0)),
+    "varlen-ragged": (dict(seqlens=[(1, 1), (17, 17), (1000, 1000), (513, 2048), (2048, 100)], hq=16, hkv=4),
+                      dict(causal=True)),
+    "fp16": (dict(sq=1024, dtype="float16"), dict()),
+    "fp32": (dict(sq=512, dqk=64, dtype="float32"), dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_torch(name):
+    spec, options = CASES[name]
+    q, k, v, kw = _inputs(hash(name) % 1000, **spec)
+    check(q, k, v, kw, options, floor=1e-5 if spec.get("dtype") == "float32" else 1e-3)
+
+
+def test_gpu_torch_deterministic():
+    from flashbridge.torch_api.attention import flash_attention
+    q, k, v, kw = _inputs(1, sq=2048, hq=16, hkv=4, sinks=True)
+    leaves = [q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), kw["sinks"].requires_grad_()]
+    dout = torch.randn(2, 2048, 16, 128, device="cuda", dtype=torch.bfloat16)
+    runs = [torch.autograd.grad(flash_attention(q, k, v, causal=True, **kw), leaves, dout) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_gpu_torch_compile_inductor():
+    from flashbridge.torch_api.attention import flash_attention
+    q, k, v, _ = _inputs(2, sq=1024, hq=8)
+    f = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True).float().square().mean(),
+                      fullgraph=True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    loss = f(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager = torch.autograd.grad(flash_attention(q, k, v, causal=True).float().square().mean(), (q, k, v))
+    for a, b in zip(grads, eager):
+        assert torch.equal(a, b)
+
+
+def test_gpu_sdpa_drop_in():
+    from flashbridge.torch_api.attention import scaled_dot_product_attention
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 16, 1024, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref64 = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    naive = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_close(out, ref64, naive, name="sdpa", floor=1e-3)
+
+
+@pytest.mark.parametrize("name", ["d128-causal", "gqa-32-8", "varlen-ragged", "softcap-alibi-sinks"])
+def test_gpu_jax_matches_torch_bitwise(name):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if not jax.devices("gpu"):
+        pytest.skip("JAX has no GPU backend")
+    from flashbridge.jax_api.attention import flash_attention as jfa
+    from flashbridge.torch_api.attention import flash_attention as tfa
+    spec, options = CASES[name]
+    q, k, v, kw = _inputs(7, **spec)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)] + ([kw["sinks"].requires_grad_(True)] if "sinks" in kw
+                                                             else [])
+    out = tfa(q, k, v, **kw, **options)
+    dout = torch.randn_like(out)
+    tgrads = torch.autograd.grad(out, leaves, dout)
+
+    def to_jax(t):
+        t = t.detach()
+        if not isinstance(t, torch.Tensor):
+            return t
+        return jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16) if t.dtype == torch.bfloat16 \
+            else jnp.asarray(t.cpu().numpy())
+
+    jkw = {n: to_jax(a) if isinstance(a, torch.Tensor) else a for n, a in kw.items()}
+    sinks = jkw.pop("sinks", None)
+    jout, vjp = jax.vjp(lambda q, k, v, s: jfa(q, k, v, sinks=s, **jkw, **options),
+                        to_jax(q), to_jax(k), to_jax(v), sinks)
+    jgrads = vjp(to_jax(dout))
+    np.testing.assert_array_equal(np64(jout), np64(out))
+    for a, b in zip(jgrads, tgrads):
+        np.testing.assert_array_equal(np64(a), np64(b))
+
+
+def _memcheck_case():
+    """A ragged packed batch, forward and backward, torch and JAX (for compute-sanitizer)."""
+    from flashbridge.torch_api.attention import flash_attention
+    spec, options = CASES["varlen-ragged"]
+    q, k, v, kw = _inputs(0, **spec, sinks=True, alibi=True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = flash_attention(q, k, v, **kw, **options, window_size=(300, -1), softcap=20.0)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    print("torch ragged varlen forward + backward: ok")
+    try:
+        import jax
+        from flashbridge.jax_api.attention import flash_attention as jfa
+    except ImportError:
+        return
+    jkw = {n: (jax.numpy.asarray(a.cpu().numpy()) if isinstance(a, torch.Tensor) else a) for n, a in kw.items()}
+    arrs = [jax.numpy.asarray(t.detach().float().cpu().numpy()).astype(jax.numpy.bfloat16) for t in (q, k, v)]
+    grads = jax.grad(lambda q, k, v: jfa(q, k, v, **jkw, **options).astype(jax.numpy.float32).sum(),
+                     argnums=(0, 1, 2))(*arrs)
+    jax.block_until_ready(grads)
+    print("jax ragged varlen forward + backward: ok")
+
+
+if __name__ == "__main__":
+    _memcheck_case()
