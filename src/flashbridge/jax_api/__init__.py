@@ -4,6 +4,7 @@ The Flax modules (``RMSNorm``, ``LayerNorm``, ``MultiHeadAttention``) are import
 ops need no flax.
 """
 from .attention import dot_product_attention, flash_attention
+from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 
 _FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "MultiHeadAttention": ".attention_flax"}
@@ -16,5 +17,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "dot_product_attention", "flash_attention",
-           "layer_norm", "layer_norm_dropout_residual", "rms_norm"]
+__all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "cross_entropy", "dot_product_attention",
+           "flash_attention", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
+           "linear_cross_entropy_from_layer", "rms_norm"]

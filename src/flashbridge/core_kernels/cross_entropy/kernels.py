@@ -20,7 +20,7 @@ can be inspected, see plan.py).
 import triton
 import triton.language as tl
 
-_NEG_BIG = -3.4028234663852886e38  # most negative float32: a lane that has seen nothing yet
+_NEG_BIG = tl.constexpr(-3.4028234663852886e38)  # most negative float32: a lane that has seen nothing yet
 
 
 @triton.jit
