@@ -1,6 +1,9 @@
 """Fused norms on the CPU (Triton interpreter), both frameworks, against the float64 references."""
 from __future__ import annotations
 
+import os
+import zlib
+
 import numpy as np
 import pytest
 
@@ -15,6 +18,8 @@ from flashbridge import jax_api as fj  # noqa: E402
 from flashbridge import torch_api as ft  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Inputs are reproducible per case; FLASHBRIDGE_TEST_SEED draws another set (CI uses the default 0).
+SEED_OFFSET = int(os.environ.get("FLASHBRIDGE_TEST_SEED", "0"))
 FLOOR = {"float32": 2e-6, "float16": 1e-4, "bfloat16": 1e-3}
 
 
@@ -57,7 +62,7 @@ def _case_id(c):
 def test_forward_backward_both_frameworks(case):
     op, lead, n, dtype, has_w, has_b, has_res, w_dtype = case
     w_dtype = w_dtype or dtype
-    rng = np.random.default_rng(abs(hash(_case_id(case))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()) + SEED_OFFSET)
     shape = (*lead, n)
     # A mean offset makes LayerNorm's variance computation meaningful (cancellation-prone inputs).
     x = _rand(rng, shape, dtype, scale=2.0, shift=3.0 if op == "ln" else 0.0)
