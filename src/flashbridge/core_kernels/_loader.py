@@ -10,9 +10,18 @@ kernels in the same process, with no environment variable to set:
   functions (our helpers, and triton.language's own ``tl.sum``, ``tl.rand``, ...) reach
   ``JITFunction.__call__``, which outside a compiled kernel only raises; while an interpreted launch is
   running on this thread, the wrapper installed below runs them interpreted instead.
+
+The interpreter runs a kernel by patching ``triton.language`` (its builtins, ``tensor``'s operators, ...) with
+interpreter versions. The launch itself restores what it patched, but every nested ``@triton.jit`` call
+patches the namespaces of *its* module again and never restores them (Triton 3.4-3.9); ``tl.sum`` and
+``tl.rand`` live in modules that import ``triton.language.core``, so after any interpreted launch that calls
+them ``triton.language.core.mul`` & co. stayed interpreter versions, and every later *compile* in the process
+failed inside code generation (``'ir.value' object has no attribute 'dtype'`` at the first arithmetic). Each
+interpreted launch here therefore restores those namespaces to exactly what they were before it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import threading
@@ -52,6 +61,35 @@ def _install_call_hook() -> None:
 _install_call_hook()
 
 
+def _language_namespaces() -> list:
+    """The objects the interpreter patches: triton.language, its core and math modules, and the tensor,
+    dtype and tensor-descriptor classes (deduplicated: ``tl.tensor is tl.core.tensor``)."""
+    import triton.language as tl
+
+    objs = (tl, tl.core, getattr(tl, "math", None), tl.tensor, tl.dtype,
+            getattr(tl.core, "tensor_descriptor_base", None))
+    return list({id(o): o for o in objs if o is not None}.values())
+
+
+@contextlib.contextmanager
+def _restoring_language():
+    """Put back every attribute of the patched namespaces as it was on entry (see the module docstring)."""
+    saved = [(obj, dict(vars(obj))) for obj in _language_namespaces()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            for name in [n for n in now if n not in before]:
+                delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
 class _InterpretedKernel:
     """``kernel[grid](*args, **kwargs)`` through the interpreter, nested jit calls interpreted too."""
 
@@ -60,7 +98,7 @@ class _InterpretedKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with _interpreter_lock:
+            with _interpreter_lock, _restoring_language():
                 _state.interpreting = getattr(_state, "interpreting", 0) + 1
                 try:
                     return _interpreted(self._fn)[grid](*args, **kwargs)

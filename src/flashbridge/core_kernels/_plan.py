@@ -11,6 +11,13 @@ Runtime scalars come *before* the outputs because jax-triton appends output poin
 arguments and turns every keyword argument into a constexpr; putting sizes that vary from call to call
 (row counts, sequence lengths) there keeps one compiled kernel for many shapes in both frameworks. Values
 that should be specialised (a row width that sets the block size, feature flags) go in ``constexprs``.
+
+Specialisation of runtime integers: Triton's launcher (torch) would mark an integer argument divisible by 16
+as such, jax-triton never does, and the two would compile different kernels (16-byte vector loads and
+``cp.async`` in one, 2-byte loads in the other; different code, different speed, not always the same bits).
+So kernels list their integer scalars in ``do_not_specialize_on_alignment`` (both launchers then fold only
+integers equal to 1, identically), and a plan that wants the compiler to know that strides are multiples of
+something states it as a constexpr computed from the very values it passes (:func:`pow2_divisor`).
 """
 from __future__ import annotations
 
@@ -120,3 +127,14 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pow2_divisor(*values: int, cap: int = 16) -> int:
+    """The largest power of two <= ``cap`` that divides every value (0 is divisible by anything; no values
+    gives ``cap``). Plans pass it as a constexpr next to the runtime integers it describes."""
+    div = cap
+    for v in values:
+        while div > 1 and v % div:
+            div //= 2
+    return div
+

@@ -17,19 +17,37 @@ Both main kernels walk their loop axis in the same three segments as the forward
 import triton
 import triton.language as tl
 
-from .kernels_common import (LOG2E, alibi_slope2, kv_block_range, load_tile, lse_log2, q_block_range,
-                             score_grad, score_mods, score_params, seq_range)
+from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, kv_block_range, load_tile, lse_log2,
+                             q_block_range, score_grad, score_mods, score_params, seq_range)
+
+# Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
+# it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
+_LSE_STRIDES = ("stride_lb", "stride_lh")
+PREPROCESS_INT_SCALARS = ("seqlen_q", "total_q", "stride_ob", "stride_os", "stride_oh", "stride_dob", "stride_dos",
+                          "stride_doh", *_LSE_STRIDES)
+_MAIN_INT_SCALARS = (
+    "seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+    "stride_vh", "stride_dob", "stride_dos", "stride_doh", *_LSE_STRIDES, "stride_ab")
+DKDV_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs",
+                    "stride_dvh")
+DQ_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh")
+SINK_INT_SCALARS = ("n_seqs", "seqlen_q", "total_q", *_LSE_STRIDES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=PREPROCESS_INT_SCALARS)
 def attn_bwd_preprocess_kernel(
     OUT, DO, DLSE, CU_Q,  # inputs
     seqlen_q, total_q, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,  # runtime scalars
     DELTA,  # output, float32, lse layout
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
+    stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -90,7 +108,7 @@ def _dkdv_q_range(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
@@ -100,8 +118,18 @@ def attn_bwd_dkdv_kernel(
     DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr,
 ):
+    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_dkb, stride_dks, stride_dkh = aligned_strides(stride_dkb, stride_dks, stride_dkh, STRIDE_ALIGN)
+    stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
     pid_n = tl.program_id(0)
     kh = tl.program_id(1)
     b = tl.program_id(2)
@@ -187,7 +215,7 @@ def _dq_kv_range(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
@@ -197,8 +225,17 @@ def attn_bwd_dq_kernel(
     DQ,  # output: dq in q's layout and dtype
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr,
 ):
+    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first, as in the forward
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -251,7 +288,7 @@ def attn_bwd_dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk < DQK)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)
 def attn_bwd_sink_kernel(
     LSE, DELTA, SINKS, CU_Q,  # inputs
     n_seqs, seqlen_q, total_q, stride_lb, stride_lh,  # runtime scalars

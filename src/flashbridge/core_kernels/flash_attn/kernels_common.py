@@ -42,33 +42,44 @@ def seq_range(CU, b, max_len, total, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
-    """Key blocks (in units of BLOCK_N) seen by the query rows ``[m_start, m_start + BLOCK_M)``.
+def kv_key_range(q_first, q_last, diag, seqlen_k, window_left, window_right,
+                 BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
+    """Key blocks (in units of BLOCK_N) seen by the query indices ``q_first..q_last`` (inclusive; query
+    ``i`` sits on key ``i + diag``).
 
     Returns ``lo <= full_lo <= full_hi <= hi``: blocks ``[lo, hi)`` hold every visible key, and blocks
-    ``[full_lo, full_hi)`` are visible from every row and inside ``seqlen_k``, so they need no mask. Blocks
-    entirely masked (above the causal diagonal, outside the window) are never visited.
+    ``[full_lo, full_hi)`` are visible from every query of the range and inside ``seqlen_k``, so they need
+    no mask. Blocks entirely masked (above the causal diagonal, outside the window) are never visited.
+    Query-major kernels call it through :func:`kv_block_range`; the decode kernel, whose rows pack several
+    query heads per query token, passes the token range of its rows.
     """
     if HAS_LOCAL:
-        diag = seqlen_k - seqlen_q
-        m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
-        first_key = tl.maximum(m_start + diag - window_left, 0)
-        end_key = tl.minimum(m_last + diag + window_right + 1, seqlen_k)
+        first_key = tl.maximum(q_first + diag - window_left, 0)
+        end_key = tl.minimum(q_last + diag + window_right + 1, seqlen_k)
         lo = first_key // BLOCK_N
         hi = tl.maximum(tl.cdiv(tl.maximum(end_key, 0), BLOCK_N), lo)
         # Full: the last row's left edge is at or before the block start, the first row's right edge at or
         # after the block end. Numerators are clamped at 0 because integer division truncates.
-        full_lo = tl.cdiv(tl.maximum(m_last + diag - window_left, 0), BLOCK_N)
-        full_hi = tl.maximum(tl.minimum(m_start + diag + window_right + 1, seqlen_k), 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(q_last + diag - window_left, 0), BLOCK_N)
+        full_hi = tl.maximum(tl.minimum(q_first + diag + window_right + 1, seqlen_k), 0) // BLOCK_N
     else:
-        lo = m_start * 0
-        hi = tl.cdiv(seqlen_k, BLOCK_N) + m_start * 0
+        lo = q_first * 0
+        hi = tl.cdiv(seqlen_k, BLOCK_N) + q_first * 0
         full_lo = lo
-        full_hi = seqlen_k // BLOCK_N + m_start * 0
+        full_hi = seqlen_k // BLOCK_N + q_first * 0
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
+    """Key blocks (in units of BLOCK_N) seen by the query rows ``[m_start, m_start + BLOCK_M)``: see
+    :func:`kv_key_range` for the meaning of ``lo <= full_lo <= full_hi <= hi``."""
+    m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+    return kv_key_range(m_start, m_last, seqlen_k - seqlen_q, seqlen_k, window_left, window_right,
+                        BLOCK_N, HAS_LOCAL)
 
 
 @triton.jit
@@ -156,7 +167,8 @@ def score_params(sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI: tl.constexpr):
-    """The ALiBi slope of (batch b, head h) in log2 units (0.0 without ALiBi)."""
+    """The ALiBi slope of (batch b, head h) in log2 units (0.0 without ALiBi); ``h`` may be a tensor of
+    heads (rows that pack several query heads), giving one slope per element."""
     if HAS_ALIBI:
         slope2 = tl.load(SLOPES + tl.cast(b, tl.int64) * stride_ab + h).to(tl.float32) * LOG2E
     else:
@@ -201,7 +213,8 @@ def score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_
 @triton.jit
 def softmax_init(SINKS, h, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Running (max, sum) in log2 units. A sink starts the row with its own logit: max = sink, sum = 1,
-    so it joins the denominator and attends to nothing."""
+    so it joins the denominator and attends to nothing. ``h`` is a head index, or a [BLOCK_M] tensor of
+    heads when the rows pack several query heads (decode, merges)."""
     if HAS_SINKS:
         sink2 = tl.load(SINKS + h).to(tl.float32) * LOG2E
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink2
@@ -229,6 +242,23 @@ def online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def merge_state_step(acc, m_i, l_i, lse, o):
+    """Fold one normalised partial state into the running softmax: ``lse`` [M] (natural log, -inf = the
+    part saw nothing), ``o`` [M, Dv] its output. The same algebra as :func:`online_softmax_step` with the
+    part standing for one key of weight ``exp(lse)`` and value ``o``: after every part,
+    :func:`softmax_finalize` gives the exact merge ``out = sum_n exp(lse_n - lse) o_n``,
+    ``lse = log sum_n exp(lse_n)``. Parts with lse = -inf contribute exactly 0 (even if their o is NaN)."""
+    lse2 = lse * LOG2E
+    m_new = tl.maximum(m_i, lse2)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp2(lse2 - m_use)  # [M]
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + w
+    acc = acc * alpha[:, None] + w[:, None] * tl.where((w > 0.0)[:, None], o, 0.0)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def softmax_finalize(acc, m_i, l_i):
     """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf."""
     seen = l_i > 0.0
@@ -236,6 +266,17 @@ def softmax_finalize(acc, m_i, l_i):
     out = acc * tl.where(seen, 1.0 / l_safe, 0.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     return out, lse
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
+                 window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> fold ``v`` [N, Dv] into the
+    running (acc, m_i, l_i). Shared by every forward iteration strategy (dense ranges, paged decode)."""
+    s2, _ = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                       APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+    return online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION)
 
 
 @triton.jit
@@ -257,9 +298,9 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     v = load_tile(V_base + v_off + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_k < seqlen_k,
                   offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
-    s2, _ = score_mods(qk, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag, seqlen_k,
-                       window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-    return online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION)
+    return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
+                        seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                        DOT_PRECISION)
 
 
 @triton.jit
@@ -295,3 +336,25 @@ def score_grad(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
     return ds
+
+
+# ------------------------------------------------------------------------------------ stride divisibility
+
+@triton.jit
+def aligned(x, ALIGN: tl.constexpr):
+    """``x`` (a runtime integer that the plan states is a multiple of ALIGN) in a form whose divisibility the
+    compiler can see, so that pointer arithmetic with it keeps 16-byte vector loads and ``cp.async``.
+
+    Triton's launcher infers "multiple of 16" for integer arguments but jax-triton does not, so the kernels
+    ask both not to (``do_not_specialize_on_alignment``) and take the fact from the plan instead: both
+    front-ends then compile the same code. ``tl.multiple_of`` cannot be used here: on a kernel argument
+    (which has no defining op) it is silently dropped."""
+    if ALIGN > 1:
+        x = (x // ALIGN) * ALIGN
+    return x
+
+
+@triton.jit
+def aligned_strides(stride_b, stride_s, stride_h, ALIGN: tl.constexpr):
+    """:func:`aligned` for the (batch, row, head) strides of one tensor."""
+    return aligned(stride_b, ALIGN), aligned(stride_s, ALIGN), aligned(stride_h, ALIGN)

@@ -9,11 +9,18 @@ without any mask arithmetic, masked blocks after (the causal diagonal, a ragged 
 import triton
 import triton.language as tl
 
-from .kernels_common import (alibi_slope2, fwd_kv_range, kv_block_range, load_tile, score_params,
-                             seq_range, softmax_finalize, softmax_init)
+from .kernels_common import (aligned, aligned_strides, alibi_slope2, fwd_kv_range, kv_block_range, load_tile,
+                             score_params, seq_range, softmax_finalize, softmax_init)
+
+# Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
+# states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
+FWD_INT_SCALARS = (
+    "seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+    "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh", "stride_ab")
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=FWD_INT_SCALARS)
 def attn_fwd_kernel(
     Q, K, V, SLOPES, SINKS, CU_Q, CU_K,  # inputs (unused ones are placeholders, see the HAS_* flags)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
@@ -23,8 +30,15 @@ def attn_fwd_kernel(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
+    # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
     # Heaviest causal blocks (the last rows) first, so the tail of the grid is made of short programs.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
+from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2, pow2_divisor
 
 MAX_HEAD_DIM = 256
 _FWD = "flash_attn.kernels_fwd"
@@ -341,6 +341,15 @@ def _flags(shape: AttnShape, options: AttnOptions):
             ("DOT_PRECISION", "ieee" if shape.dtype == "float32" else "tf32"))
 
 
+def _align(scalars) -> tuple[tuple[str, int], tuple[str, int]]:
+    """STRIDE_ALIGN / LSE_ALIGN: the power of two (<= 16) dividing every q/k/v/o-like stride, and every lse
+    stride, among a launch's scalars; the kernels hand it to the compiler (see ``aligned`` in
+    kernels_common), since neither launcher is asked to infer it (see core_kernels/_plan.py)."""
+    lse = [v for n, v in scalars if n in ("stride_lb", "stride_lh")]
+    tensors = [v for n, v in scalars if n.startswith("stride_") and n not in ("stride_lb", "stride_lh", "stride_ab")]
+    return ("STRIDE_ALIGN", pow2_divisor(*tensors)), ("LSE_ALIGN", pow2_divisor(*lse))
+
+
 def _alibi_stride(shape: AttnShape, options: AttnOptions) -> int:
     return shape.heads_q if options.alibi_batched else 0
 
@@ -360,18 +369,19 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
     bm, bn, warps, stages = _tile("fwd", shape, target, config)
     lse_b, lse_h = _lse_strides(shape)
+    scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
+               *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
+               ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
         grid=(cdiv(shape.seqlen_q, bm), shape.heads_q, shape.batch),
         inputs=tuple(n if here else "q" for n, here in present.items()),
-        scalars=(*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
-                 *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
-                 ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options))),
+        scalars=scalars,
         outputs=("out", "lse"),
         constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
                     ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_DQK", _pad(shape.head_dim_qk)),
                     ("BLOCK_DV", _pad(shape.head_dim_v)), ("HAS_SINKS", options.has_sinks),
-                    *_flags(shape, options)),
+                    *_flags(shape, options), *_align(scalars)),
         num_warps=warps,
         num_stages=stages,
     )
@@ -417,36 +427,38 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
     pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
+    pre_scalars = (("seqlen_q", shape.seqlen_q), ("total_q", shape.total_q),
+                   *_strided("o", contiguous_strides(shape.out_shape)), *_strided("do", st["dout"]), *lse_scalars)
+    dkdv_scalars = (*main_scalars, *_strided("dk", contiguous_strides(shape.k_shape())),
+                    *_strided("dv", contiguous_strides(shape.v_shape())))
+    dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
     launches = [
         Launch(
             kernel=f"{_BWD}:attn_bwd_preprocess_kernel",
             grid=(cdiv(shape.seqlen_q, pre_m), shape.heads_q, shape.batch),
             inputs=("out", "dout", name("dlse"), name("cu_seqlens_q")),
-            scalars=(("seqlen_q", shape.seqlen_q), ("total_q", shape.total_q),
-                     *_strided("o", contiguous_strides(shape.out_shape)), *_strided("do", st["dout"]),
-                     *lse_scalars),
+            scalars=pre_scalars,
             outputs=("delta",),
             constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
-                        ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen)),
+                        ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
             num_warps=4 if target.interpret else 8, num_stages=1),
         Launch(
             kernel=f"{_BWD}:attn_bwd_dkdv_kernel",
             grid=(cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch),
             inputs=main_inputs,
-            scalars=(*main_scalars, *_strided("dk", contiguous_strides(shape.k_shape())),
-                     *_strided("dv", contiguous_strides(shape.v_shape()))),
+            scalars=dkdv_scalars,
             outputs=("dk", "dv"),
             constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                        *flags),
+                        *flags, *_align(dkdv_scalars)),
             num_warps=kv_warps, num_stages=kv_stages),
         Launch(
             kernel=f"{_BWD}:attn_bwd_dq_kernel",
             grid=(cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch),
             inputs=main_inputs,
-            scalars=(*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape()))),
+            scalars=dq_scalars,
             outputs=("dq",),
             constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                        *flags),
+                        *flags, *_align(dq_scalars)),
             num_warps=q_warps, num_stages=q_stages),
     ]
     buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("dq", shape.q_shape(), shape.dtype),

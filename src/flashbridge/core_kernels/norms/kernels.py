@@ -53,7 +53,9 @@ def _dropout_keep(SEED, offs, dropout_p):
     return tl.rand(seed, offs) >= dropout_p
 
 
-@triton.jit
+# Runtime integers get no divisibility specialisation from their values (jax-triton gives none), so that
+# torch and JAX compile the same kernels: see core_kernels/_plan.py.
+@triton.jit(do_not_specialize_on_alignment=("n_rows",))
 def norm_fwd_kernel(
     X, W, B, RES, POST_RES, SEED,  # inputs (unused ones are placeholders, see the HAS_* flags)
     n_rows, eps, dropout_p,  # runtime scalars
@@ -101,7 +103,7 @@ def norm_fwd_kernel(
     tl.store(Y + offs, z.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("n_rows",))
 def norm_bwd_kernel(
     DY, H, W, MEAN, RSTD, SEED, DH,  # inputs: DY = grad of y, H = the normalised input, DH = grad of h
     n_rows, dropout_p,  # runtime scalars
