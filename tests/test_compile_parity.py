@@ -30,6 +30,7 @@ from flashbridge.core_kernels import HostArray, INTERPRETER, Target, get_kernel
 from flashbridge.core_kernels._loader import _language_namespaces
 from flashbridge.core_kernels._plan import pow2_divisor
 from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
+from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad
 from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 
 H200 = Target(interpret=False, num_sms=132)
@@ -181,6 +182,16 @@ def test_norm_kernels_compile_identically(n_rows, n_cols, dropout_p):
                         is_rms=False, has_dh=False, dropout_p=dropout_p, target=H200)
     for launch in (fwd.launches[0], bwd.launches[0]):
         _assert_same_ptx(launch, _NORM_DTYPES)
+
+
+@pytest.mark.parametrize("n_rows,vocab", [(8192, 128256), (7, 1000)])
+def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
+    plan = plan_ce_fwd_grad(n_rows, vocab, grad_dtype="bfloat16", per_row_weight=False, ignore_index=-100,
+                            label_smoothing=0.1, z_loss=1e-4, logit_softcap=0.0, target=H200)
+    dtypes = {"logits": "bfloat16", "labels": "int32", "weight": "float32", "loss": "float32",
+              "lse": "float32", "lse_lo": "float32", "grad": "bfloat16"}
+    for launch in plan.launches:
+        _assert_same_ptx(launch, dtypes)
 
 
 def _vector_loads(ptx: str) -> int:

@@ -49,7 +49,9 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     return x
 
 
-@triton.jit
+# Runtime integers get no divisibility specialisation from their values (jax-triton gives none), so that
+# torch and JAX compile the same kernels: see core_kernels/_plan.py.
+@triton.jit(do_not_specialize_on_alignment=("n_rows", "ignore_index"))
 def ce_fwd_kernel(
     LOGITS, LABELS,  # inputs: [n_rows, V] any float dtype, [n_rows] int32/int64
     n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
@@ -102,7 +104,7 @@ def ce_fwd_kernel(
     tl.store(LSE_LO + rows, lse_lo, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=("n_rows", "ignore_index"))
 def ce_grad_kernel(
     LOGITS, LABELS, LSE, LSE_LO, WEIGHT,  # [n_rows, V], [n_rows], f32 [n_rows] x2, f32 [n_rows] or [1]
     n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
