@@ -40,17 +40,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _poison_outputs():
     """Every kernel output starts as NaN in tests, so an element the kernels never write shows up."""
-    from contextlib import ExitStack
+    from flashbridge.core_kernels._poison import poison_buffers
 
-    with ExitStack() as stack:
-        try:
-            from flashbridge.torch_api import _runtime as trt
-            stack.enter_context(trt.poison_buffers())
-        except ImportError:
-            pass
-        try:
-            from flashbridge.jax_api import _runtime as jrt
-            stack.enter_context(jrt.poison_buffers())
-        except ImportError:
-            pass
+    with poison_buffers():
         yield

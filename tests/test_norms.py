@@ -433,3 +433,15 @@ def test_bad_input_is_rejected_with_a_clear_error(i):
     fn, exc, arg = _bad_cases()[i]
     with pytest.raises(exc, match=arg):
         fn()
+
+
+def test_buffers_are_poisoned_in_tests():
+    """The autouse fixture fills kernel outputs with NaN before launches (both runtimes)."""
+    from flashbridge.core_kernels import Spec
+    from flashbridge.jax_api._runtime import _host_alloc
+    from flashbridge.torch_api._runtime import _alloc
+
+    assert torch.isnan(_alloc(Spec("y", (3, 4), "float32"), torch.float32, torch.device("cpu"))).all()
+    assert (_alloc(Spec("i", (5,), "int32"), torch.int32, torch.device("cpu")) == -1).all()
+    assert np.isnan(_host_alloc(Spec("y", (3, 4), "bfloat16"))).all()
+    assert (_alloc(Spec("z", (2,), "float32", zero=True), torch.float32, torch.device("cpu")) == 0).all()

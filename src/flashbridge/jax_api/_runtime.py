@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core_kernels._poison import poisoning
 from ..core_kernels import INTERPRETER, HostArray, Plan, Target, get_kernel
 
 PlanFactory = Callable[[Target], Plan]
@@ -89,26 +90,11 @@ def _host_dtype(dtype: str):
     return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
 
 
-_poison = False
-
-
-@contextlib.contextmanager
-def poison_buffers():
-    """Fill the host buffers that kernels must write with NaN (or -1) before the launches (CPU path; on a
-    GPU, XLA owns the output buffers)."""
-    global _poison
-    saved, _poison = _poison, True
-    try:
-        yield
-    finally:
-        _poison = saved
-
-
 def _host_alloc(spec) -> np.ndarray:
     dtype = _host_dtype(spec.dtype)
     if spec.zero:
         return np.zeros(spec.shape, dtype=dtype)
-    if _poison:
+    if poisoning():
         return np.full(spec.shape, np.nan if np.issubdtype(dtype, np.floating) else -1, dtype=dtype)
     return np.empty(spec.shape, dtype=dtype)
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..core_kernels._poison import poisoning
 from ..core_kernels import INTERPRETER, Plan, Target, get_kernel
 
 TORCH_DTYPES = {
@@ -49,25 +50,10 @@ def _compile_options(launch, interpret: bool) -> dict:
     return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
 
 
-_poison = False
-
-
-@contextlib.contextmanager
-def poison_buffers():
-    """Fill every buffer that a kernel must write (all but zero-initialised ones) with NaN (or -1 for
-    integers) before the launches, so a test sees any element the kernels forgot to write."""
-    global _poison
-    saved, _poison = _poison, True
-    try:
-        yield
-    finally:
-        _poison = saved
-
-
 def _alloc(spec, dtype: torch.dtype, device) -> torch.Tensor:
     if spec.zero:
         return torch.zeros(spec.shape, dtype=dtype, device=device)
-    if _poison:
+    if poisoning():
         return torch.full(spec.shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
     return torch.empty(spec.shape, dtype=dtype, device=device)
 
