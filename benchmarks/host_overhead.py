@@ -46,8 +46,9 @@ def main():
                              target=target_for(x.device))
         launch = plan.launches[0]
         kernel = get_kernel(launch.kernel, False)
-        outs = [torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="cuda") for s in plan.buffers]
-        args = [x, w, x, x, x, x, *launch.scalar_values(), *outs]
+        named = {"x": x, "weight": w}
+        named.update({s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="cuda") for s in plan.buffers})
+        args = [*(named[n] for n in launch.inputs), *launch.scalar_values(), *(named[n] for n in launch.outputs)]
         consts = launch.constexpr_dict()
 
         def bare():
