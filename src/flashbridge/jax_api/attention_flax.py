@@ -56,6 +56,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
 
     Example::
 
+        >>> import jax.numpy as jnp
         >>> mha = MultiHeadAttention(num_heads=4, in_features=64, decode=False, rngs=nnx.Rngs(0))
         >>> y = mha(jnp.ones((2, 16, 64)), is_causal=True)
     """

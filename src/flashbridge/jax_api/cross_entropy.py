@@ -398,6 +398,7 @@ def linear_cross_entropy_from_layer(layer, hidden: Array, labels: Array, **optio
 
     Example::
 
+        >>> from flax import nnx
         >>> head = nnx.Linear(32, 1000, use_bias=False, rngs=nnx.Rngs(0))
         >>> loss = linear_cross_entropy_from_layer(head, jnp.ones((6, 32)), jnp.arange(6))
     """

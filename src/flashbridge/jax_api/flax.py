@@ -27,6 +27,12 @@ class RMSNorm(nnx.Module):
 
     ``__call__(x, residual=None)``: with ``residual`` returns ``(y, x + residual)`` from one pass.
     As in flax, the output dtype is ``dtype`` or the promotion of x's and the parameter's dtypes.
+
+    Example::
+
+        >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
+        >>> norm(jnp.ones((2, 64))).shape
+        (2, 64)
     """
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Optional[Any] = None,
@@ -51,6 +57,13 @@ class LayerNorm(nnx.Module):
     """Drop-in for :class:`flax.nnx.LayerNorm` (parameters ``scale`` and ``bias``) on flashbridge's kernel.
 
     ``__call__(x, residual=None)``: with ``residual`` returns ``(y, x + residual)`` from one pass.
+
+    Example::
+
+        >>> norm = LayerNorm(64, rngs=nnx.Rngs(0))
+        >>> nnx.update(norm, nnx.state(nnx.LayerNorm(64, rngs=nnx.Rngs(0))))  # flax's parameters load
+        >>> norm(jnp.ones((2, 64))).shape
+        (2, 64)
     """
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Optional[Any] = None,

@@ -29,6 +29,14 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual=None)``: with ``residual`` returns ``(y, x + residual)`` from one pass.
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch.nn.RMSNorm.
+
+    Example::
+
+        >>> norm = RMSNorm(64)
+        >>> norm.load_state_dict(torch.nn.RMSNorm(64).state_dict())
+        <All keys matched successfully>
+        >>> norm(torch.randn(2, 8, 64)).shape
+        torch.Size([2, 8, 64])
     """
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
@@ -65,6 +73,13 @@ class LayerNorm(nn.Module):
     """Drop-in for :class:`torch.nn.LayerNorm` running flashbridge's fused kernel.
 
     ``forward(x, residual=None)``: with ``residual`` returns ``(y, x + residual)`` from one pass.
+
+    Example::
+
+        >>> norm = LayerNorm(64)
+        >>> y, h = norm(torch.randn(4, 64), residual=torch.randn(4, 64))
+        >>> y.shape, h.shape
+        (torch.Size([4, 64]), torch.Size([4, 64]))
     """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,

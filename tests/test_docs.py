@@ -1,0 +1,23 @@
+"""Every docstring example of the public modules runs (on the CPU, through the interpreter)."""
+import doctest
+import importlib
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("jax")
+pytest.importorskip("flax")
+
+MODULES = [
+    "flashbridge.torch_api.norms", "flashbridge.torch_api.modules", "flashbridge.torch_api.attention",
+    "flashbridge.torch_api.cross_entropy", "flashbridge.jax_api.norms", "flashbridge.jax_api.flax",
+    "flashbridge.jax_api.attention", "flashbridge.jax_api.attention_flax", "flashbridge.jax_api.cross_entropy",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no docstring example"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples failed in {name}"
