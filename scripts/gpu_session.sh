@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick host-overhead (default: env tests memcheck check bench-norms)
+#   bench-attention-quick bench-attention bench-decode bench-ce host-overhead
+#   (default: env tests memcheck check bench-norms)
 # Results and logs go to $OUT (or ./gpu-out). Carried wheels (jax-triton, liger-kernel) are read from .whl/.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -26,6 +27,9 @@ for stage in "${stages[@]}"; do
               compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/test_attention_gpu.py 2>&1 | tee "$OUT/memcheck_attention.log" | tail -15; status=$((status | PIPESTATUS[0])) ;;
     check) python3 -m flashbridge check --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | tail -60 ;;
     bench-norms) python3 benchmarks/bench_norms.py 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
+    bench-decode) python3 benchmarks/bench_decode.py --splits 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
+    bench-ce) python3 benchmarks/bench_cross_entropy.py 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
+    bench-attention) python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;

@@ -28,7 +28,16 @@ def norms():
     print("norms: ok")
 
 
-FAMILIES = {"norms": norms}
+def decode():
+    """Ragged cache lengths (0, 1, odd), paged caches with shuffled page tables (page sizes 16 / 32 / 64),
+    contiguous NHD / HND, FP8, Dqk != Dv (576 / 512), every op (decode at several split counts, merge,
+    cascade, append), torch and JAX: see tests/test_decode_gpu.py."""
+    from test_decode_gpu import _memcheck_case
+    _memcheck_case()
+    print("decode: ok")
+
+
+FAMILIES = {"norms": norms, "decode": decode}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(FAMILIES):

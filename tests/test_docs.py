@@ -12,6 +12,7 @@ MODULES = [
     "flashbridge.torch_api.norms", "flashbridge.torch_api.modules", "flashbridge.torch_api.attention",
     "flashbridge.torch_api.cross_entropy", "flashbridge.jax_api.norms", "flashbridge.jax_api.flax",
     "flashbridge.jax_api.attention", "flashbridge.jax_api.attention_flax", "flashbridge.jax_api.cross_entropy",
+    "flashbridge.torch_api.decode", "flashbridge.jax_api.decode",
 ]
 
 

@@ -5,6 +5,7 @@ ops need no flax.
 """
 from .attention import dot_product_attention, flash_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
+from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 
 _FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "MultiHeadAttention": ".attention_flax"}
@@ -17,6 +18,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "cross_entropy", "dot_product_attention",
-           "flash_attention", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
+__all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "append_kv_cache", "cascade_attention",
+           "cross_entropy", "decode_attention", "dot_product_attention", "flash_attention",
+           "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
            "linear_cross_entropy_from_layer", "rms_norm"]

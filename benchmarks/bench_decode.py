@@ -1,0 +1,432 @@
+"""Flash-Decoding benchmark on a CUDA GPU: ours (torch and JAX paths) beside SDPA (flash and cuDNN backends)
+and FlashInfer (if installed) on the same contiguous cache, same run.
+
+TB/s = bytes of K and V actually read / time (``B * L * Hkv * (Dqk + Dv) * itemsize``: every sequence full,
+the queries, outputs and split partials are not counted). bf16 unless said; Hq=32, Hkv=8, D=128, Sq=1.
+
+Timing: decode steps last tens of microseconds, less than the host needs to issue them, so every torch
+provider is timed inside a CUDA graph (``triton.testing.do_bench_cudagraph``) and the JAX path as N steps
+in one jitted function; each timed call reads one of several copies of the cache, rotated so that the
+copies together exceed the L2 many times (every call reads HBM).
+
+    python benchmarks/bench_decode.py              # the issue's rows (contiguous, paged, fp8, JAX), plot
+    python benchmarks/bench_decode.py --splits     # also sweep num_splits / block_n for the plan defaults
+    python benchmarks/bench_decode.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead of
+                                                   # time, print registers / spills / shared memory
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import traceback
+
+from _common import environment, print_table, results_dir, save, time_jax
+
+import numpy as np
+
+HQ, HKV, D = 32, 8, 128
+L2_BYTES = 60 * 2**20
+ROWS = [  # (label, batch, kv length)
+    ("B1 S16k", 1, 16384),
+    ("B1 S128k", 1, 131072),
+    ("B32 S8k", 32, 8192),
+]
+# the issue's bars (TB/s; the B32 row is a ratio to cuDNN measured in the same run)
+TARGETS = {"B1 S16k": 3.4, "B1 S128k": 3.9, "B32 S8k": ("cudnn", 0.95)}
+
+
+def kv_bytes(b, s, itemsize):
+    return b * s * HKV * 2 * D * itemsize
+
+
+def n_copies(nbytes):
+    return max(2, math.ceil(4 * L2_BYTES / nbytes))
+
+
+def _graph_time(fn):
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    torch.cuda.synchronize()
+    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+# ------------------------------------------------------------------------------------------------ caches
+
+def make_caches(b, s, *, layout="NHD", paged=False, page_size=64, fp8=False, copies=2, seed=0):
+    """``copies`` independent caches (k, v, extra kwargs) of B sequences of length s, all full."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(copies):
+        if paged:
+            max_pages = s // page_size
+            n_pages = b * max_pages
+            shape = (n_pages, page_size, HKV, D) if layout == "NHD" else (n_pages, HKV, page_size, D)
+            table = torch.randperm(n_pages, device="cuda", generator=g).to(torch.int32).reshape(b, max_pages)
+            extra = {"block_table": table}
+        else:
+            shape = (b, s, HKV, D) if layout == "NHD" else (b, HKV, s, D)
+            extra = {}
+        k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        if fp8:
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            extra["k_scale"] = torch.ones((), device="cuda")
+            extra["v_scale"] = torch.ones((), device="cuda")
+        out.append((k, v, extra))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- providers
+
+def torch_ours(b, s, *, layout="NHD", paged=False, fp8=False, num_splits=None):
+    import torch
+
+    from flashbridge.torch_api.decode import decode_attention
+
+    nbytes = kv_bytes(b, s, 1 if fp8 else 2)
+    caches = make_caches(b, s, layout=layout, paged=paged, fp8=fp8, copies=n_copies(nbytes))
+    q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    it = itertools.cycle(caches)
+
+    def step():
+        k, v, extra = next(it)
+        return decode_attention(q, k, v, cache_seqlens=lens, kv_layout=layout, num_splits=num_splits, **extra)
+
+    step()
+    return _graph_time(step), nbytes
+
+
+def torch_sdpa(b, s, backend):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    nbytes = kv_bytes(b, s, 2)
+    caches = make_caches(b, s, layout="HND", copies=n_copies(nbytes))  # (B, Hkv, S, D): SDPA's own layout
+    q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    it = itertools.cycle(caches)
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def step():
+        k, v, _ = next(it)
+        with sdpa_kernel(which):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    step()
+    return _graph_time(step), nbytes
+
+
+def torch_flashinfer(b, s):
+    import torch
+    import flashinfer  # noqa: F401 -- optional baseline
+
+    nbytes = kv_bytes(b, s, 2)
+    caches = make_caches(b, s, layout="NHD", copies=n_copies(nbytes))
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    it = itertools.cycle(caches)
+    if b != 1:
+        raise NotImplementedError("flashinfer baseline wired for the single-sequence API only")
+
+    def step():
+        k, v, _ = next(it)
+        return flashinfer.single_decode_with_kv_cache(q[0], k[0], v[0])
+
+    step()
+    return _graph_time(step), nbytes
+
+
+def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.decode import decode_attention
+
+    nbytes = kv_bytes(b, s, 1 if fp8 else 2)
+    copies = steps or n_copies(nbytes)
+    key = jax.random.key(0)
+    ks, vs, tables = [], [], []
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    for i in range(copies):
+        k1, k2, k3, key = jax.random.split(key, 4)
+        if paged:
+            max_pages = s // 64
+            shape = (b * max_pages, 64, HKV, D)
+            tables.append(jax.random.permutation(k3, b * max_pages).astype(jnp.int32).reshape(b, max_pages))
+        else:
+            shape = (b, s, HKV, D)
+        ks.append(jax.random.normal(k1, shape, jnp.bfloat16).astype(dtype))
+        vs.append(jax.random.normal(k2, shape, jnp.bfloat16).astype(dtype))
+    q = jax.random.normal(key, (b, 1, HQ, D), jnp.bfloat16)
+    lens = jnp.full((b,), s, jnp.int32)
+    scales = {"k_scale": jnp.ones((), jnp.float32), "v_scale": jnp.ones((), jnp.float32)} if fp8 else {}
+
+    def many(q, ks, vs, tables, lens):
+        outs = []
+        for i in range(len(ks)):
+            extra = {"block_table": tables[i]} if paged else {}
+            outs.append(decode_attention(q, ks[i], vs[i], cache_seqlens=lens, **extra, **scales))
+        return outs
+
+    ms = time_jax(many, q, ks, vs, tables, lens) / copies
+    return ms, nbytes
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+def run_rows(with_jax=True):
+    rows = []
+
+    def record(label, provider, fn):
+        try:
+            ms, nbytes = fn()
+            entry = {"case": label, "provider": provider, "ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12}
+        except Exception as exc:  # a baseline that does not support the shape: recorded, not fatal
+            traceback.print_exc()
+            entry = {"case": label, "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        rows.append(entry)
+        print(entry)
+        import torch
+        torch.cuda.empty_cache()
+
+    for label, b, s in ROWS:
+        record(label, "flashbridge-torch NHD", lambda: torch_ours(b, s))
+        record(label, "flashbridge-torch HND", lambda: torch_ours(b, s, layout="HND"))
+        record(label, "flashbridge-torch paged64", lambda: torch_ours(b, s, paged=True))
+        record(label, "flashbridge-torch fp8", lambda: torch_ours(b, s, fp8=True))
+        record(label, "sdpa-flash", lambda: torch_sdpa(b, s, "flash"))
+        record(label, "sdpa-cudnn", lambda: torch_sdpa(b, s, "cudnn"))
+        try:
+            import flashinfer  # noqa: F401
+            record(label, "flashinfer", lambda: torch_flashinfer(b, s))
+        except ImportError:
+            pass
+        if with_jax:
+            record(label, "flashbridge-jax NHD", lambda: jax_ours(b, s))
+            record(label, "flashbridge-jax paged64", lambda: jax_ours(b, s, paged=True))
+    return rows
+
+
+def sweep_splits():
+    """Time num_splits and tile candidates around the defaults (for plan.py's heuristics): contiguous bf16 at
+    every row, plus paged (page 64) and fp8 at B=1, S=128k."""
+    import torch
+
+    from flashbridge.core_kernels.decode.plan import DecodeConfig, check_decode_args, plan_decode
+    from flashbridge.torch_api._runtime import dtype_name, execute, target_for
+
+    variants = [(label, b, s, False, False) for label, b, s in ROWS]
+    variants += [("B1 S128k paged64", 1, 131072, True, False), ("B1 S128k fp8", 1, 131072, False, True)]
+    out = []
+    for label, b, s, paged, fp8 in variants:
+        caches = make_caches(b, s, paged=paged, fp8=fp8, copies=n_copies(kv_bytes(b, s, 1 if fp8 else 2)))
+        q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        info = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
+        k0, v0, extra0 = caches[0]
+        shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
+                                              **{n: info(t) for n, t in extra0.items()})
+        for splits in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128):
+            for block_n, warps, stages in ((64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (64, 4, 4), (128, 8, 3)):
+                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
+                    it = itertools.cycle(caches)
+
+                    def step():
+                        k, v, extra = next(it)
+                        return execute(plan, {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": lens, **extra})
+
+                    step()
+                    ms = _graph_time(step)
+                    out.append({"case": label, "splits": splits, "tile": (block_n, warps, stages), "ms": ms,
+                                "tbs": kv_bytes(b, s, 1 if fp8 else 2) / (ms * 1e-3) / 1e12})
+                except Exception as exc:
+                    out.append({"case": label, "splits": splits, "tile": (block_n, warps, stages),
+                                "error": str(exc)[:120]})
+                print(out[-1])
+    return out
+
+
+def verdicts(rows):
+    """The issue's bars, measured against this run's own baselines."""
+    by = {(r["case"], r["provider"]): r.get("tbs") for r in rows}
+    lines = []
+    for label, target in TARGETS.items():
+        ours = by.get((label, "flashbridge-torch NHD"))
+        if ours is None:
+            continue
+        if isinstance(target, tuple):
+            base = by.get((label, f"sdpa-{target[0]}"))
+            if base:
+                lines.append(f"{label}: {ours:.2f} TB/s = {ours / base:.2f}x {target[0]} (bar {target[1]}x)")
+        else:
+            lines.append(f"{label}: {ours:.2f} TB/s (bar {target})")
+        paged = by.get((label, "flashbridge-torch paged64"))
+        if paged:
+            lines.append(f"{label}: paged/contiguous = {paged / ours:.2f} (bar >= 0.90)")
+        fp8 = by.get((label, "flashbridge-torch fp8"))
+        if fp8 and label == "B1 S128k":
+            # same TB/s definition: fp8 reads half the bytes, so speedup = 2 * fp8_tbs / bf16_tbs
+            lines.append(f"{label}: fp8 speedup over bf16 = {2 * fp8 / ours:.2f}x (bar >= 1.8x)")
+        jx = by.get((label, "flashbridge-jax NHD"))
+        if jx:
+            lines.append(f"{label}: jax/torch = {jx / ours:.2f} (bar >= 0.95)")
+    return lines
+
+
+def plot(rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [label for label, _, _ in ROWS]
+    providers = sorted({r["provider"] for r in rows if "tbs" in r})
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / max(1, len(providers))
+    for i, p in enumerate(providers):
+        ys = [next((r["tbs"] for r in rows if r["case"] == c and r["provider"] == p and "tbs" in r), 0.0)
+              for c in cases]
+        ax.bar(np.arange(len(cases)) + i * width, ys, width, label=p)
+    ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
+    ax.set_xticklabels(cases)
+    ax.set_ylabel("TB/s (K + V bytes read / time)")
+    ax.set_title(f"decode, Hq={HQ} Hkv={HKV} D={D} Sq=1")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = results_dir() / "decode_h200.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------ ptxas
+
+def ptxas_report():
+    """Compile the default plans for sm_90 without a GPU (Triton's bundled ptxas) and print each kernel's
+    registers and stack (spills). Specialisation mimics both launchers: pointers get divisibility 16, integer
+    scalars none (the kernels declare them ``do_not_specialize_on_alignment``; the plans state alignment as
+    constexprs), ints equal to 1 become constants."""
+    import inspect
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashbridge.core_kernels import Target, get_kernel
+    from flashbridge.core_kernels.decode.plan import (check_append_args, check_cascade_args, check_decode_args,
+                                                      plan_append, plan_cascade, plan_decode, plan_merge)
+
+    ptr = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32", "float8_e4m3fn": "*fp8e4nv"}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    target = Target(interpret=False, num_sms=132)
+
+    def compile_plan(title, plan, dtypes_of):
+        for launch in plan.launches:
+            fn = get_kernel(launch.kernel, False)
+            names = list(inspect.signature(fn.fn).parameters)
+            args = [*launch.inputs, *(n for n, _ in launch.scalars), *launch.outputs]
+            values = [None] * len(launch.inputs) + launch.scalar_values() + [None] * len(launch.outputs)
+            sig, attrs, consts = {}, {}, dict(launch.constexpr_dict())
+            for i, (pname, arg, value) in enumerate(zip(names, args, values)):
+                if value is None:
+                    sig[pname] = ptr[dtypes_of.get(arg) or plan.spec(arg).dtype]
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+                elif isinstance(value, float):
+                    sig[pname] = "fp32"
+                elif value == 1:
+                    consts[pname] = 1
+                else:
+                    sig[pname] = "i32" if -2**31 <= value < 2**31 else "i64"
+            for c in consts:
+                sig[c] = "constexpr"
+            kernel = triton.compile(
+                ASTSource(fn=fn, signature=sig, attrs=attrs,
+                          constexprs={(names.index(k),): v for k, v in consts.items()}),
+                target=GPUTarget("cuda", 90, 32),
+                options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                       text=True).stdout
+            line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
+            print(f"{title:38s} {launch.kernel.split(':')[1]:22s} warps={launch.num_warps} "
+                  f"stages={launch.num_stages} smem={kernel.metadata.shared} {' '.join(line.split()[:2])}")
+
+    for cache_dtype in ("bfloat16", "float8_e4m3fn"):
+        for layout, paged in (("NHD", False), ("HND", False), ("NHD", True), ("HND", True)):
+            for sq, hq, hkv, dqk, dv, splits in ((1, HQ, HKV, D, D, None), (1, HQ, HKV, D, D, 1),
+                                                 (8, HQ, HKV, D, D, 4), (1, 128, 1, 576, 512, 8),
+                                                 (1, 8, 8, 64, 64, 2), (1, 16, 2, 256, 256, 2)):
+                b, s = 4, 4096
+                if paged:
+                    kshape = (b * s // 64, 64, hkv, dqk) if layout == "NHD" else (b * s // 64, hkv, 64, dqk)
+                else:
+                    kshape = (b, s, hkv, dqk) if layout == "NHD" else (b, hkv, s, dqk)
+                vshape = kshape[:-1] + (dv,)
+                fp8 = cache_dtype == "float8_e4m3fn"
+                shape, options, _ = check_decode_args(
+                    q=((b, sq, hq, dqk), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(vshape, cache_dtype),
+                    cache_seqlens=((b,), "int32"), block_table=((b, s // 64), "int32") if paged else None,
+                    kv_layout=layout, k_scale=((hkv,), "float32") if fp8 else None,
+                    v_scale=((hkv,), "float32") if fp8 else None, causal=True, sinks=((hq,), "float32"),
+                    softcap=30.0 if dqk == 64 else 0.0, window_size=(1024, 0) if sq == 8 else (-1, -1))
+                dtypes = {"q": "bfloat16", "k_cache": cache_dtype, "v_cache": cache_dtype, "cache_seqlens": "int32",
+                          "block_table": "int32", "sinks": "float32", "k_scale": "float32", "v_scale": "float32",
+                          "alibi_slopes": "float32"}
+                title = f"{cache_dtype[:5]} {layout}{' paged' if paged else ''} Sq{sq} {hq}/{hkv} D{dqk}/{dv}"
+                compile_plan(title, plan_decode(shape, options, target=target, num_splits=splits), dtypes)
+            append = check_append_args(
+                k_cache=(kshape, cache_dtype), v_cache=(vshape, cache_dtype), k_new=((b, 3, hkv, dqk), "bfloat16"),
+                v_new=((b, 3, hkv, dv), "bfloat16"), cache_seqlens=((b,), "int32"),
+                block_table=((b, s // 64), "int32") if paged else None, kv_layout=layout,
+                k_scale=((), "float32") if fp8 else None, v_scale=((), "float32") if fp8 else None)
+            compile_plan(f"append {cache_dtype[:5]} {layout}{' paged' if paged else ''}",
+                         plan_append(append, target=target),
+                         {"k_new": "bfloat16", "v_new": "bfloat16", "cache_seqlens": "int32", "block_table": "int32",
+                          "k_scale": "float32", "v_scale": "float32", "k_cache": cache_dtype, "v_cache": cache_dtype})
+    shape, shared_len, options, _ = check_cascade_args(
+        q=((32, 1, HQ, D), "bfloat16"), shared_k=((4096, HKV, D), "bfloat16"), shared_v=((4096, HKV, D), "bfloat16"),
+        k_cache=((32 * 16, 64, HKV, D), "bfloat16"), v_cache=((32 * 16, 64, HKV, D), "bfloat16"),
+        cache_seqlens=((32,), "int32"), block_table=((32, 16), "int32"), sinks=((HQ,), "float32"))
+    compile_plan("cascade bf16 paged", plan_cascade(shape, shared_len, options, target=target),
+                 {"q": "bfloat16", "shared_k": "bfloat16", "shared_v": "bfloat16", "k_cache": "bfloat16",
+                  "v_cache": "bfloat16", "cache_seqlens": "int32", "block_table": "int32", "sinks": "float32"})
+    compile_plan("merge_attention_states bf16", plan_merge(3, 4096, 128, "bfloat16", target=target),
+                 {"outs": "bfloat16", "lses": "float32"})
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--splits", action="store_true")
+    parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--ptxas", action="store_true")
+    args = parser.parse_args()
+    if args.ptxas:
+        ptxas_report()
+        return
+    print(environment())
+    rows = run_rows(with_jax=not args.no_jax)
+    table = [[r["case"], r["provider"], r.get("ms", "-"), r.get("tbs", "-")] for r in rows]
+    print_table(f"decode, bf16 cache unless said, Hq={HQ} Hkv={HKV} D={D} Sq=1 (TB/s = K+V bytes / time)",
+                ["case", "provider", "ms", "TB/s"], table)
+    lines = verdicts(rows)
+    print("\n".join(lines))
+    payload = {"rows": rows, "verdicts": lines, "shape": {"hq": HQ, "hkv": HKV, "d": D, "sq": 1}}
+    if args.splits:
+        payload["splits"] = sweep_splits()
+    plot(rows)
+    path = save("decode_h200", payload)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Flash-Decoding kernels (``@triton.jit`` only; launches in plan.py).
+
+* :func:`decode_fwd_kernel`: a few query tokens against a (paged) KV cache. One program per
+  (KV split, kv head x row block, sequence). Its rows pack every query head of one GQA group and every
+  query token (row ``r`` = token ``r // GROUP``, head ``kh * GROUP + r % GROUP``), so each K/V byte of the
+  cache is read once per row block (once in all for decode shapes: ``Sq * GROUP <= BLOCK_M``). The visible
+  key blocks of a sequence are split evenly across the ``num_programs(0)`` splits; each split writes its
+  normalised partial ``(out, lse)`` and :func:`merge_states_kernel` merges them. With one split the kernel
+  writes the final output directly. Split boundaries depend only on the sequence's own length, the split
+  count and the block size: a fixed split count gives bitwise batch-invariant results.
+* The cache is addressed as pages: row ``j`` of sequence ``b`` lives in page ``block_table[b, j //
+  PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
+  (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
+* FP8 (e4m3) caches: K and V tiles are widened to q's dtype for ``tl.dot``; the per-tensor / per-kv-head
+  scales fold into the score scale (K) and the output (V), so dequantisation costs no extra pass.
+* :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
+  ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
+  were computed without them.
+* :func:`append_kv_kernel`: writes new K/V tokens into the cache in place (quantising for FP8 caches).
+
+All score modifiers, the online softmax and the merge step come from ``flash_attn/kernels_common.py``.
+"""
+import triton
+import triton.language as tl
+
+from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, attend_block, kv_key_range,
+                                         load_tile, merge_state_step, score_params, softmax_finalize, softmax_init)
+
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+# Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plans
+# state it through the *_ALIGN constexprs instead, see core_kernels/_plan.py), so that both front-ends
+# compile the same kernel.
+DECODE_INT_SCALARS = (
+    "seqlen_q", "fixed_len", "capacity", "num_pages", "window_left", "window_right",
+    "stride_qb", "stride_qs", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+    "stride_vh", "stride_tb", "stride_ab", "stride_sc", "stride_on", "stride_ob", "stride_os", "stride_oh",
+    "stride_ln", "stride_lb", "stride_ls", "stride_lh")
+MERGE_INT_SCALARS = ("n_a", "n_b", "n_rows", "seqlen_q", "heads", "stride_oa", "stride_la", "stride_obn",
+                     "stride_lbn", "stride_lse_b", "stride_lse_s", "stride_lse_h")
+APPEND_INT_SCALARS = (
+    "n_new", "capacity", "num_pages", "stride_knb", "stride_kns", "stride_knh", "stride_vnb", "stride_vns",
+    "stride_vnh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs", "stride_vh", "stride_tb",
+    "stride_sc")
+
+
+# ----------------------------------------------------------------------------------------------- caches
+
+@triton.jit
+def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
+    """(page, slot) int64 of the keys ``offs_k`` [N] (``n_start`` = offs_k[0]) of sequence ``b``.
+
+    Paged: pages come from the block table, clamped to ``[0, num_pages)`` so that a bad table can never
+    address memory outside the cache. When a page holds whole blocks one entry serves the block (a scalar
+    load; ONE_PAGE: the keys are one aligned block inside a page); otherwise each key looks up its own page
+    (table reads masked past the sequence's length).
+    Contiguous: page = sequence, slot = key index.
+    """
+    if PAGED:
+        if ONE_PAGE:
+            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + n_start // PAGE_SIZE)
+        elif CHECK_KEYS:
+            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE, mask=key_ok,
+                           other=0)
+        else:
+            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE)
+        page = tl.cast(tl.minimum(tl.maximum(page, 0), num_pages - 1), tl.int64)
+        slot = tl.cast(offs_k % PAGE_SIZE, tl.int64)
+    else:
+        page = tl.cast(b, tl.int64)
+        slot = tl.cast(offs_k, tl.int64)
+    return page, slot
+
+
+@triton.jit
+def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
+             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Raw scores q k^T [M, N] (float32). ``Q_row`` [M] / ``K_row`` [N] point at each row's first element.
+
+    One chunk: q [M, BLOCK_DQK] is already in registers. Several (head dims above 256, e.g. a 576-dim
+    latent + rope key): the dot is summed over ``DQK_CHUNKS`` column chunks of q and K, q reloaded (it is a
+    few KB, L1-resident) so that no register tile is padded to the next power of two.
+    """
+    if DQK_CHUNKS == 1:
+        k = load_tile(K_row[:, None] + offs_dqk[None, :], key_ok, offs_dqk < DQK, CHECK_KEYS,
+                      BLOCK_DQK != DQK)  # [N, Dqk]
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    else:
+        qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(DQK_CHUNKS):
+            offs = c * BLOCK_DQK + offs_dqk
+            qc = load_tile(Q_row[:, None] + offs[None, :], row_ok, offs < DQK, True, DQK % BLOCK_DQK != 0)
+            kc = load_tile(K_row[:, None] + offs[None, :], key_ok, offs < DQK, CHECK_KEYS, DQK % BLOCK_DQK != 0)
+            qk = tl.dot(qc, tl.trans(kc.to(qc.dtype)), qk, input_precision=DOT_PRECISION)
+    return qk
+
+
+@triton.jit
+def decode_kv_range(
+    acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
+    length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
+    score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
+    block is inside the sequence and visible from every row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    kh64 = tl.cast(kh, tl.int64)
+    for blk in range(blk_lo, blk_hi):
+        n_start = blk * BLOCK_N
+        offs_k = n_start + offs_n  # [N]
+        key_ok = offs_k < length
+        page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
+                                 PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
+        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N]
+        V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
+        qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
+                      APPLY_MASK, DOT_PRECISION)
+        v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v.to(Q.dtype.element_ty), tok[:, None], offs_k[None, :],
+                                     qk_scale, cap2, slope2, diag, length, window_left, window_right,
+                                     APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+@triton.jit(do_not_specialize_on_alignment=DECODE_INT_SCALARS)
+def decode_fwd_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,  # inputs (absent ones: placeholders)
+    seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_tb, stride_ab, stride_sc,
+    stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,  # runtime scalars
+    O, LSE,  # outputs: final (out in q's dtype, lse) or float32 split partials, by their strides
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+):
+    """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
+
+    Sequence ``b`` has ``SEQLENS[b]`` keys (clamped to ``[0, capacity]``), or ``fixed_len`` without
+    SEQLENS; query token ``i`` sits on key ``i + length - seqlen_q`` (causal / window as in
+    kernels_common). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
+    (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
+    KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
+    """
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
+    stride_kp, stride_ks, stride_kh = aligned_strides(stride_kp, stride_ks, stride_kh, KV_ALIGN)
+    stride_vp, stride_vs, stride_vh = aligned_strides(stride_vp, stride_vs, stride_vh, KV_ALIGN)
+    stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, QO_ALIGN)
+    stride_on = aligned(stride_on, QO_ALIGN)
+    stride_lb, stride_ls, stride_lh = aligned_strides(stride_lb, stride_ls, stride_lh, LSE_ALIGN)
+    stride_ln = aligned(stride_ln, LSE_ALIGN)
+    split = tl.program_id(0)
+    n_splits = tl.num_programs(0)
+    b = tl.program_id(2)
+    n_rows = seqlen_q * GROUP
+    m_blocks = tl.cdiv(n_rows, BLOCK_M)
+    kh = tl.program_id(1) // m_blocks
+    m_start = (tl.program_id(1) % m_blocks) * BLOCK_M
+    offs_r = m_start + tl.arange(0, BLOCK_M)  # [M] packed rows
+    row_ok = offs_r < n_rows
+    tok = offs_r // GROUP  # query token of each row
+    h = kh * GROUP + offs_r % GROUP  # query head of each row
+    if HAS_SEQLENS:
+        length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
+    else:
+        length = fixed_len + b * 0
+    diag = length - seqlen_q
+
+    # Visible key blocks of this row block, split evenly (sizes differ by at most one block).
+    tok_last = (tl.minimum(m_start + BLOCK_M, n_rows) - 1) // GROUP
+    lo, full_lo, full_hi, hi = kv_key_range(m_start // GROUP, tok_last, diag, length, window_left, window_right,
+                                            BLOCK_N, HAS_LOCAL)
+    n_blk = hi - lo
+    s_lo = lo + (split * n_blk) // n_splits
+    s_hi = lo + ((split + 1) * n_blk) // n_splits
+
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    Q_row = Q + (tl.cast(b, tl.int64) * stride_qb + tl.cast(tok, tl.int64) * stride_qs + h * stride_qh)  # [M]
+    if DQK_CHUNKS == 1:
+        q = load_tile(Q_row[:, None] + offs_dqk[None, :], row_ok, offs_dqk < DQK, True, BLOCK_DQK != DQK)
+    else:
+        q = Q  # unused: block_qk reloads q chunk by chunk
+
+    qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
+    if HAS_SCALES:
+        qk_scale = qk_scale * tl.load(K_SCALE + kh * stride_sc).to(tl.float32)
+    if HAS_ALIBI:
+        slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)[:, None]  # [M, 1]
+    else:
+        slope2 = 0.0
+    m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks, masked blocks.
+    acc, m_i, l_i = decode_kv_range(
+        acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
+        tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left,
+        window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV,
+        BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, True, HAS_LOCAL, HAS_SOFTCAP,
+        HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = decode_kv_range(
+        acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(full_lo, s_lo),
+        tl.minimum(full_hi, s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2,
+        diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+        stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, False,
+        HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = decode_kv_range(
+        acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
+        tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left,
+        window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV,
+        BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, True, HAS_LOCAL, HAS_SOFTCAP,
+        HAS_ALIBI, DOT_PRECISION)
+    out, lse = softmax_finalize(acc, m_i, l_i)
+    if HAS_SCALES:
+        out = out * tl.load(V_SCALE + kh * stride_sc).to(tl.float32)
+
+    o_row = (tl.cast(split, tl.int64) * stride_on + tl.cast(b, tl.int64) * stride_ob
+             + tl.cast(tok, tl.int64) * stride_os + h * stride_oh)  # [M]
+    o_ptrs = O + o_row[:, None] + offs_dv[None, :]
+    if BLOCK_DV != DV:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    l_row = (tl.cast(split, tl.int64) * stride_ln + tl.cast(b, tl.int64) * stride_lb
+             + tl.cast(tok, tl.int64) * stride_ls + h * stride_lh)
+    tl.store(LSE + l_row, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------------ merge
+
+@triton.jit(do_not_specialize_on_alignment=MERGE_INT_SCALARS)
+def merge_states_kernel(
+    O_A, L_A, O_B, L_B, SINKS,  # inputs: two stacks of states (B optional), sinks optional
+    n_a, n_b, n_rows, seqlen_q, heads, stride_oa, stride_la, stride_obn, stride_lbn,
+    stride_lse_b, stride_lse_s, stride_lse_h,  # runtime scalars
+    O, LSE,  # outputs: out (rows, DV) contiguous, lse through its (batch, token, head) strides
+    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_SINKS: tl.constexpr, O_ALIGN: tl.constexpr, L_ALIGN: tl.constexpr,
+):
+    """``out = sum_n exp(lse_n - lse) o_n``, ``lse = log(sum_n exp(lse_n) [+ exp(sink_h)])`` over the
+    ``n_a`` states of A then the ``n_b`` states of B, in that fixed order (deterministic).
+
+    State ``n`` of A is ``O_A[n * stride_oa + r * DV + d]`` / ``L_A[n * stride_la + r]`` for rows
+    ``r < n_rows``; row ``r`` is (batch, token, head) = ``(r // (seqlen_q * heads), r // heads % seqlen_q,
+    r % heads)``, which places the lse and picks the sink. Grid ``(cdiv(n_rows, BLOCK_R),)``. The state
+    strides are multiples of O_ALIGN (outs) and L_ALIGN (lses) elements.
+    """
+    stride_oa = aligned(stride_oa, O_ALIGN)
+    stride_obn = aligned(stride_obn, O_ALIGN)
+    stride_la = aligned(stride_la, L_ALIGN)
+    stride_lbn = aligned(stride_lbn, L_ALIGN)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = offs_r < n_rows
+    r = tl.minimum(offs_r, n_rows - 1)  # padding rows re-read the last row: no masks in the loops
+    h = r % heads
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < DV
+    o_off = tl.cast(r, tl.int64)[:, None] * DV + offs_d[None, :]  # [R, Dv]
+    m_i, l_i = softmax_init(SINKS, h, BLOCK_R, HAS_SINKS)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for n in range(n_a):
+        lse = tl.load(L_A + tl.cast(n, tl.int64) * stride_la + r)
+        o = load_tile(O_A + tl.cast(n, tl.int64) * stride_oa + o_off, row_ok, d_ok, False, BLOCK_DV != DV)
+        acc, m_i, l_i = merge_state_step(acc, m_i, l_i, lse, o.to(tl.float32))
+    if HAS_B:
+        for n in range(n_b):
+            lse = tl.load(L_B + tl.cast(n, tl.int64) * stride_lbn + r)
+            o = load_tile(O_B + tl.cast(n, tl.int64) * stride_obn + o_off, row_ok, d_ok, False, BLOCK_DV != DV)
+            acc, m_i, l_i = merge_state_step(acc, m_i, l_i, lse, o.to(tl.float32))
+    out, lse = softmax_finalize(acc, m_i, l_i)
+    if BLOCK_DV != DV:
+        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    b = r // (seqlen_q * heads)
+    s = (r // heads) % seqlen_q
+    l_off = tl.cast(b, tl.int64) * stride_lse_b + tl.cast(s, tl.int64) * stride_lse_s + h * stride_lse_h
+    tl.store(LSE + l_off, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------- append
+
+@triton.jit
+def e4m3_bits(x):
+    """float32 -> the e4m3fn bit pattern (uint8) of ``x``, rounded to nearest even and saturated at +-448.
+
+    Computed with integer arithmetic rather than ``x.to(tl.float8e4nv)`` because Triton's interpreter
+    converts wrongly (a rounding carry into the exponent halves the value; negative subnormals lose bits);
+    on a GPU the result is the same as the hardware's ``cvt.rn.satfinite``, so both paths store the same
+    bits, which are also those of ``torch``/``ml_dtypes`` casts of the clamped value.
+    """
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    i = x.to(tl.int32, bitcast=True)
+    sign = (i >> 24) & 0x80
+    a = tl.abs(x)
+    ia = a.to(tl.int32, bitcast=True)
+    # normal range (|x| >= 2^-6): round the float32 mantissa to 3 bits (the carry may bump the exponent)
+    ia = (ia + 0x7FFFF + ((ia >> 20) & 1)) & -1048576
+    normal = (((ia >> 23) - 120) << 3) | ((ia >> 20) & 7)
+    # subnormal range: multiples of 2^-9; adding 2^14 rounds to them (nearest even) in float32
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
+    bits = tl.where(a < 0.015625, sub, normal) | sign
+    return bits.to(tl.uint8)
+
+
+@triton.jit
+def append_tile(NEW_row, OUT_row, SCALE, kh, ok, stride_sc, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                FP8: tl.constexpr, HAS_SCALES: tl.constexpr):
+    """Copy one [S, D] tile of new tokens into the cache rows ``OUT_row`` [S] (quantised for FP8)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = ok[:, None] & (offs_d < D)[None, :]
+    x = tl.load(NEW_row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if FP8:
+        if HAS_SCALES:
+            # IEEE division (Triton's plain fp32 '/' is approximate on NVIDIA): the same bits as torch / numpy
+            x = tl.div_rn(x, tl.load(SCALE + kh * stride_sc).to(tl.float32))
+        y = e4m3_bits(x).to(OUT_row.dtype.element_ty, bitcast=True)
+    else:
+        y = x.to(OUT_row.dtype.element_ty)
+    tl.store(OUT_row[:, None] + offs_d[None, :], y, mask=mask)
+
+
+@triton.jit(do_not_specialize_on_alignment=APPEND_INT_SCALARS)
+def append_kv_kernel(
+    K_NEW, V_NEW, SEQLENS, BLOCK_TABLE, K_SCALE, V_SCALE, K_IN, V_IN,  # inputs; K_IN/V_IN: the caches
+    n_new, capacity, num_pages, stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb, stride_sc,  # runtime scalars
+    K_OUT, V_OUT,  # the caches again (torch: the same tensors; jax-triton: outputs aliased to K_IN / V_IN)
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, HAS_SCALES: tl.constexpr,
+    NEW_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr,
+):
+    """Token ``s`` of ``k_new[b]`` goes to cache row ``SEQLENS[b] + s`` of sequence ``b`` (through the page
+    table when paged). Rows at or past ``capacity`` are dropped (the front-ends reject such calls; this is
+    the second line). Grid ``(cdiv(n_new, BLOCK_S), Hkv, batch)``; only new rows are touched. Strides are
+    multiples of NEW_ALIGN (k_new, v_new) and KV_ALIGN (caches) elements."""
+    stride_knb, stride_kns, stride_knh = aligned_strides(stride_knb, stride_kns, stride_knh, NEW_ALIGN)
+    stride_vnb, stride_vns, stride_vnh = aligned_strides(stride_vnb, stride_vns, stride_vnh, NEW_ALIGN)
+    stride_kp, stride_ks, stride_kh = aligned_strides(stride_kp, stride_ks, stride_kh, KV_ALIGN)
+    stride_vp, stride_vs, stride_vh = aligned_strides(stride_vp, stride_vs, stride_vh, KV_ALIGN)
+    kh = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    start = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
+    pos = start + offs_s
+    ok = (offs_s < n_new) & (pos < capacity)
+    page, slot = cache_slots(BLOCK_TABLE, b, 0, pos, ok, stride_tb, num_pages, PAGED, PAGE_SIZE, False, True)
+    b64 = tl.cast(b, tl.int64)
+    kh64 = tl.cast(kh, tl.int64)
+    s64 = tl.cast(offs_s, tl.int64)
+    append_tile(K_NEW + (b64 * stride_knb + s64 * stride_kns + kh64 * stride_knh),
+                K_OUT + (page * stride_kp + slot * stride_ks + kh64 * stride_kh), K_SCALE, kh, ok, stride_sc,
+                DQK, BLOCK_DQK, FP8, HAS_SCALES)
+    append_tile(V_NEW + (b64 * stride_vnb + s64 * stride_vns + kh64 * stride_vnh),
+                V_OUT + (page * stride_vp + slot * stride_vs + kh64 * stride_vh), V_SCALE, kh, ok, stride_sc,
+                DV, BLOCK_DV, FP8, HAS_SCALES)

@@ -1,0 +1,809 @@
+"""Launch plans and argument checks for the Flash-Decoding family (pure Python: shapes and options in, a
+Plan out). Both front-ends validate through the ``check_*`` functions here, so they raise the same
+``ValueError`` / ``TypeError`` naming the argument.
+
+Layouts (``kv_layout``): q ``(B, Sq, Hq, Dqk)``; a contiguous cache ``(B, S_max, Hkv, D)`` ("NHD") or
+``(B, Hkv, S_max, D)`` ("HND"); a paged cache ``(num_pages, page_size, Hkv, D)`` / ``(num_pages, Hkv,
+page_size, D)`` with an int32 ``block_table`` ``(B, max_pages)``; ``cache_seqlens`` int32 ``(B,)``. Out
+``(B, Sq, Hq, Dv)`` in q's dtype, lse float32 ``(B, Hq, Sq)`` (natural log). The kernels address a cache
+through (page, slot, head) element strides, so a front-end may pass strided views of a cache as long as the
+head dim is contiguous (no copy of a large cache is ever made on a GPU).
+
+Plans:
+
+* :func:`plan_decode`: one launch when ``num_splits == 1`` (the kernel writes out/lse), else the split
+  kernel writes float32 partials ``(num_splits, B, Sq, Hq, Dv)`` / ``(num_splits, B, Sq, Hq)`` and the
+  merge kernel combines them (sinks join there, once).
+* :func:`plan_merge`: ``merge_attention_states``.
+* :func:`plan_cascade`: the shared prefix for all ``B * Sq`` query tokens at once (its K/V read once per
+  row block, not once per request), each request's own cache, then one merge.
+* :func:`plan_append`: one launch; its outputs ``k_out`` / ``v_out`` are the caches themselves, so the
+  front-ends execute it with the outputs bound to the cache buffers (torch: the same tensors; JAX:
+  ``input_output_aliases``), never through a runtime that allocates them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2, pow2_divisor
+
+_K = "decode.kernels"
+KV_LAYOUTS = ("NHD", "HND")
+FP8_DTYPE = "float8_e4m3fn"
+MAX_HEAD_DIM_QK = 1024  # above 256 the q.k dot runs in 64-wide column chunks (MLA: 576 = 9 x 64)
+MAX_HEAD_DIM_V = 512
+MAX_PAGE_SIZE = 1024
+MAX_SPLITS = 1024
+_UNBOUNDED = 1 << 30  # an unbounded window side (small enough that index arithmetic cannot overflow int32)
+_CHUNK_DQK = 64
+
+TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tile and launch parameters. ``None`` picks the default for the target (see :func:`decode_tiles`).
+
+    * ``block_n``: keys per loop step; ``block_m``: the most packed (query token x GQA head) rows of one
+      program (more rows -> more row blocks, each reading the cache again);
+    * ``programs_per_sm``: the auto split count aims at this many programs per SM when the batch does not
+      fill the GPU on its own, ``min_blocks_per_split`` keeps each split at least that many key blocks long;
+    * ``merge_block_rows``: rows per program of the merge kernel.
+
+    The GPU defaults are set for Hopper from the memory-bound character of decode (untimed: the session that
+    wrote them had no GPU time); the interpreter pays per program and per operation, not per element.
+    """
+
+    block_n: Optional[int] = None
+    block_m: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    programs_per_sm: Optional[int] = None
+    min_blocks_per_split: Optional[int] = None
+    merge_block_rows: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("block_n", "block_m", "merge_block_rows"):
+            value = getattr(self, name)
+            minimum = 1 if name == "merge_block_rows" else 16
+            if value is not None and (value < minimum or value & (value - 1)):
+                raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
+
+
+DEFAULT_CONFIG = DecodeConfig()
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """A KV cache as pages: a contiguous cache is one page of ``S_max`` rows per sequence."""
+
+    layout: str  # "NHD" or "HND"
+    paged: bool
+    num_pages: int  # contiguous: the batch size
+    page_size: int  # contiguous: S_max
+    max_pages: int  # block-table width (contiguous: 1)
+    heads: int
+    head_dim_k: int
+    head_dim_v: int
+    dtype: str
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens one sequence can hold."""
+        return self.max_pages * self.page_size
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    def array_shape(self, dim: int) -> tuple[int, int, int, int]:
+        if self.layout == "NHD":
+            return (self.num_pages, self.page_size, self.heads, dim)
+        return (self.num_pages, self.heads, self.page_size, dim)
+
+    def strides(self, dim: int) -> tuple[int, int, int]:
+        """(page, slot, head) element strides of a contiguous cache array."""
+        if self.layout == "NHD":
+            return (self.page_size * self.heads * dim, self.heads * dim, dim)
+        return (self.heads * self.page_size * dim, dim, self.page_size * dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: str  # q's (and the output's)
+    cache: CacheShape
+
+    @property
+    def heads_kv(self) -> int:
+        return self.cache.heads
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.heads_q, self.seqlen_q)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Normalised scalar options (see :func:`check_decode_args`)."""
+
+    softmax_scale: float
+    causal: bool
+    window_left: Optional[int]  # query i sees keys j with -left <= j - (i + L - Sq) <= right; None = unbounded
+    window_right: Optional[int]
+    softcap: float
+    has_alibi: bool
+    alibi_batched: bool  # slopes (B, Hq) rather than (Hq,)
+    has_sinks: bool
+    scale_mode: str  # "none", "tensor" (one scale) or "head" (one per kv head)
+
+    @property
+    def has_local(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+def _fmt(shape) -> str:
+    return str(tuple(shape))
+
+
+def _check_float(name: str, info: TensorInfo) -> None:
+    if info[1] not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {info[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+
+
+def _check_int32(name: str, info: TensorInfo) -> None:
+    if info[1] != "int32":
+        raise TypeError(f"{name}: must be int32, got {info[1]}")
+
+
+def check_kv_layout(kv_layout) -> str:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected 'NHD' (tokens, heads, dim) or 'HND' (heads, tokens, dim), "
+                         f"got {kv_layout!r}")
+    return kv_layout
+
+
+def check_cache(*, k_cache: TensorInfo, v_cache: TensorInfo, block_table: Optional[TensorInfo], batch: int,
+                kv_layout: str, allowed_dtypes: tuple[str, ...], names=("k_cache", "v_cache")) -> CacheShape:
+    """Shape and dtype of a (k, v) cache pair -> CacheShape; ``batch`` is the number of sequences."""
+    kn, vn = names
+    check_kv_layout(kv_layout)
+    for name, info in ((kn, k_cache), (vn, v_cache)):
+        if info[1] not in allowed_dtypes:
+            raise TypeError(f"{name}: dtype {info[1]} is not supported here; expected one of "
+                            f"{', '.join(allowed_dtypes)}")
+    if k_cache[1] != v_cache[1]:
+        raise TypeError(f"{kn}, {vn}: must share one dtype, got {k_cache[1]} and {v_cache[1]}")
+    paged = block_table is not None
+    what = "(num_pages, page_size, Hkv, D)" if paged else "(batch, S_max, Hkv, D)"
+    if kv_layout == "HND":
+        what = "(num_pages, Hkv, page_size, D)" if paged else "(batch, Hkv, S_max, D)"
+    for name, info in ((kn, k_cache), (vn, v_cache)):
+        if len(info[0]) != 4:
+            raise ValueError(f"{name}: expected 4 dimensions {what} for kv_layout={kv_layout!r}"
+                             f"{' with a block_table' if paged else ''}, got shape {_fmt(info[0])}")
+        if any(d < 1 for d in info[0]):
+            raise ValueError(f"{name}: empty cache of shape {_fmt(info[0])}; every dimension must be >= 1")
+    ks, vs = tuple(k_cache[0]), tuple(v_cache[0])
+    if ks[:-1] != vs[:-1]:
+        raise ValueError(f"{kn}, {vn}: must agree in every dimension but the last, got {_fmt(ks)} and {_fmt(vs)}")
+    if kv_layout == "NHD":
+        n0, rows, heads = ks[0], ks[1], ks[2]
+    else:
+        n0, heads, rows = ks[0], ks[1], ks[2]
+    if ks[-1] > MAX_HEAD_DIM_QK:
+        raise ValueError(f"{kn}: head dim {ks[-1]} is not supported; the kernels handle 1..{MAX_HEAD_DIM_QK}")
+    if vs[-1] > MAX_HEAD_DIM_V:
+        raise ValueError(f"{vn}: head dim {vs[-1]} is not supported; the kernels handle 1..{MAX_HEAD_DIM_V}")
+    if paged:
+        _check_int32("block_table", block_table)
+        if len(block_table[0]) != 2 or block_table[0][0] != batch or block_table[0][1] < 1:
+            raise ValueError(f"block_table: expected shape ({batch}, max_pages) with max_pages >= 1 (one row per "
+                             f"sequence), got {_fmt(block_table[0])}")
+        if rows & (rows - 1) or rows > MAX_PAGE_SIZE:
+            raise ValueError(f"{kn}: page size {rows} (from shape {_fmt(ks)}) is not supported; page sizes are "
+                             f"powers of two from 1 to {MAX_PAGE_SIZE}")
+        return CacheShape(kv_layout, True, n0, rows, int(block_table[0][1]), heads, ks[-1], vs[-1], k_cache[1])
+    if n0 != batch:
+        raise ValueError(f"{kn}: a contiguous cache needs one entry per sequence: batch {n0} in {_fmt(ks)}, but "
+                         f"{batch} sequences (pass block_table for a paged cache)")
+    return CacheShape(kv_layout, False, n0, rows, 1, heads, ks[-1], vs[-1], k_cache[1])
+
+
+def check_scales(k_scale: Optional[TensorInfo], v_scale: Optional[TensorInfo], cache: CacheShape) -> str:
+    """FP8 dequantisation scales: float32, one per tensor (shape () or (1,)) or one per kv head (Hkv,)."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale, v_scale: give both (FP8 dequantisation scales) or neither")
+    if k_scale is None:
+        return "none"
+    if not cache.fp8:
+        raise ValueError(f"k_scale, v_scale: only meaningful for a float8_e4m3fn cache; the cache is {cache.dtype}")
+    modes = set()
+    for name, info in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if info[1] != "float32":
+            raise TypeError(f"{name}: must be float32, got {info[1]}")
+        shape = tuple(info[0])
+        if shape in ((), (1,)):
+            modes.add("tensor")
+        elif shape == (cache.heads,):
+            modes.add("head")
+        else:
+            raise ValueError(f"{name}: expected shape () or (1,) (per tensor) or ({cache.heads},) (per kv head), "
+                             f"got {_fmt(shape)}")
+    if len(modes) != 1:
+        raise ValueError(f"k_scale, v_scale: must both be per tensor or both per kv head, got shapes "
+                         f"{_fmt(k_scale[0])} and {_fmt(v_scale[0])}")
+    return modes.pop()
+
+
+def _check_seqlens(cache_seqlens: TensorInfo, batch: int) -> None:
+    if cache_seqlens is None:
+        raise ValueError(f"cache_seqlens: required, an int32 ({batch},) tensor of per-sequence cache lengths")
+    _check_int32("cache_seqlens", cache_seqlens)
+    if tuple(cache_seqlens[0]) != (batch,):
+        raise ValueError(f"cache_seqlens: expected shape ({batch},) (one length per sequence), got "
+                         f"{_fmt(cache_seqlens[0])}")
+
+
+def check_num_splits(num_splits) -> Optional[int]:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits: expected a Python int or None (automatic), got {type(num_splits).__name__}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: must be between 1 and {MAX_SPLITS}, got {num_splits}")
+    return num_splits
+
+
+def _check_scalar_options(*, head_dim_qk, causal, softmax_scale, window_size, softcap):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim_qk)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
+    return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
+
+
+def _check_q(q: TensorInfo) -> tuple[int, ...]:
+    _check_float("q", q)
+    if len(q[0]) != 4:
+        raise ValueError(f"q: expected 4 dimensions (batch, seqlen_q, heads, head_dim), got shape {_fmt(q[0])}")
+    if any(d < 1 for d in q[0]):
+        raise ValueError(f"q: empty tensor of shape {_fmt(q[0])}; every dimension must be >= 1")
+    return tuple(q[0])
+
+
+def _check_heads(qs, cache: CacheShape, kname="k_cache"):
+    if qs[-1] != cache.head_dim_k:
+        raise ValueError(f"q, {kname}: head dims differ: q {_fmt(qs)} (Dqk={qs[-1]}), {kname} Dqk={cache.head_dim_k}")
+    if qs[2] % cache.heads:
+        raise ValueError(f"q, {kname}: the number of query heads ({qs[2]}) must be a multiple of the number of "
+                         f"key/value heads ({cache.heads}) for grouped-query attention")
+
+
+def _check_sinks(sinks, hq):
+    if sinks is not None:
+        _check_float("sinks", sinks)
+        if tuple(sinks[0]) != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {_fmt(sinks[0])}")
+
+
+def check_decode_args(
+    *, q: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo, cache_seqlens: Optional[TensorInfo],
+    block_table: Optional[TensorInfo] = None, kv_layout: str = "NHD", alibi_slopes: Optional[TensorInfo] = None,
+    sinks: Optional[TensorInfo] = None, k_scale: Optional[TensorInfo] = None, v_scale: Optional[TensorInfo] = None,
+    softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=None,
+) -> tuple[DecodeShape, DecodeOptions, Optional[int]]:
+    """Validate a decode_attention call from (shape, dtype-name) pairs, before any launch. Returns the shape,
+    the options and ``num_splits`` (None = automatic, see :func:`choose_num_splits`). Values inside
+    ``cache_seqlens`` / ``block_table`` are checked by :func:`check_cache_values` when they are on the host."""
+    qs = _check_q(q)
+    batch, sq, hq, dqk = qs
+    cache = check_cache(k_cache=k_cache, v_cache=v_cache, block_table=block_table, batch=batch,
+                        kv_layout=kv_layout, allowed_dtypes=(q[1], FP8_DTYPE))
+    _check_heads(qs, cache)
+    _check_seqlens(cache_seqlens, batch)
+    scale_mode = check_scales(k_scale, v_scale, cache)
+    scale, left, right, cap = _check_scalar_options(head_dim_qk=dqk, causal=causal, softmax_scale=softmax_scale,
+                                                    window_size=window_size, softcap=softcap)
+    alibi_batched = False
+    if alibi_slopes is not None:
+        _check_float("alibi_slopes", alibi_slopes)
+        ashape = tuple(alibi_slopes[0])
+        if ashape == (batch, hq):
+            alibi_batched = True
+        elif ashape != (hq,):
+            raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({batch}, {hq}) (heads, or batch x heads), "
+                             f"got {_fmt(ashape)}")
+    _check_sinks(sinks, hq)
+    splits = check_num_splits(num_splits)
+    shape = DecodeShape(batch, sq, hq, dqk, cache.head_dim_v, q[1], cache)
+    options = DecodeOptions(scale, causal, left, right, cap, alibi_slopes is not None, alibi_batched,
+                            sinks is not None, scale_mode)
+    return shape, options, splits
+
+
+def check_cache_values(cache_seqlens, block_table, cache: CacheShape, *, new_tokens: int = 0) -> None:
+    """Host values: every length in ``[0, capacity - new_tokens]`` and, for a paged cache, every block-table
+    entry that a sequence uses (its first ``cdiv(length + new_tokens, page_size)`` pages) in ``[0, num_pages)``.
+    Entries past a sequence's pages are never read and may hold anything (e.g. -1 padding)."""
+    lengths = [int(x) for x in cache_seqlens]
+    limit = cache.capacity - new_tokens
+    for b, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"cache_seqlens: sequence {b} has a negative length ({length})")
+        if length > limit:
+            what = f"cache_seqlens + {new_tokens} new tokens" if new_tokens else "cache_seqlens"
+            raise ValueError(f"{what}: sequence {b} needs {length + new_tokens} rows but the cache holds "
+                             f"{cache.capacity} per sequence ({'max_pages x page_size' if cache.paged else 'S_max'})")
+    if cache.paged:
+        for b, (length, row) in enumerate(zip(lengths, block_table)):
+            used = cdiv(length + new_tokens, cache.page_size)
+            for j, page in enumerate(list(row)[:used]):
+                if not 0 <= int(page) < cache.num_pages:
+                    raise ValueError(f"block_table: entry [{b}, {j}] = {int(page)} is not a page of the cache "
+                                     f"(0..{cache.num_pages - 1}); sequence {b} uses its first {used} entries")
+
+
+def check_merge_args(outs: TensorInfo, lses: TensorInfo) -> tuple[int, tuple[int, ...], int, str]:
+    """(n_states, row shape ``...``, head dim, dtype) of ``merge_attention_states(outs, lses)``."""
+    _check_float("outs", outs)
+    if lses[1] != "float32":
+        raise TypeError(f"lses: must be float32 (log-sum-exp values), got {lses[1]}")
+    os_, ls = tuple(outs[0]), tuple(lses[0])
+    if len(os_) < 2:
+        raise ValueError(f"outs: expected (N, ..., D) with at least 2 dimensions, got shape {_fmt(os_)}")
+    if any(d < 1 for d in os_):
+        raise ValueError(f"outs: empty tensor of shape {_fmt(os_)}; every dimension must be >= 1")
+    if ls != os_[:-1]:
+        raise ValueError(f"lses: expected shape {_fmt(os_[:-1])} (outs without its last dimension), got {_fmt(ls)}; "
+                         "a decode lse (B, Hq, Sq) must be transposed to (B, Sq, Hq) to merge with (B, Sq, Hq, D)")
+    if os_[-1] > MAX_HEAD_DIM_V:
+        raise ValueError(f"outs: head dim {os_[-1]} is not supported; the kernels handle 1..{MAX_HEAD_DIM_V}")
+    return os_[0], os_[1:-1], os_[-1], outs[1]
+
+
+def check_cascade_args(
+    *, q: TensorInfo, shared_k: TensorInfo, shared_v: TensorInfo, k_cache: TensorInfo, v_cache: TensorInfo,
+    cache_seqlens: Optional[TensorInfo], block_table: Optional[TensorInfo] = None, kv_layout: str = "NHD",
+    sinks: Optional[TensorInfo] = None, k_scale: Optional[TensorInfo] = None, v_scale: Optional[TensorInfo] = None,
+    softmax_scale=None, causal=True, softcap=0.0, num_splits=None,
+) -> tuple[DecodeShape, int, DecodeOptions, Optional[int]]:
+    """Validate cascade_attention: the decode checks for (q, k_cache, v_cache), plus the shared prefix
+    ``shared_k`` ``(S_shared, Hkv, Dqk)`` (NHD) / ``(Hkv, S_shared, Dqk)`` (HND), in the cache's dtype.
+    Returns (shape, S_shared, options, num_splits)."""
+    shape, options, splits = check_decode_args(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        kv_layout=kv_layout, sinks=sinks, k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
+        causal=causal, softcap=softcap, num_splits=num_splits)
+    cache = shape.cache
+    what = "(S_shared, Hkv, D)" if kv_layout == "NHD" else "(Hkv, S_shared, D)"
+    for name, info, dim in (("shared_k", shared_k, cache.head_dim_k), ("shared_v", shared_v, cache.head_dim_v)):
+        if info[1] != cache.dtype:
+            raise TypeError(f"{name}: must have the cache's dtype ({cache.dtype}), got {info[1]}")
+        s = tuple(info[0])
+        if len(s) != 3 or any(d < 1 for d in s):
+            raise ValueError(f"{name}: expected 3 non-empty dimensions {what} for kv_layout={kv_layout!r}, "
+                             f"got {_fmt(s)}")
+        heads = s[1] if kv_layout == "NHD" else s[0]
+        if heads != cache.heads or s[-1] != dim:
+            raise ValueError(f"{name}: expected {cache.heads} kv heads and head dim {dim} (like the cache), got "
+                             f"{_fmt(s)}")
+    ks, vs = tuple(shared_k[0]), tuple(shared_v[0])
+    if ks[:-1] != vs[:-1]:
+        raise ValueError(f"shared_k, shared_v: must agree in every dimension but the last, got {_fmt(ks)} and "
+                         f"{_fmt(vs)}")
+    shared_len = ks[0] if kv_layout == "NHD" else ks[1]
+    return shape, shared_len, options, splits
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendShape:
+    batch: int
+    new_tokens: int
+    cache: CacheShape
+    new_dtype: str
+    scale_mode: str
+
+
+def check_append_args(*, k_cache: TensorInfo, v_cache: TensorInfo, k_new: TensorInfo, v_new: TensorInfo,
+                      cache_seqlens: Optional[TensorInfo], block_table: Optional[TensorInfo] = None,
+                      kv_layout: str = "NHD", k_scale: Optional[TensorInfo] = None,
+                      v_scale: Optional[TensorInfo] = None) -> AppendShape:
+    """Validate append_kv_cache: ``k_new`` ``(B, S_new, Hkv, Dqk)``, ``v_new`` ``(B, S_new, Hkv, Dv)`` in a
+    float dtype (the cache's, or any float dtype for an FP8 cache, which quantises)."""
+    for name, info in (("k_new", k_new), ("v_new", v_new)):
+        _check_float(name, info)
+        if len(info[0]) != 4 or any(d < 1 for d in info[0]):
+            raise ValueError(f"{name}: expected 4 non-empty dimensions (batch, new_tokens, Hkv, D), got "
+                             f"{_fmt(info[0])}")
+    if k_new[1] != v_new[1]:
+        raise TypeError(f"k_new, v_new: must share one dtype, got {k_new[1]} and {v_new[1]}")
+    kn, vn = tuple(k_new[0]), tuple(v_new[0])
+    if kn[:-1] != vn[:-1]:
+        raise ValueError(f"k_new, v_new: must agree in every dimension but the last, got {_fmt(kn)} and {_fmt(vn)}")
+    batch = kn[0]
+    cache = check_cache(k_cache=k_cache, v_cache=v_cache, block_table=block_table, batch=batch,
+                        kv_layout=kv_layout, allowed_dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
+    if not cache.fp8 and k_new[1] != cache.dtype:
+        raise TypeError(f"k_new: must have the cache's dtype ({cache.dtype}), got {k_new[1]}")
+    if kn[2] != cache.heads or kn[3] != cache.head_dim_k or vn[3] != cache.head_dim_v:
+        raise ValueError(f"k_new, v_new: expected {cache.heads} kv heads and head dims {cache.head_dim_k} / "
+                         f"{cache.head_dim_v} (like the cache), got {_fmt(kn)} and {_fmt(vn)}")
+    _check_seqlens(cache_seqlens, batch)
+    scale_mode = check_scales(k_scale, v_scale, cache)
+    return AppendShape(batch, kn[1], cache, k_new[1], scale_mode)
+
+
+# ------------------------------------------------------------------------------------------------- tiles
+
+def _pad(d: int) -> int:
+    return max(16, next_power_of_2(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    block_m: int
+    block_n: int
+    block_dqk: int
+    dqk_chunks: int
+    block_dv: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
+                 config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16") -> DecodeTiles:
+    """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``. Head dims up to 256 are one
+    power-of-two tile; above, q.k runs in 64-wide chunks. GPU: 4 warps for head dims up to 128 (the tiles
+    are small: decode is memory-bound and wants many programs in flight), 8 above; 3 pipeline stages.
+    float32 (IEEE dots keep their operands in registers; twice the bytes per staged tile) takes 16 rows,
+    32 keys, 8 warps and 2 stages, the one setting found without register spills for head dims 64..576 and
+    up to 128 packed rows. Every default is checked by ``benchmarks/bench_decode.py --ptxas`` (no spills,
+    shared memory within Hopper's 227 KB)."""
+    if head_dim_qk <= 256:
+        block_dqk, chunks = _pad(head_dim_qk), 1
+    else:
+        block_dqk, chunks = _CHUNK_DQK, cdiv(head_dim_qk, _CHUNK_DQK)
+    block_dv = _pad(head_dim_v)
+    widest = max(block_dqk * chunks, block_dv)
+    if target.interpret:
+        bm_cap, bn, warps, stages = 64, 32, 4, 1
+    else:
+        bm_cap = 64 if block_dv <= 256 else 32
+        bn = 64 if widest <= 128 else 32
+        warps, stages = (4 if widest <= 128 else 8), 3
+        if dtype == "float32":
+            bm_cap, bn, warps, stages = 16, 32, 8, 2
+    bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
+    return DecodeTiles(bm, config.block_n or bn, block_dqk, chunks, block_dv, config.num_warps or warps,
+                       config.num_stages or stages)
+
+
+def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
+                      target: Target, config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16") -> int:
+    """The automatic split count: 1 when ``batch * heads_kv * row_blocks`` programs already fill the GPU
+    (``programs_per_sm`` per SM, 4 by default), else enough splits to get there, each at least
+    ``min_blocks_per_split`` key blocks of the longest possible span (the cache capacity, or the window),
+    and at most 64. Static (shapes only, never the lengths' values), so it needs no device sync and
+    traces under jit / torch.compile."""
+    tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype)
+    base = batch * heads_kv * cdiv(rows, tiles.block_m)
+    slots = target.num_sms * (config.programs_per_sm or 4)
+    if base >= slots:
+        return 1
+    min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
+    by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
+    return max(1, min(cdiv(slots, base), by_length, 64))
+
+
+def _span(shape: DecodeShape, options: DecodeOptions) -> int:
+    span = shape.cache.capacity
+    if options.window_left is not None and options.window_right is not None:
+        span = min(span, options.window_left + options.window_right + shape.seqlen_q)
+    return span
+
+
+def resolve_num_splits(shape: DecodeShape, options: DecodeOptions, num_splits: Optional[int], target: Target,
+                       config: DecodeConfig = DEFAULT_CONFIG) -> int:
+    if num_splits is not None:
+        return num_splits
+    return choose_num_splits(batch=shape.batch, heads_kv=shape.heads_kv, rows=shape.seqlen_q * shape.group,
+                             span=_span(shape, options), head_dim_qk=shape.head_dim_qk,
+                             head_dim_v=shape.head_dim_v, target=target, config=config, dtype=shape.dtype)
+
+
+# ------------------------------------------------------------------------------------------------- plans
+
+def contiguous_q_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(batch, token, head) element strides of a contiguous ``(B, S, H, D)`` array."""
+    return (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3])
+
+
+def _window_scalars(options: DecodeOptions) -> tuple[int, int]:
+    def clamp(side):
+        return _UNBOUNDED if side is None else max(-_UNBOUNDED, min(side, _UNBOUNDED))
+
+    return clamp(options.window_left), clamp(options.window_right)
+
+
+def _dot_precision(dtype: str) -> str:
+    return "ieee" if dtype == "float32" else "tf32"
+
+
+def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
+                   q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
+                   dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int) -> Launch:
+    left, right = _window_scalars(options)
+    qo = (*q_strides, *out_strides)
+    kv = (*k_strides, *v_strides)
+    return Launch(
+        kernel=f"{_K}:decode_fwd_kernel",
+        grid=grid,
+        inputs=inputs,
+        scalars=(("seqlen_q", seqlen_q), ("fixed_len", fixed_len), ("capacity", cache.capacity),
+                 ("num_pages", cache.num_pages), ("sm_scale", float(options.softmax_scale)),
+                 ("softcap", float(options.softcap)), ("window_left", left), ("window_right", right),
+                 *((f"stride_q{d}", int(s)) for d, s in zip("bsh", q_strides)),
+                 *((f"stride_k{d}", int(s)) for d, s in zip("psh", k_strides)),
+                 *((f"stride_v{d}", int(s)) for d, s in zip("psh", v_strides)),
+                 ("stride_tb", cache.max_pages if cache.paged else 0), ("stride_ab", alibi_stride),
+                 ("stride_sc", 1 if options.scale_mode == "head" else 0),
+                 *((f"stride_o{d}", int(s)) for d, s in zip("nbsh", out_strides)),
+                 *((f"stride_l{d}", int(s)) for d, s in zip("nbsh", lse_strides))),
+        outputs=outputs,
+        constexprs=(("GROUP", group), ("DQK", head_dim_qk), ("DV", head_dim_v), ("BLOCK_M", tiles.block_m),
+                    ("BLOCK_N", tiles.block_n), ("BLOCK_DQK", tiles.block_dqk), ("DQK_CHUNKS", tiles.dqk_chunks),
+                    ("BLOCK_DV", tiles.block_dv), ("PAGED", cache.paged),
+                    ("PAGE_SIZE", cache.page_size if cache.paged else 1), ("HAS_SEQLENS", has_seqlens),
+                    ("HAS_LOCAL", options.has_local), ("HAS_SOFTCAP", options.softcap > 0),
+                    ("HAS_ALIBI", options.has_alibi), ("HAS_SINKS", has_sinks),
+                    ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
+                    ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
+                    ("LSE_ALIGN", pow2_divisor(*lse_strides))),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
+def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Optional[str], n_a: int, n_b: int,
+                  n_rows: int, seqlen_q: int, heads: int, head_dim_v: int, lse_strides: tuple[int, int, int],
+                  target: Target, config: DecodeConfig) -> Launch:
+    block_dv = _pad(head_dim_v)
+    if config.merge_block_rows:
+        block_r = config.merge_block_rows
+    elif target.interpret:
+        block_r = 64
+    else:
+        block_r = max(1, min(64, 4096 // block_dv))
+    state_stride = n_rows * head_dim_v
+    return Launch(
+        kernel=f"{_K}:merge_states_kernel",
+        grid=(cdiv(n_rows, block_r),),
+        inputs=(a[0], a[1], (b or a)[0], (b or a)[1], sinks or a[1]),
+        scalars=(("n_a", n_a), ("n_b", n_b), ("n_rows", n_rows), ("seqlen_q", seqlen_q), ("heads", heads),
+                 ("stride_oa", state_stride), ("stride_la", n_rows), ("stride_obn", state_stride),
+                 ("stride_lbn", n_rows), ("stride_lse_b", lse_strides[0]), ("stride_lse_s", lse_strides[1]),
+                 ("stride_lse_h", lse_strides[2])),
+        outputs=("out", "lse"),
+        constexprs=(("DV", head_dim_v), ("BLOCK_R", block_r), ("BLOCK_DV", block_dv), ("HAS_B", b is not None),
+                    ("HAS_SINKS", sinks is not None), ("O_ALIGN", pow2_divisor(state_stride)),
+                    ("L_ALIGN", pow2_divisor(n_rows))),
+        num_warps=4,
+        num_stages=1,
+    )
+
+
+def _final_lse_strides(shape: DecodeShape) -> tuple[int, int, int]:
+    """(batch, token, head) strides of the (B, Hq, Sq) lse."""
+    return (shape.heads_q * shape.seqlen_q, 1, shape.seqlen_q)
+
+
+def _partial_specs(prefix: str, splits: int, batch: int, seqlen_q: int, heads: int, dv: int):
+    return (Spec(f"{prefix}_out", (splits, batch, seqlen_q, heads, dv), "float32"),
+            Spec(f"{prefix}_lse", (splits, batch, seqlen_q, heads), "float32"))
+
+
+def _partial_strides(batch: int, seqlen_q: int, heads: int, dv: int):
+    rows = batch * seqlen_q * heads
+    return ((rows * dv, seqlen_q * heads * dv, heads * dv, dv), (rows, seqlen_q * heads, heads, 1))
+
+
+def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, num_splits: Optional[int] = None,
+                strides: Optional[dict[str, tuple[int, int, int]]] = None,
+                config: DecodeConfig = DEFAULT_CONFIG) -> Plan:
+    """Plan inputs: q, k_cache, v_cache, cache_seqlens, [block_table], [alibi_slopes], [sinks], [k_scale,
+    v_scale]. ``strides``: "q" -> (batch, token, head), "k_cache" / "v_cache" -> (page, slot, head) element
+    strides (default: contiguous). Results: out (q's dtype, ``shape.out_shape``), lse (float32, (B, Hq, Sq))."""
+    strides = strides or {}
+    cache = shape.cache
+    splits = resolve_num_splits(shape, options, num_splits, target, config)
+    rows = shape.seqlen_q * shape.group
+    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype)
+    present = {"q": True, "k_cache": True, "v_cache": True, "cache_seqlens": True, "block_table": cache.paged,
+               "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
+               "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
+    kernel_inputs = tuple(n if present[n] else "q" for n in present)
+    common = dict(grid=(splits, shape.heads_kv * cdiv(rows, tiles.block_m), shape.batch), seqlen_q=shape.seqlen_q,
+                  fixed_len=0, cache=cache, options=options,
+                  q_strides=strides.get("q") or contiguous_q_strides((shape.batch, shape.seqlen_q, shape.heads_q,
+                                                                      shape.head_dim_qk)),
+                  k_strides=strides.get("k_cache") or cache.strides(cache.head_dim_k),
+                  v_strides=strides.get("v_cache") or cache.strides(cache.head_dim_v), group=shape.group,
+                  head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v, dtype=shape.dtype, tiles=tiles,
+                  has_seqlens=True, alibi_stride=shape.heads_q if options.alibi_batched else 0)
+    finals = (Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
+    inputs = tuple(n for n, here in present.items() if here)
+    if splits == 1:
+        ob, os_, oh = contiguous_q_strides(shape.out_shape)
+        lb, ls, lh = _final_lse_strides(shape)
+        launch = _decode_launch(inputs=kernel_inputs, outputs=("out", "lse"), out_strides=(0, ob, os_, oh),
+                                lse_strides=(0, lb, ls, lh), has_sinks=options.has_sinks, **common)
+        return Plan(inputs=inputs, buffers=finals, launches=(launch,), results=("out", "lse"))
+    o_strides, l_strides = _partial_strides(shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
+    decode = _decode_launch(inputs=kernel_inputs, outputs=("part_out", "part_lse"), out_strides=o_strides,
+                            lse_strides=l_strides, has_sinks=False, **common)
+    merge = _merge_launch(a=("part_out", "part_lse"), b=None, sinks="sinks" if options.has_sinks else None,
+                          n_a=splits, n_b=0, n_rows=shape.batch * shape.seqlen_q * shape.heads_q,
+                          seqlen_q=shape.seqlen_q, heads=shape.heads_q, head_dim_v=shape.head_dim_v,
+                          lse_strides=_final_lse_strides(shape), target=target, config=config)
+    buffers = (*_partial_specs("part", splits, shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v),
+               *finals)
+    return Plan(inputs=inputs, buffers=buffers, launches=(decode, merge), results=("out", "lse"))
+
+
+def plan_merge(n_states: int, rows: int, head_dim: int, dtype: str, *, target: Target,
+               config: DecodeConfig = DEFAULT_CONFIG) -> Plan:
+    """Plan inputs: outs ``(N, rows, D)``, lses ``(N, rows)`` (contiguous). Results: out ``(rows, D)`` in
+    ``dtype``, lse float32 ``(rows,)``."""
+    launch = _merge_launch(a=("outs", "lses"), b=None, sinks=None, n_a=n_states, n_b=0, n_rows=rows, seqlen_q=1,
+                           heads=1, head_dim_v=head_dim, lse_strides=(1, 0, 0), target=target, config=config)
+    return Plan(inputs=("outs", "lses"),
+                buffers=(Spec("out", (rows, head_dim), dtype), Spec("lse", (rows,), "float32")),
+                launches=(launch,), results=("out", "lse"))
+
+
+def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *, target: Target,
+                 num_splits: Optional[int] = None, strides: Optional[dict[str, tuple[int, int, int]]] = None,
+                 config: DecodeConfig = DEFAULT_CONFIG) -> Plan:
+    """Plan inputs: q (contiguous), shared_k, shared_v (contiguous), k_cache, v_cache, cache_seqlens,
+    [block_table], [sinks], [k_scale, v_scale]. Results: out, lse as :func:`plan_decode`.
+
+    The shared prefix is attended by all ``B * Sq`` query tokens as one sequence (no causal mask: the prefix
+    precedes every request's own tokens), the requests' caches as in decode (causal within each), and one
+    merge kernel combines both sets of partial states and adds the sinks."""
+    strides = strides or {}
+    cache = shape.cache
+    b, sq, hq, dv = shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v
+    shared = dataclasses.replace(cache, paged=False, num_pages=1, page_size=shared_len, max_pages=1)
+    present = {"q": True, "shared_k": True, "shared_v": True, "k_cache": True, "v_cache": True,
+               "cache_seqlens": True, "block_table": cache.paged, "sinks": options.has_sinks,
+               "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
+
+    def name(n):
+        return n if present[n] else "q"
+
+    plain = dataclasses.replace(options, causal=False, window_left=None, window_right=None, has_alibi=False,
+                                alibi_batched=False)
+    q_strides = contiguous_q_strides((b, sq, hq, shape.head_dim_qk))
+    common = dict(cache=None, group=shape.group, head_dim_qk=shape.head_dim_qk, head_dim_v=dv, dtype=shape.dtype,
+                  has_sinks=False, alibi_stride=0)
+
+    # 1. shared prefix: one "sequence" of B * Sq query tokens
+    rows_a = b * sq * shape.group
+    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype)
+    splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
+                                               head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
+                                               config=config, dtype=shape.dtype)
+    oa, la = _partial_strides(1, b * sq, hq, dv)
+    shared_launch = _decode_launch(
+        **{**common, "cache": shared}, inputs=("q", "shared_k", "shared_v", "q", "q", "q", "q", name("k_scale"),
+                                                name("v_scale")),
+        outputs=("shared_out", "shared_lse"), grid=(splits_a, shape.heads_kv * cdiv(rows_a, tiles_a.block_m), 1),
+        seqlen_q=b * sq, fixed_len=shared_len, options=plain, q_strides=(0, q_strides[1], q_strides[2]),
+        k_strides=shared.strides(shape.head_dim_qk), v_strides=shared.strides(dv), out_strides=oa,
+        lse_strides=la, tiles=tiles_a, has_seqlens=False)
+
+    # 2. each request's own cache
+    rows_b = sq * shape.group
+    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype)
+    splits_b = resolve_num_splits(shape, options, num_splits, target, config)
+    ob, lb = _partial_strides(b, sq, hq, dv)
+    own_launch = _decode_launch(
+        **{**common, "cache": cache}, inputs=("q", "k_cache", "v_cache", "cache_seqlens", name("block_table"),
+                                               "q", "q", name("k_scale"), name("v_scale")),
+        outputs=("own_out", "own_lse"), grid=(splits_b, shape.heads_kv * cdiv(rows_b, tiles_b.block_m), b),
+        seqlen_q=sq, fixed_len=0, options=dataclasses.replace(plain, causal=options.causal,
+                                                              window_right=0 if options.causal else None),
+        q_strides=q_strides, k_strides=strides.get("k_cache") or cache.strides(cache.head_dim_k),
+        v_strides=strides.get("v_cache") or cache.strides(cache.head_dim_v), out_strides=ob, lse_strides=lb,
+        tiles=tiles_b, has_seqlens=True)
+
+    # 3. merge both sets of states (+ sinks)
+    merge = _merge_launch(a=("shared_out", "shared_lse"), b=("own_out", "own_lse"),
+                          sinks="sinks" if options.has_sinks else None, n_a=splits_a, n_b=splits_b,
+                          n_rows=b * sq * hq, seqlen_q=sq, heads=hq, head_dim_v=dv,
+                          lse_strides=_final_lse_strides(shape), target=target, config=config)
+    buffers = (*_partial_specs("shared", splits_a, 1, b * sq, hq, dv), *_partial_specs("own", splits_b, b, sq, hq, dv),
+               Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
+    return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=buffers,
+                launches=(shared_launch, own_launch, merge), results=("out", "lse"))
+
+
+def plan_append(shape: AppendShape, *, target: Target,
+                strides: Optional[dict[str, tuple[int, int, int]]] = None) -> Plan:
+    """Plan inputs: k_new, v_new, cache_seqlens, [block_table], [k_scale, v_scale], k_cache, v_cache.
+    Results: k_out, v_out -- the caches themselves, updated: run it with ``k_out`` / ``v_out`` bound to the
+    cache buffers (see the module docstring). ``strides``: "k_new"/"v_new" -> (batch, token, head),
+    "k_cache"/"v_cache" -> (page, slot, head)."""
+    strides = strides or {}
+    cache = shape.cache
+    present = {"k_new": True, "v_new": True, "cache_seqlens": True, "block_table": cache.paged,
+               "k_scale": shape.scale_mode != "none", "v_scale": shape.scale_mode != "none", "k_cache": True,
+               "v_cache": True}
+    kn = strides.get("k_new") or contiguous_q_strides((shape.batch, shape.new_tokens, cache.heads, cache.head_dim_k))
+    vn = strides.get("v_new") or contiguous_q_strides((shape.batch, shape.new_tokens, cache.heads, cache.head_dim_v))
+    ks = strides.get("k_cache") or cache.strides(cache.head_dim_k)
+    vs = strides.get("v_cache") or cache.strides(cache.head_dim_v)
+    block_s = 16 if target.interpret else max(1, min(64, 8192 // max(_pad(cache.head_dim_k), _pad(cache.head_dim_v))))
+    block_s = min(block_s, next_power_of_2(shape.new_tokens))
+    launch = Launch(
+        kernel=f"{_K}:append_kv_kernel",
+        grid=(cdiv(shape.new_tokens, block_s), cache.heads, shape.batch),
+        inputs=tuple(n if present[n] else "k_new" for n in present),
+        scalars=(("n_new", shape.new_tokens), ("capacity", cache.capacity), ("num_pages", cache.num_pages),
+                 *((f"stride_kn{d}", int(s)) for d, s in zip("bsh", kn)),
+                 *((f"stride_vn{d}", int(s)) for d, s in zip("bsh", vn)),
+                 *((f"stride_k{d}", int(s)) for d, s in zip("psh", ks)),
+                 *((f"stride_v{d}", int(s)) for d, s in zip("psh", vs)),
+                 ("stride_tb", cache.max_pages if cache.paged else 0),
+                 ("stride_sc", 1 if shape.scale_mode == "head" else 0)),
+        outputs=("k_out", "v_out"),
+        constexprs=(("DQK", cache.head_dim_k), ("DV", cache.head_dim_v), ("BLOCK_S", block_s),
+                    ("BLOCK_DQK", _pad(cache.head_dim_k)), ("BLOCK_DV", _pad(cache.head_dim_v)),
+                    ("PAGED", cache.paged), ("PAGE_SIZE", cache.page_size if cache.paged else 1),
+                    ("FP8", cache.fp8), ("HAS_SCALES", shape.scale_mode != "none"),
+                    ("NEW_ALIGN", pow2_divisor(*kn, *vn)), ("KV_ALIGN", pow2_divisor(*ks, *vs))),
+        num_warps=4,
+        num_stages=1,
+    )
+    buffers = (Spec("k_out", cache.array_shape(cache.head_dim_k), cache.dtype),
+               Spec("v_out", cache.array_shape(cache.head_dim_v), cache.dtype))
+    return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=buffers, launches=(launch,),
+                results=("k_out", "v_out"))

@@ -1,0 +1,242 @@
+"""Flash-Decoding for JAX (forward only): the same kernels and plans as the torch front-end.
+
+``decode_attention``, ``merge_attention_states`` and ``cascade_attention`` run their plans through the
+shared runtime (jax-triton on a GPU, Triton's interpreter in a ``pure_callback`` on the CPU); all work
+under ``jax.jit``. ``append_kv_cache`` returns the updated caches: on a GPU the kernel's outputs are
+aliased to the cache inputs (``input_output_aliases``), so under ``jax.jit(..., donate_argnums=...)`` the
+cache is updated in place, no copy; on the CPU the callback returns new arrays (a host callback cannot
+write into XLA's buffers).
+
+Values inside ``cache_seqlens`` / ``block_table`` are validated when they are concrete host (CPU) arrays;
+traced or device-resident ones are not read (no device sync), and the kernels clamp lengths and page ids
+so that a bad value never addresses memory outside the cache.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import numpy as np
+
+from ..core_kernels import INTERPRETER, HostArray, get_kernel
+from ..core_kernels.decode.plan import (check_append_args, check_cache_values, check_cascade_args,
+                                        check_decode_args, check_merge_args, plan_append, plan_cascade,
+                                        plan_decode, plan_merge)
+from ._checks import check_arrays
+from ._runtime import _jax_triton, dtype_name, execute, gpu_target, jnp_dtype, match_varying
+
+Array = jax.Array
+
+
+def _info(a):
+    return None if a is None else (tuple(a.shape), dtype_name(a.dtype))
+
+
+def _host_values(cache_seqlens, block_table):
+    """The index arrays' values when reading them is free (concrete and on the CPU), else None."""
+    def on_host(a):
+        if a is None:
+            return True
+        if isinstance(a, np.ndarray):
+            return True
+        if isinstance(a, jax.core.Tracer):
+            return False
+        try:
+            return all(d.platform == "cpu" for d in a.devices())
+        except Exception:  # noqa: BLE001 -- anything unusual: do not read it
+            return False
+
+    if not (on_host(cache_seqlens) and on_host(block_table)):
+        return None
+    return np.asarray(cache_seqlens).tolist(), None if block_table is None else np.asarray(block_table).tolist()
+
+
+def _run(make_plan, given: dict):
+    names = make_plan(INTERPRETER).inputs
+    arrays = match_varying(*[given[n] for n in names])
+    return execute(make_plan, dict(zip(names, arrays)))
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: Array,
+                     block_table: Optional[Array] = None, kv_layout: str = "NHD",
+                     softmax_scale: Optional[float] = None, causal: bool = True,
+                     window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Array] = None,
+                     softcap: float = 0.0, sinks: Optional[Array] = None, k_scale: Optional[Array] = None,
+                     v_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+    """Attention of a few query tokens per sequence over a (paged) KV cache, split-KV (Flash-Decoding).
+
+    Same arguments, layouts and semantics as :func:`flashbridge.torch_api.decode_attention`: q
+    ``(B, Sq, Hq, Dqk)``; caches ``(B, S_max, Hkv, D)`` / ``(B, Hkv, S_max, D)`` or paged ``(num_pages,
+    page_size, Hkv, D)`` / ``(num_pages, Hkv, page_size, D)`` with int32 ``block_table`` ``(B, max_pages)``;
+    int32 ``cache_seqlens`` ``(B,)``; FP8 (``jnp.float8_e4m3fn``) caches with float32 ``k_scale`` /
+    ``v_scale`` (per tensor or per kv head). Query i of sequence b sits on key ``cache_seqlens[b] - Sq + i``.
+
+    Returns:
+        ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse float32 ``(B, Hq, Sq)``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> q = jnp.ones((2, 1, 8, 64), jnp.bfloat16)
+        >>> k = v = jnp.ones((2, 256, 2, 64), jnp.bfloat16)
+        >>> out = jax.jit(lambda q, k, v, n: decode_attention(q, k, v, cache_seqlens=n))(
+        ...     q, k, v, jnp.array([100, 256], jnp.int32))
+        >>> out.shape
+        (2, 1, 8, 64)
+    """
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
+              "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
+              "v_scale": v_scale}
+    check_arrays(**arrays)
+    shape, options, splits = check_decode_args(
+        **{n: _info(a) for n, a in arrays.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
+    values = _host_values(cache_seqlens, block_table)
+    if values is not None:
+        check_cache_values(*values, shape.cache)
+
+    def make_plan(target):
+        return plan_decode(shape, options, target=target, num_splits=splits)
+
+    out, lse = _run(make_plan, arrays)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(outs: Array, lses: Array):
+    """Exact merge of N attention states: ``lse = log sum_n exp(lses[n])``,
+    ``out = sum_n exp(lses[n] - lse) outs[n]``. outs ``(N, ..., D)``, lses float32 ``(N, ...)``; returns
+    ``(out (..., D), lse (...))``. See :func:`flashbridge.torch_api.merge_attention_states`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> out, lse = merge_attention_states(jnp.ones((2, 4, 8, 64)), jnp.zeros((2, 4, 8)))
+        >>> out.shape, lse.shape
+        ((4, 8, 64), (4, 8))
+    """
+    check_arrays(outs=outs, lses=lses)
+    for name, a in (("outs", outs), ("lses", lses)):
+        if a is None:
+            raise TypeError(f"{name}: expected a jax.Array, got None")
+    n, rows_shape, dim, dtype = check_merge_args(_info(outs), _info(lses))
+    rows = int(np.prod(rows_shape, dtype=np.int64))
+
+    def make_plan(target):
+        return plan_merge(n, rows, dim, dtype, target=target)
+
+    out, lse = _run(make_plan, {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
+    return out.reshape(*rows_shape, dim), lse.reshape(rows_shape)
+
+
+def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array, v_cache: Array, *,
+                      cache_seqlens: Array, block_table: Optional[Array] = None, kv_layout: str = "NHD",
+                      softmax_scale: Optional[float] = None, causal: bool = True, softcap: float = 0.0,
+                      sinks: Optional[Array] = None, k_scale: Optional[Array] = None,
+                      v_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+    """Decode over ``concat(shared prefix, own cache)``, the shared prefix read once for the batch, merged
+    exactly. ``shared_k`` / ``shared_v``: ``(S_shared, Hkv, D)`` (NHD) or ``(Hkv, S_shared, D)`` (HND) in the
+    cache's dtype. See :func:`flashbridge.torch_api.cascade_attention`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> q = jnp.ones((4, 1, 8, 64)); shared = jnp.ones((512, 2, 64)); cache = jnp.ones((4, 64, 2, 64))
+        >>> out = cascade_attention(q, shared, shared, cache, cache, cache_seqlens=jnp.full((4,), 30, jnp.int32))
+        >>> out.shape
+        (4, 1, 8, 64)
+    """
+    arrays = {"q": q, "shared_k": shared_k, "shared_v": shared_v, "k_cache": k_cache, "v_cache": v_cache,
+              "cache_seqlens": cache_seqlens, "block_table": block_table, "sinks": sinks, "k_scale": k_scale,
+              "v_scale": v_scale}
+    check_arrays(**arrays)
+    shape, shared_len, options, splits = check_cascade_args(
+        **{n: _info(a) for n, a in arrays.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
+        causal=causal, softcap=softcap, num_splits=num_splits)
+    values = _host_values(cache_seqlens, block_table)
+    if values is not None:
+        check_cache_values(*values, shape.cache)
+
+    def make_plan(target):
+        return plan_cascade(shape, shared_len, options, target=target, num_splits=splits)
+
+    out, lse = _run(make_plan, arrays)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------- append
+
+def _append_cpu(plan, names, *arrays):
+    """The append through the interpreter on host copies of the caches (bfloat16 widened to float32)."""
+    launch = plan.launches[0]
+    structs = tuple(jax.ShapeDtypeStruct(plan.spec(r).shape, jnp_dtype(plan.spec(r).dtype)) for r in plan.results)
+
+    def callback(*host):
+        env = {}
+        for name, a in zip(names, host):
+            a = np.asarray(a)
+            wide = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+            # the caches are written: always private copies; the rest only needs to be contiguous
+            env[name] = np.array(wide, copy=True, order="C") if name in ("k_cache", "v_cache") else \
+                np.ascontiguousarray(wide)
+        env["k_out"], env["v_out"] = env["k_cache"], env["v_cache"]
+        args = ([HostArray(env[n]) for n in launch.inputs] + launch.scalar_values()
+                + [HostArray(env[n]) for n in launch.outputs])
+        get_kernel(launch.kernel, True)[launch.grid](*args, **launch.constexpr_dict())
+        return tuple(env[r].astype(s.dtype, copy=False) for r, s in zip(plan.results, structs))
+
+    return jax.pure_callback(callback, structs, *arrays, vmap_method="sequential")
+
+
+def _append_gpu(plan, names, *arrays):
+    """One jax-triton call whose outputs alias the cache inputs (updated in place under donation)."""
+    jt = _jax_triton()
+    launch = plan.launches[0]
+    env = dict(zip(names, arrays))
+    kernel_inputs = [env[n] for n in launch.inputs]
+    aliases = {launch.inputs.index("k_cache"): 0, launch.inputs.index("v_cache"): 1}
+    scalars = [np.float32(v) if isinstance(v, float) else v for v in launch.scalar_values()]
+    specs = [plan.spec(n) for n in launch.outputs]
+    return tuple(jt.triton_call(
+        *kernel_inputs, *scalars, kernel=get_kernel(launch.kernel, False),
+        out_shape=[jax.ShapeDtypeStruct(s.shape, jnp_dtype(s.dtype)) for s in specs], grid=launch.grid,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True,
+        input_output_aliases=aliases, **launch.constexpr_dict()))
+
+
+def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, *, cache_seqlens: Array,
+                    block_table: Optional[Array] = None, kv_layout: str = "NHD", k_scale: Optional[Array] = None,
+                    v_scale: Optional[Array] = None) -> tuple[Array, Array]:
+    """Return ``(k_cache, v_cache)`` with token s of ``k_new[b]`` written at row ``cache_seqlens[b] + s`` of
+    sequence b (lengths before the append). FP8 caches store ``clip(new / scale, -448, 448)`` rounded to
+    e4m3. On a GPU the outputs alias the inputs: donate the caches under jit to update them in place.
+    See :func:`flashbridge.torch_api.append_kv_cache`.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> k, v = jnp.zeros((2, 64, 2, 32)), jnp.zeros((2, 64, 2, 32))
+        >>> new = jnp.ones((2, 1, 2, 32))
+        >>> step = jax.jit(append_kv_cache, donate_argnums=(0, 1))
+        >>> k, v = step(k, v, new, new, cache_seqlens=jnp.array([5, 9], jnp.int32))
+        >>> float(k[1, 9].sum()), float(k[1, 10].sum())
+        (64.0, 0.0)
+    """
+    arrays = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
+              "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+    check_arrays(**arrays)
+    shape = check_append_args(**{n: _info(a) for n, a in arrays.items()}, kv_layout=kv_layout)
+    values = _host_values(cache_seqlens, block_table)
+    if values is not None:
+        check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
+    cpu_plan = plan_append(shape, target=INTERPRETER)
+    names = cpu_plan.inputs
+    given = match_varying(*[arrays[n] for n in names])
+    target = gpu_target()
+    if target is None:
+        return _append_cpu(cpu_plan, names, *given)
+    return tuple(jax.lax.platform_dependent(
+        *given, cpu=functools.partial(_append_cpu, cpu_plan, names),
+        cuda=functools.partial(_append_gpu, plan_append(shape, target=target), names)))

@@ -1,0 +1,159 @@
+"""float64 NumPy reference for the Flash-Decoding family: decode over a (paged) KV cache, merge of attention
+states, cascade attention and appends to a cache (with FP8 quantisation).
+
+Decode is a dense softmax over the *gathered* cache: sequence ``b``'s keys are rows ``0 .. L_b - 1``
+(``L_b = cache_seqlens[b]``) read through the block table (page ``block_table[b, j // page_size]``, slot
+``j % page_size``) or from the contiguous cache, dequantised (``k * k_scale``), and attended by its ``Sq``
+query tokens with :func:`flashbridge.reference.attention.flash_attention` -- the same score modifiers in the
+same order (scale, softcap, ALiBi, mask), bottom-right aligned: query ``i`` sits on key ``L_b - Sq + i``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import attention as attn
+
+FP8_MAX = 448.0
+
+
+def _f64(a):
+    return None if a is None else np.asarray(a, dtype=np.float64)
+
+
+def _scale_per_head(scale, heads):
+    if scale is None:
+        return np.ones(heads)
+    s = np.asarray(scale, dtype=np.float64).reshape(-1)
+    return np.broadcast_to(s, (heads,)) if s.size == 1 else s
+
+
+def gather_cache(cache, length: int, b: int, *, block_table=None, kv_layout="NHD", scale=None) -> np.ndarray:
+    """Rows ``0 .. length - 1`` of sequence ``b`` as float64 ``(length, Hkv, D)``, dequantised."""
+    cache = np.asarray(cache)
+    if kv_layout == "HND":
+        cache = np.swapaxes(cache, 1, 2)  # -> (pages or batch, rows, heads, D)
+    if block_table is None:
+        rows = cache[b, :length]
+    else:
+        page_size = cache.shape[1]
+        j = np.arange(length)
+        pages = np.asarray(block_table)[b, j // page_size]
+        rows = cache[pages, j % page_size]
+    rows = rows.astype(np.float64)
+    return rows * _scale_per_head(scale, cache.shape[2])[None, :, None]
+
+
+def decode_attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, kv_layout="NHD", softmax_scale=None,
+                     causal=True, window_size=(-1, -1), alibi_slopes=None, softcap=0.0, sinks=None, k_scale=None,
+                     v_scale=None, num_splits=None):
+    """``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq))`` in float64; ``num_splits`` is accepted and ignored."""
+    q = _f64(q)
+    batch = q.shape[0]
+    lengths = [int(x) for x in np.asarray(cache_seqlens)]
+    slopes = None if alibi_slopes is None else _f64(alibi_slopes)
+    dv = np.asarray(v_cache).shape[-1]
+    out = np.zeros(q.shape[:-1] + (dv,))
+    lse = np.zeros((batch, q.shape[2], q.shape[1]))
+    for b in range(batch):
+        k = gather_cache(k_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=k_scale)
+        v = gather_cache(v_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=v_scale)
+        a = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+        o, l_ = attn.flash_attention(q[b:b + 1], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
+                                     window_size=window_size, alibi_slopes=a, softcap=softcap, sinks=sinks)
+        out[b], lse[b] = o[0], l_[0]
+    return out, lse
+
+
+def merge_attention_states(outs, lses):
+    """Exact merge of N states: ``lse = log sum_n exp(lse_n)``, ``out = sum_n exp(lse_n - lse) out_n``.
+    outs ``(N, ..., D)``, lses ``(N, ...)``; rows where every lse is -inf give out 0, lse -inf."""
+    outs, lses = _f64(outs), _f64(lses)
+    m = np.max(lses, axis=0)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lses - m_safe)  # (N, ...)
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(total > 0, m_safe + np.log(total), -np.inf)
+        weights = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
+    out = np.einsum("n...,n...d->...d", weights, np.where(w[..., None] > 0, outs, 0.0))
+    return out, lse
+
+
+def cascade_attention(q, shared_k, shared_v, k_cache, v_cache, *, cache_seqlens, block_table=None,
+                      kv_layout="NHD", softmax_scale=None, causal=True, softcap=0.0, sinks=None, k_scale=None,
+                      v_scale=None, num_splits=None):
+    """Attention of each request's queries over ``concat(shared prefix, own cache[:L_b])``: every query sees
+    the whole shared prefix; within the own cache, causal (bottom-right aligned) as in decode. One dense
+    softmax over both parts (sinks in the denominator once). Returns ``(out, lse)`` as decode."""
+    q = _f64(q)
+    batch, sq, hq, dqk = q.shape
+    scale = 1.0 / math.sqrt(dqk) if softmax_scale is None else float(softmax_scale)
+    lengths = [int(x) for x in np.asarray(cache_seqlens)]
+    shared_k, shared_v = np.asarray(shared_k), np.asarray(shared_v)
+    if kv_layout == "HND":
+        shared_k, shared_v = np.swapaxes(shared_k, 0, 1), np.swapaxes(shared_v, 0, 1)
+    hkv = shared_k.shape[1]
+    sk = shared_k.astype(np.float64) * _scale_per_head(k_scale, hkv)[None, :, None]
+    sv = shared_v.astype(np.float64) * _scale_per_head(v_scale, hkv)[None, :, None]
+    sinks = _f64(sinks)
+    group = hq // hkv
+    dv = sv.shape[-1]
+    out = np.zeros((batch, sq, hq, dv))
+    lse = np.zeros((batch, hq, sq))
+    for b in range(batch):
+        k = gather_cache(k_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=k_scale)
+        v = gather_cache(v_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=v_scale)
+        s_shared, _, _ = attn._scores(q[b], np.repeat(sk, group, axis=1), scale=scale, softcap=softcap,
+                                      slopes=None, causal=False, window_size=(-1, -1))
+        s_own, _, _ = attn._scores(q[b], np.repeat(k, group, axis=1), scale=scale, softcap=softcap, slopes=None,
+                                   causal=causal, window_size=(-1, -1))
+        s = np.concatenate([s_shared, s_own], axis=-1)  # (Hq, Sq, S_shared + L_b)
+        row_lse = attn._lse(s, sinks)
+        p = attn._probs(s, row_lse)
+        values = np.concatenate([np.repeat(sv, group, axis=1), np.repeat(v, group, axis=1)], axis=0)
+        out[b] = np.einsum("hqk,khd->qhd", p, values)
+        lse[b] = row_lse
+    return out, lse
+
+
+def quantize_fp8(x, scale=None, heads_axis=-2):
+    """``clip(x / scale, -448, 448)`` rounded to float8_e4m3fn (nearest even), as ml_dtypes array. The
+    division is done in float32 (as the kernel does), the rounding once."""
+    import ml_dtypes
+
+    x = np.asarray(x, dtype=np.float32)
+    if scale is not None:
+        s = np.asarray(scale, dtype=np.float32).reshape(-1)
+        shape = [1] * x.ndim
+        if s.size > 1:
+            shape[heads_axis] = s.size
+        x = x / s.reshape(shape)
+    return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def append_kv_cache(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table=None, kv_layout="NHD",
+                    k_scale=None, v_scale=None):
+    """New caches (copies) with token ``s`` of ``k_new[b]`` written to row ``cache_seqlens[b] + s`` of
+    sequence ``b``; FP8 caches get ``quantize_fp8(new / scale)``, others ``new`` cast to the cache dtype."""
+    lengths = [int(x) for x in np.asarray(cache_seqlens)]
+    result = []
+    for cache, new, scale in ((k_cache, k_new, k_scale), (v_cache, v_new, v_scale)):
+        cache = np.array(cache, copy=True)
+        new = np.asarray(new)
+        if cache.dtype.name == "float8_e4m3fn":
+            values = quantize_fp8(new, scale)
+        else:
+            values = new.astype(cache.dtype)
+        view = np.swapaxes(cache, 1, 2) if kv_layout == "HND" else cache  # (pages/batch, rows, heads, D) view
+        n_new = new.shape[1]
+        for b, length in enumerate(lengths):
+            j = length + np.arange(n_new)
+            if block_table is None:
+                view[b, j] = values[b]
+            else:
+                page_size = view.shape[1]
+                view[np.asarray(block_table)[b, j // page_size], j % page_size] = values[b]
+        result.append(cache)
+    return tuple(result)

@@ -1,0 +1,374 @@
+"""Flash-Decoding for PyTorch: ``torch.library`` custom ops with fake kernels (forward only).
+
+Ops: ``flashbridge::decode_attn``, ``flashbridge::merge_attn_states``, ``flashbridge::cascade_attn`` and
+``flashbridge::append_kv_cache`` (mutates ``k_cache`` / ``v_cache`` in place and says so through
+``mutates_args``, so torch.compile functionalises it correctly). The public functions check arguments and
+normalise options; the ops rebuild the plan (cached) and run it.
+
+On CUDA a cache is never copied: the kernels take its (page, slot, head) strides, so strided views work as
+long as the head dim is contiguous. Values inside ``cache_seqlens`` / ``block_table`` are validated when the
+tensors are on the CPU; on a GPU reading them would cost a device sync per decode step, so they are not read
+there -- the kernels clamp lengths to the cache capacity and page ids to the page pool, so a bad value can
+give wrong numbers but never an out-of-bounds access.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..core_kernels import get_kernel
+from ..core_kernels.decode.plan import (DecodeOptions, check_append_args, check_cache_values, check_cascade_args,
+                                        check_decode_args, check_merge_args, check_scales, plan_append,
+                                        plan_cascade, plan_decode, plan_merge)
+from ._checks import check_same_device
+from ._runtime import _compile_options, dtype_name, execute, target_for
+
+
+def _info(t: Optional[Tensor]):
+    return None if t is None else (tuple(t.shape), dtype_name(t.dtype))
+
+
+def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
+    """CUDA: keep any strides with a contiguous last dim (no copy of a large cache); CPU (interpreter, bf16
+    widening): plain contiguous buffers."""
+    if t is None:
+        return None
+    if t.device.type != "cuda" or t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _cache_strides(t: Tensor, kv_layout: str) -> tuple[int, int, int]:
+    """(page, slot, head) element strides of a 4-D cache in ``kv_layout``."""
+    if kv_layout == "NHD":
+        return (t.stride(0), t.stride(1), t.stride(2))
+    return (t.stride(0), t.stride(2), t.stride(1))
+
+
+def _check_tensors(tensors: dict, required: tuple[str, ...]) -> torch.device:
+    for name, t in tensors.items():
+        if t is None and name in required:
+            raise TypeError(f"{name}: expected a torch.Tensor, got None")
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor{'' if name in required else ' or None'}, "
+                            f"got {type(t).__name__}")
+    return check_same_device(**tensors)
+
+
+def _host_values(cache_seqlens: Tensor, block_table: Optional[Tensor]):
+    """The index tensors' values when reading them is free (CPU, eager), else None."""
+    if cache_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return cache_seqlens.tolist(), None if block_table is None else block_table.tolist()
+
+
+def _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
+             softmax_scale, causal, window_left, window_right, softcap):
+    """Rebuild the validated (shape, options) inside an op from its flat arguments."""
+    shape, _, _ = check_decode_args(q=_info(q), k_cache=_info(k_cache), v_cache=_info(v_cache),
+                                    cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
+                                    kv_layout=kv_layout, alibi_slopes=_info(alibi_slopes), sinks=_info(sinks),
+                                    k_scale=_info(k_scale), v_scale=_info(v_scale))
+    options = DecodeOptions(
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, has_alibi=alibi_slopes is not None,
+        alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2, has_sinks=sinks is not None,
+        scale_mode=check_scales(_info(k_scale), _info(v_scale), shape.cache))
+    return shape, options
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(shape, options, target, num_splits, q_strides, k_strides, v_strides):
+    return plan_decode(shape, options, target=target, num_splits=num_splits,
+                       strides={"q": q_strides, "k_cache": k_strides, "v_cache": v_strides})
+
+
+@functools.lru_cache(maxsize=256)
+def _cascade_plan(shape, shared_len, options, target, num_splits, k_strides, v_strides):
+    return plan_cascade(shape, shared_len, options, target=target, num_splits=num_splits,
+                        strides={"k_cache": k_strides, "v_cache": v_strides})
+
+
+# -------------------------------------------------------------------------------------------------- ops
+
+@torch.library.custom_op("flashbridge::decode_attn", mutates_args=())
+def _decode_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
+    alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+    kv_layout: str, softmax_scale: float, causal: bool, window_left: Optional[int], window_right: Optional[int],
+    softcap: float, num_splits: Optional[int],
+) -> tuple[Tensor, Tensor]:
+    """Returns (out (B, Sq, Hq, Dv) in q's dtype, lse float32 (B, Hq, Sq))."""
+    shape, options = _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale,
+                              v_scale, kv_layout, softmax_scale, causal, window_left, window_right, softcap)
+    q, k_cache, v_cache = _prepare(q), _prepare(k_cache), _prepare(v_cache)
+    plan = _decode_plan(shape, options, target_for(q.device), num_splits, (q.stride(0), q.stride(1), q.stride(2)),
+                        _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout))
+    given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
+             "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
+             "v_scale": v_scale}
+    out, lse = execute(plan, {n: given[n] if n in ("q", "k_cache", "v_cache") else given[n].contiguous()
+                              for n in plan.inputs})
+    return out, lse
+
+
+@_decode_attn.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
+      softmax_scale, causal, window_left, window_right, softcap, num_splits):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashbridge::merge_attn_states", mutates_args=())
+def _merge_attn_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    n, rows_shape, dim, dtype = check_merge_args(_info(outs), _info(lses))
+    rows = 1
+    for d in rows_shape:
+        rows *= d
+    plan = plan_merge(n, rows, dim, dtype, target=target_for(outs.device))
+    out, lse = execute(plan, {"outs": outs.reshape(n, rows, dim).contiguous(),
+                              "lses": lses.reshape(n, rows).contiguous()})
+    return out.reshape(*rows_shape, dim), lse.reshape(rows_shape)
+
+
+@_merge_attn_states.register_fake
+def _(outs, lses):
+    return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
+
+
+@torch.library.custom_op("flashbridge::cascade_attn", mutates_args=())
+def _cascade_attn(
+    q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+    block_table: Optional[Tensor], sinks: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+    kv_layout: str, softmax_scale: float, causal: bool, softcap: float, num_splits: Optional[int],
+) -> tuple[Tensor, Tensor]:
+    shape, shared_len, options, _ = check_cascade_args(
+        q=_info(q), shared_k=_info(shared_k), shared_v=_info(shared_v), k_cache=_info(k_cache),
+        v_cache=_info(v_cache), cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
+        kv_layout=kv_layout, sinks=_info(sinks), k_scale=_info(k_scale), v_scale=_info(v_scale),
+        softmax_scale=softmax_scale, causal=causal, softcap=softcap)
+    k_cache, v_cache = _prepare(k_cache), _prepare(v_cache)
+    plan = _cascade_plan(shape, shared_len, options, target_for(q.device), num_splits,
+                         _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout))
+    given = {"q": q, "shared_k": shared_k, "shared_v": shared_v, "k_cache": k_cache, "v_cache": v_cache,
+             "cache_seqlens": cache_seqlens, "block_table": block_table, "sinks": sinks, "k_scale": k_scale,
+             "v_scale": v_scale}
+    out, lse = execute(plan, {n: given[n] if n in ("k_cache", "v_cache") else given[n].contiguous()
+                              for n in plan.inputs})
+    return out, lse
+
+
+@_cascade_attn.register_fake
+def _(q, shared_k, shared_v, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, kv_layout,
+      softmax_scale, causal, softcap, num_splits):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashbridge::append_kv_cache", mutates_args=("k_cache", "v_cache"))
+def _append_kv_cache(
+    k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, cache_seqlens: Tensor,
+    block_table: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor], kv_layout: str,
+) -> None:
+    shape = check_append_args(k_cache=_info(k_cache), v_cache=_info(v_cache), k_new=_info(k_new),
+                              v_new=_info(v_new), cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
+                              kv_layout=kv_layout, k_scale=_info(k_scale), v_scale=_info(v_scale))
+    device = k_cache.device
+    interpret = device.type == "cpu"
+    # The kernel writes through the cache pointers. CUDA: the caches themselves (any strides with a contiguous
+    # head dim). CPU: the interpreter wants contiguous buffers and float32 in place of bfloat16, so it works
+    # on a staging copy that is copied back (CPU only; small caches).
+    targets = []
+    for cache in (k_cache, v_cache):
+        if interpret and (cache.dtype == torch.bfloat16 or not cache.is_contiguous()):
+            targets.append(cache.to(torch.float32 if cache.dtype == torch.bfloat16 else cache.dtype,
+                                    memory_format=torch.contiguous_format))
+        elif not interpret and cache.stride(-1) != 1:
+            raise ValueError(f"cache: the head dim must be contiguous (stride 1), got strides {cache.stride()}")
+        else:
+            targets.append(cache)
+    k_new, v_new = (t.float() if interpret and t.dtype == torch.bfloat16 else t for t in (k_new, v_new))
+    strides = {"k_new": (k_new.stride(0), k_new.stride(1), k_new.stride(2)),
+               "v_new": (v_new.stride(0), v_new.stride(1), v_new.stride(2)),
+               "k_cache": _cache_strides(targets[0], kv_layout), "v_cache": _cache_strides(targets[1], kv_layout)}
+    plan = plan_append(shape, target=target_for(device), strides=strides)
+    env = {"k_new": k_new, "v_new": v_new, "cache_seqlens": cache_seqlens.contiguous(),
+           "block_table": None if block_table is None else block_table.contiguous(), "k_scale": k_scale,
+           "v_scale": v_scale, "k_cache": targets[0], "v_cache": targets[1], "k_out": targets[0],
+           "v_out": targets[1]}
+    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+        for launch in plan.launches:
+            args = [env[n] for n in launch.inputs] + launch.scalar_values() + [env[n] for n in launch.outputs]
+            get_kernel(launch.kernel, interpret)[launch.grid](*args, **launch.constexpr_dict(),
+                                                             **_compile_options(launch, interpret))
+    for cache, staged in zip((k_cache, v_cache), targets):
+        if staged is not cache:
+            cache.copy_(staged)
+
+
+@_append_kv_cache.register_fake
+def _(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Tensor,
+                     block_table: Optional[Tensor] = None, kv_layout: str = "NHD",
+                     softmax_scale: Optional[float] = None, causal: bool = True,
+                     window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Tensor] = None,
+                     softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                     v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+    """Attention of a few query tokens per sequence over a KV cache (Flash-Decoding, split-KV):
+    ``out[b, i] = softmax(mods(softmax_scale * q[b, i] K_b^T)) V_b`` over the first ``cache_seqlens[b]``
+    rows of sequence b's cache.
+
+    Args:
+        q: ``(B, Sq, Hq, Dqk)``, float16 / bfloat16 / float32; Sq small (1 for decode, up to ~16 for
+            speculative decoding or chunked prefill). CUDA, or CPU (Triton interpreter).
+        k_cache, v_cache: contiguous ``(B, S_max, Hkv, D)`` (``kv_layout="NHD"``) or ``(B, Hkv, S_max, D)``
+            ("HND"); paged (with ``block_table``) ``(num_pages, page_size, Hkv, D)`` or ``(num_pages, Hkv,
+            page_size, D)``, page size a power of two. q's dtype, or ``torch.float8_e4m3fn`` with
+            ``k_scale`` / ``v_scale``. ``Dqk`` up to 1024 (chunked above 256), ``Dv`` up to 512, Dqk != Dv
+            allowed (MLA: pass ``v_cache = k_cache[..., :512]``, a strided view, no copy on CUDA).
+        cache_seqlens: int32 ``(B,)``: keys of sequence b are its rows ``0 .. cache_seqlens[b] - 1``
+            (0 allowed: out 0, lse -inf).
+        block_table: int32 ``(B, max_pages)``: row j of sequence b is slot ``j % page_size`` of page
+            ``block_table[b, j // page_size]``. Entries past a sequence's pages are never read.
+        causal: query i sees keys ``j <= cache_seqlens[b] - Sq + i`` (the queries are the last Sq tokens).
+        window_size: ``(left, right)`` around that diagonal; -1 = unbounded. Combines with causal.
+        alibi_slopes: ``(Hq,)`` or ``(B, Hq)``: adds ``-slope * |cache_seqlens[b] - Sq + i - j|``.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        sinks: ``(Hq,)``: a per-head logit joining the softmax denominator (attends to nothing).
+        k_scale, v_scale: float32 ``()``/``(1,)`` (per tensor) or ``(Hkv,)`` (per kv head) dequantisation
+            scales of an FP8 cache: the cache holds ``k / k_scale``.
+        num_splits: how many programs share one sequence's keys; None picks it from the SM count, B * Hkv
+            and the cache capacity (1 when the batch fills the GPU). A fixed value gives bitwise
+            reproducible, batch-invariant results; different values agree to rounding.
+        return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``.
+
+    Returns:
+        ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)``.
+
+    Example::
+
+        >>> q = torch.randn(2, 1, 8, 64)
+        >>> k = v = torch.randn(2, 256, 2, 64)
+        >>> out = decode_attention(q, k, v, cache_seqlens=torch.tensor([100, 256], dtype=torch.int32))
+        >>> out.shape
+        torch.Size([2, 1, 8, 64])
+    """
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
+               "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
+               "v_scale": v_scale}
+    _check_tensors(tensors, ("q", "k_cache", "v_cache", "cache_seqlens"))
+    shape, options, splits = check_decode_args(
+        **{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
+    values = _host_values(cache_seqlens, block_table)
+    if values is not None:
+        check_cache_values(*values, shape.cache)
+    out, lse = torch.ops.flashbridge.decode_attn(
+        q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
+        float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
+        float(options.softcap), splits)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(outs: Tensor, lses: Tensor):
+    """Exact merge of N attention states over disjoint key sets:
+    ``lse = log sum_n exp(lses[n])``, ``out = sum_n exp(lses[n] - lse) outs[n]``.
+
+    Args:
+        outs: ``(N, ..., D)`` float (each state normalised over its own keys).
+        lses: float32 ``(N, ...)`` (natural log; -inf for a state that saw no key). A decode lse
+            ``(B, Hq, Sq)`` pairs with an out ``(B, Sq, Hq, D)`` after ``lse.transpose(-1, -2)``.
+
+    Returns:
+        ``(out (..., D) in outs' dtype, lse float32 (...))``; rows where every state is empty give 0, -inf.
+
+    Example::
+
+        >>> o1, o2 = torch.randn(2, 4, 8, 64).unbind(0)
+        >>> l1, l2 = torch.randn(2, 4, 8).unbind(0)
+        >>> out, lse = merge_attention_states(torch.stack([o1, o2]), torch.stack([l1, l2]))
+    """
+    _check_tensors({"outs": outs, "lses": lses}, ("outs", "lses"))
+    check_merge_args(_info(outs), _info(lses))
+    return torch.ops.flashbridge.merge_attn_states(outs, lses)
+
+
+def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Tensor, v_cache: Tensor, *,
+                      cache_seqlens: Tensor, block_table: Optional[Tensor] = None, kv_layout: str = "NHD",
+                      softmax_scale: Optional[float] = None, causal: bool = True, softcap: float = 0.0,
+                      sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                      v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+    """Decode over ``concat(shared prefix, own cache)`` with the shared prefix read once for the batch
+    (FlashInfer-style cascade): the prefix's (out, lse) for all ``B * Sq`` query tokens at once, each
+    request's own cache as in :func:`decode_attention`, then an exact LSE merge (sinks added once).
+
+    Args:
+        q, k_cache, v_cache, cache_seqlens, block_table, kv_layout, softmax_scale, softcap, sinks, k_scale,
+            v_scale, num_splits, return_lse: as :func:`decode_attention`.
+        shared_k, shared_v: the prefix every request shares, ``(S_shared, Hkv, D)`` (NHD) or
+            ``(Hkv, S_shared, D)`` (HND), in the cache's dtype (same scales for FP8).
+        causal: within each request's own cache (the shared prefix precedes all queries: fully visible).
+            Windows and ALiBi are not supported here (they need absolute positions across both parts).
+
+    Example::
+
+        >>> q = torch.randn(4, 1, 8, 64); shared = torch.randn(512, 2, 64)
+        >>> cache = torch.randn(4, 64, 2, 64); lens = torch.full((4,), 30, dtype=torch.int32)
+        >>> out = cascade_attention(q, shared, shared, cache, cache, cache_seqlens=lens)
+    """
+    tensors = {"q": q, "shared_k": shared_k, "shared_v": shared_v, "k_cache": k_cache, "v_cache": v_cache,
+               "cache_seqlens": cache_seqlens, "block_table": block_table, "sinks": sinks, "k_scale": k_scale,
+               "v_scale": v_scale}
+    _check_tensors(tensors, ("q", "shared_k", "shared_v", "k_cache", "v_cache", "cache_seqlens"))
+    shape, _, options, splits = check_cascade_args(
+        **{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
+        causal=causal, softcap=softcap, num_splits=num_splits)
+    values = _host_values(cache_seqlens, block_table)
+    if values is not None:
+        check_cache_values(*values, shape.cache)
+    out, lse = torch.ops.flashbridge.cascade_attn(
+        q, shared_k, shared_v, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, kv_layout,
+        float(options.softmax_scale), bool(options.causal), float(options.softcap), splits)
+    return (out, lse) if return_lse else out
+
+
+def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, *, cache_seqlens: Tensor,
+                    block_table: Optional[Tensor] = None, kv_layout: str = "NHD", k_scale: Optional[Tensor] = None,
+                    v_scale: Optional[Tensor] = None) -> None:
+    """Write new tokens into the cache **in place**: token s of ``k_new[b]`` goes to row
+    ``cache_seqlens[b] + s`` of sequence b (through ``block_table`` when paged). ``cache_seqlens`` holds the
+    lengths *before* the append; decode afterwards with ``cache_seqlens + S_new``.
+
+    Args:
+        k_cache, v_cache: the caches, as :func:`decode_attention` (mutated; declared to torch.library).
+        k_new, v_new: ``(B, S_new, Hkv, Dqk)`` / ``(B, S_new, Hkv, Dv)`` in the cache's dtype, or any float
+            dtype for an FP8 cache, which stores ``clip(new / scale, -448, 448)`` rounded to e4m3 (nearest even).
+        k_scale, v_scale: FP8 only: float32 per tensor ``()``/``(1,)`` or per kv head ``(Hkv,)``.
+
+    Example::
+
+        >>> k, v = torch.zeros(2, 64, 2, 32), torch.zeros(2, 64, 2, 32)
+        >>> append_kv_cache(k, v, torch.ones(2, 1, 2, 32), torch.ones(2, 1, 2, 32),
+        ...                 cache_seqlens=torch.tensor([5, 9], dtype=torch.int32))
+        >>> float(k[1, 9].sum()), float(k[1, 10].sum())
+        (64.0, 0.0)
+    """
+    tensors = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
+               "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+    _check_tensors(tensors, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"))
+    shape = check_append_args(**{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout)
+    values = _host_values(cache_seqlens, block_table)
+    if values is not None:
+        check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
+    torch.ops.flashbridge.append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                                          v_scale, kv_layout)

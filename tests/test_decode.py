@@ -1,0 +1,832 @@
+"""Flash-Decoding family on the CPU (Triton interpreter): reference, torch and JAX front-ends.
+
+Every kernel result is compared with the float64 reference (flashbridge.reference.decode: a dense softmax
+over the gathered cache) under the flash-attn rule: error <= 2 x the error of a naive implementation in the
+same dtype + a small floor. Caches are small (the interpreter pays per program and per operation) but
+ragged (lengths 0 and 1 always present), paged caches use shuffled page tables padded with -1.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from flashbridge.reference import decode as ref
+from helpers import assert_close, np64
+from test_attention import naive_torch
+
+tapi = pytest.importorskip("flashbridge.torch_api.decode")
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+# ------------------------------------------------------------------------------------------ case helpers
+
+def make_case(seed, *, b=3, sq=1, hq=4, hkv=2, dqk=64, dv=None, lens=(0, 1, 77), s_max=None, layout="NHD",
+              page_size=None, dtype="float32", fp8=None, alibi=None, sinks=False, spare_pages=3):
+    """Random decode inputs (never zeros) as torch CPU tensors. ``fp8``: None, "tensor" or "head" (an
+    e4m3 cache holding ``x / scale``). Paged caches get a shuffled page pool with spare pages and -1 in the
+    unused block-table entries (never read)."""
+    g = torch.Generator().manual_seed(seed)
+    dv = dv or dqk
+    b = len(lens)
+    s_max = s_max or max(max(lens), 1)
+    dt = TORCH_DTYPES[dtype]
+    kw = {"cache_seqlens": torch.tensor(lens, dtype=torch.int32)}
+    q = torch.randn(b, sq, hq, dqk, generator=g).to(dt)
+    logical = [torch.randn(b, s_max, hkv, d, generator=g) for d in (dqk, dv)]  # (B, S, Hkv, D) float32
+    if fp8 is not None:
+        shape = (hkv,) if fp8 == "head" else ()
+        scales = [torch.rand(shape, generator=g) * 0.5 + 0.25 for _ in range(2)]
+        per = [s.reshape(-1) if s.dim() else s.reshape(1) for s in scales]
+        logical = [(x / s[None, None, :, None] if fp8 == "head" else x / s).to(torch.float8_e4m3fn)
+                   for x, s in zip(logical, per)]
+        kw["k_scale"], kw["v_scale"] = scales
+    else:
+        logical = [x.to(dt) for x in logical]
+    if page_size is None:
+        caches = logical
+    else:
+        max_pages = -(-s_max // page_size)
+        n_pages = b * max_pages + spare_pages
+        perm = torch.randperm(n_pages, generator=g)
+        table = torch.full((b, max_pages), -1, dtype=torch.int32)
+        caches = []
+        for x in logical:
+            pool = torch.randn(n_pages, page_size, hkv, x.shape[-1], generator=g).to(x.dtype)
+            for i in range(b):
+                used = -(-lens[i] // page_size)
+                for j in range(used):
+                    page = int(perm[i * max_pages + j])
+                    table[i, j] = page
+                    rows = x[i, j * page_size:(j + 1) * page_size]
+                    pool[page, :rows.shape[0]] = rows
+            caches.append(pool)
+        kw["block_table"] = table
+    if layout == "HND":
+        caches = [c.transpose(1, 2).contiguous() for c in caches]
+    if alibi == "heads":
+        kw["alibi_slopes"] = torch.rand(hq, generator=g) * 0.3 + 0.05
+    elif alibi == "batch":
+        kw["alibi_slopes"] = torch.rand(b, hq, generator=g) * 0.3 + 0.05
+    if sinks:
+        kw["sinks"] = torch.randn(hq, generator=g)
+    return q, caches[0], caches[1], kw
+
+
+def to_np(kw):
+    return {n: (v.view(torch.uint8).numpy().view(_ml_fp8()) if isinstance(v, torch.Tensor) and
+                v.dtype == torch.float8_e4m3fn else v.numpy() if isinstance(v, torch.Tensor) else v)
+            for n, v in kw.items()}
+
+
+def _ml_fp8():
+    import ml_dtypes
+    return ml_dtypes.float8_e4m3fn
+
+
+def cache_np(t):
+    """A torch cache -> numpy (float8 through ml_dtypes, others float64-exact widening)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(_ml_fp8())
+    return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def reference(q, k, v, kw, options, *, kv_layout="NHD"):
+    return ref.decode_attention(np64(q), cache_np(k), cache_np(v), kv_layout=kv_layout, **to_np(kw), **options)
+
+
+def naive(q, k, v, kw, options, *, kv_layout="NHD"):
+    """Decode computed plainly in q's dtype: the cache gathered and dequantised (float64 -> q's dtype), then
+    test_attention.naive_torch per sequence."""
+    npkw = to_np(kw)
+    outs, lses = [], []
+    for i, length in enumerate(npkw["cache_seqlens"].tolist()):
+        kk, vv = (torch.from_numpy(ref.gather_cache(cache_np(c), length, i, block_table=npkw.get("block_table"),
+                                                    kv_layout=kv_layout, scale=npkw.get(sn))).to(q.dtype)
+                  for c, sn in ((k, "k_scale"), (v, "v_scale")))
+        extra = {}
+        if "alibi_slopes" in kw:
+            a = kw["alibi_slopes"]
+            extra["alibi_slopes"] = a if a.dim() == 1 else a[i]
+        if "sinks" in kw:
+            extra["sinks"] = kw["sinks"]
+        o, l_ = naive_torch(q[i:i + 1], kk[None], vv[None], **extra, **options)
+        outs.append(o)
+        lses.append(l_)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check_decode(q, k, v, kw, options, *, kv_layout="NHD", num_splits=None, floor=1e-5, api=None):
+    out, lse = (api or tapi).decode_attention(q, k, v, kv_layout=kv_layout, num_splits=num_splits, **kw,
+                                              **options, return_lse=True)
+    ro, rl = reference(q, k, v, kw, options, kv_layout=kv_layout)
+    n_out, n_lse = naive(q, k, v, kw, options, kv_layout=kv_layout)
+    assert tuple(out.shape) == ro.shape and tuple(lse.shape) == rl.shape
+    assert_close(out, ro, n_out, name="out", floor=floor)
+    finite = np.isfinite(rl)
+    assert np.array_equal(np.isfinite(np64(lse)), finite), "lse: -inf pattern differs from the reference"
+    assert_close(np.where(finite, np64(lse), 0.0), np.where(finite, rl, 0.0), np.where(finite, np64(n_lse), 0.0),
+                 name="lse", floor=floor)
+    lens = kw["cache_seqlens"].tolist()
+    for i, length in enumerate(lens):
+        if length == 0:  # an empty sequence: out exactly 0, lse -inf (the sink's logit with sinks)
+            assert np.all(np64(out)[i] == 0.0)
+            if "sinks" not in kw:
+                assert np.all(np.isneginf(np64(lse)[i]))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+def test_reference_paged_gather_equals_contiguous():
+    # the same logical cache, contiguous NHD vs paged HND with a shuffled table: identical reference results
+    args = dict(lens=(5, 0, 33), hq=4, hkv=2, dqk=8, sq=3, s_max=40)
+    q, k, v, kw = make_case(1, **args)
+    _, kp, vp, kwp = make_case(1, **args, page_size=16, layout="HND")
+    options = dict(causal=True, softcap=1.5)
+    a = reference(q, k, v, kw, options)
+    # paged pools are filled from the same generator draws only for the logical part: compare gathered rows
+    for i, length in enumerate(args["lens"]):
+        g1 = ref.gather_cache(cache_np(k), length, i)
+        g2 = ref.gather_cache(cache_np(kp), length, i, block_table=kwp["block_table"].numpy(), kv_layout="HND")
+        np.testing.assert_array_equal(g1, g2)
+    b = reference(q, kp, vp, kwp, options, kv_layout="HND")
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_reference_merge_is_exact_and_cascade_is_decode_over_concatenation():
+    rng = np.random.default_rng(0)
+    b, sq, hq, hkv, d = 2, 3, 4, 2, 8
+    q = rng.standard_normal((b, sq, hq, d))
+    shared = rng.standard_normal((2, 11, hkv, d))
+    own = rng.standard_normal((2, b, 20, hkv, d))
+    lens = np.array([7, 20], np.int32)
+    sinks = rng.standard_normal(hq)
+    full = np.concatenate([np.broadcast_to(shared[:, None], (2, b, 11, hkv, d)), own], axis=2)  # (2, B, 31, ..)
+    o_full, l_full = ref.decode_attention(q, full[0], full[1], cache_seqlens=lens + 11, causal=True, softcap=3.0,
+                                          sinks=sinks)
+    o_c, l_c = ref.cascade_attention(q, shared[0], shared[1], own[0], own[1], cache_seqlens=lens, causal=True,
+                                     softcap=3.0, sinks=sinks)
+    np.testing.assert_allclose(o_c, o_full, atol=1e-13)
+    np.testing.assert_allclose(l_c, l_full, atol=1e-13)
+    # merge of two disjoint key sets = attention over their union (no sinks, non-causal)
+    o1, l1 = ref.decode_attention(q, shared[0][None].repeat(b, 0), shared[1][None].repeat(b, 0),
+                                  cache_seqlens=np.full(b, 11, np.int32), causal=False)
+    o2, l2 = ref.decode_attention(q, own[0], own[1], cache_seqlens=lens, causal=False)
+    o12, l12 = ref.decode_attention(q, full[0], full[1], cache_seqlens=lens + 11, causal=False)
+    om, lm = ref.merge_attention_states(np.stack([o1, o2]), np.stack([l1, l2]).transpose(0, 1, 3, 2))
+    np.testing.assert_allclose(om, o12, atol=1e-13)
+    np.testing.assert_allclose(lm.transpose(0, 2, 1), l12, atol=1e-13)
+    # all-empty rows
+    om, lm = ref.merge_attention_states(np.ones((2, 3, 4)), np.full((2, 3), -np.inf))
+    assert np.all(om == 0) and np.all(np.isneginf(lm))
+
+
+# ------------------------------------------------------------------------------------- torch: accuracy
+
+CASES = {
+    # layouts, paging, ragged lengths (0 and 1 in every case), Sq 1 / 3 / 8, GQA 1 / 4 / 8 and MQA
+    "nhd-contig-mha-sq1": (dict(hq=2, hkv=2, lens=(0, 1, 77, 130)), dict(causal=True), 1),
+    "hnd-contig-gqa4-sq3": (dict(sq=3, hq=8, hkv=2, lens=(1, 0, 70), layout="HND"), dict(causal=True), None),
+    "nhd-paged16-gqa8-sq8": (dict(sq=8, hq=16, hkv=2, lens=(100, 1, 0, 9), page_size=16), dict(causal=True), 2),
+    "hnd-paged64-mqa-d128": (dict(hq=4, hkv=1, dqk=128, lens=(0, 130, 1), page_size=64, layout="HND"),
+                             dict(causal=True), None),
+    "sq8-mqa16-two-row-blocks": (dict(sq=8, hq=16, hkv=1, lens=(0, 1, 100), page_size=16),
+                                 dict(causal=True, window_size=(50, -1)), 3),  # 128 packed rows: 2 row blocks
+    "paged16-hnd-sq3-noncausal": (dict(sq=3, hq=4, hkv=1, lens=(1, 0, 50), page_size=16, layout="HND"),
+                                  dict(causal=False), 7),
+    # score modifiers
+    "softcap": (dict(hq=8, hkv=2, lens=(0, 1, 90)), dict(softcap=0.8, softmax_scale=1.3), None),
+    "sinks": (dict(sq=3, hq=8, hkv=2, lens=(0, 1, 60), sinks=True), dict(causal=True), 1),
+    "sinks-split": (dict(sq=3, hq=8, hkv=2, lens=(0, 1, 60), sinks=True), dict(causal=True), 3),
+    "alibi-heads": (dict(sq=3, hq=4, hkv=2, lens=(0, 1, 80), alibi="heads"), dict(causal=True), None),
+    "alibi-batch-paged": (dict(hq=4, hkv=1, lens=(1, 0, 80), alibi="batch", page_size=16), dict(), None),
+    "window": (dict(sq=3, hq=4, hkv=2, lens=(0, 1, 120)), dict(causal=True, window_size=(20, -1)), None),
+    "window-both-sides": (dict(sq=8, hq=2, hkv=1, lens=(1, 0, 100), page_size=64),
+                          dict(causal=False, window_size=(30, 2)), 2),
+    # FP8 caches, per tensor and per kv head
+    "fp8-tensor": (dict(hq=8, hkv=2, lens=(0, 1, 100), fp8="tensor"), dict(causal=True), None),
+    "fp8-head-paged-hnd": (dict(sq=3, hq=8, hkv=2, lens=(1, 0, 70), fp8="head", page_size=16, layout="HND"),
+                           dict(causal=True), 2),
+    # head dims: Dqk != Dv, MLA-style 576 / 512 with one kv head
+    "dqk-dv-differ": (dict(hq=4, hkv=2, dqk=72, dv=40, lens=(0, 1, 50)), dict(causal=True), None),
+    "mla-576-512": (dict(hq=16, hkv=1, dqk=576, dv=512, lens=(0, 1, 40), page_size=16), dict(causal=True), 2),
+    # everything at once
+    "all": (dict(sq=3, hq=8, hkv=2, lens=(1, 0, 90), alibi="batch", sinks=True, page_size=16, fp8="head"),
+            dict(causal=True, window_size=(40, -1), softcap=2.0), 3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_decode(name):
+    spec, options, splits = CASES[name]
+    q, k, v, kw = make_case(_seed(name), **spec)
+    check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_torch_low_precision(dtype):
+    q, k, v, kw = make_case(_seed(dtype), sq=3, hq=8, hkv=2, lens=(0, 1, 100), dtype=dtype, page_size=16,
+                            sinks=True)
+    check_decode(q, k, v, kw, dict(causal=True, softcap=5.0), num_splits=3, floor=1e-3)
+
+
+def test_torch_fp8_cache_with_bf16_queries():
+    q, k, v, kw = make_case(5, sq=1, hq=8, hkv=2, lens=(0, 1, 100), dtype="bfloat16", fp8="head", page_size=64)
+    check_decode(q, k, v, kw, dict(causal=True), floor=1e-3)
+
+
+def test_torch_split_counts_agree_and_fixed_split_is_reproducible():
+    spec = dict(sq=3, hq=8, hkv=2, lens=(0, 1, 33, 130), page_size=16, sinks=True, alibi="heads")
+    options = dict(causal=True, window_size=(70, -1), softcap=3.0)
+    q, k, v, kw = make_case(11, **spec)
+    results = {}
+    for splits in (1, 2, 7, None):
+        results[splits] = check_decode(q, k, v, kw, options, num_splits=splits)
+    for splits in (2, 7, None):  # agree to float32 rounding
+        torch.testing.assert_close(results[splits][0], results[1][0], atol=2e-6, rtol=0)
+        finite = torch.isfinite(results[1][1])
+        torch.testing.assert_close(results[splits][1][finite], results[1][1][finite], atol=2e-6, rtol=0)
+    # a fixed split count: the same bits on every run, and batch-invariant (each sequence alone == in batch)
+    out7, lse7 = tapi.decode_attention(q, k, v, num_splits=7, **kw, **options, return_lse=True)
+    assert torch.equal(out7, results[7][0]) and torch.equal(lse7, results[7][1])
+    for i in (2, 3):
+        alone = dict(kw, cache_seqlens=kw["cache_seqlens"][i:i + 1], block_table=kw["block_table"][i:i + 1])
+        o, l_ = tapi.decode_attention(q[i:i + 1], k, v, num_splits=7, **alone, **options, return_lse=True)
+        assert torch.equal(o[0], out7[i]) and torch.equal(l_[0], lse7[i])
+
+
+def test_torch_strided_cache_views():
+    # an MLA-style latent cache: v is a view of the first dims of k (no copy on CUDA); same bits as a copy
+    q, k, _, kw = make_case(3, hq=4, hkv=1, dqk=80, lens=(0, 1, 40), page_size=16)
+    v = k[..., :48]
+    out = tapi.decode_attention(q, k, v, **kw)
+    expect = tapi.decode_attention(q, k, v.contiguous(), **kw)
+    assert torch.equal(out, expect)
+
+
+# --------------------------------------------------------------------------------------- merge / cascade
+
+def test_torch_merge_attention_states():
+    g = torch.Generator().manual_seed(2)
+    outs = torch.randn(3, 2, 5, 4, 24, generator=g)
+    lses = torch.randn(3, 2, 5, 4, generator=g) * 3
+    lses[0, 0] = float("-inf")  # a state that saw nothing
+    lses[:, 1, 0] = float("-inf")  # rows where no state saw anything
+    outs[0, 0] = float("nan")  # never read where its lse is -inf
+    out, lse = tapi.merge_attention_states(outs, lses)
+    ro, rl = ref.merge_attention_states(outs.double().numpy(), lses.double().numpy())
+    np.testing.assert_allclose(np64(out), np.nan_to_num(ro), atol=2e-6, rtol=0)
+    np.testing.assert_array_equal(np.isneginf(np64(lse)), np.isneginf(rl))
+    np.testing.assert_allclose(np.where(np.isfinite(rl), np64(lse), 0), np.where(np.isfinite(rl), rl, 0), atol=2e-6)
+    assert torch.all(out[1, 0] == 0)
+    # bf16 states, one state: the identity (0 where the state saw nothing)
+    o1, l1 = tapi.merge_attention_states(outs[1:2].bfloat16(), lses[1:2])
+    seen = torch.isfinite(lses[1])[..., None]
+    assert o1.dtype == torch.bfloat16 and torch.equal(o1, torch.where(seen, outs[1], 0.0).bfloat16())
+    torch.testing.assert_close(l1, lses[1], atol=1e-6, rtol=0)  # lse * log2(e) * ln(2): float32 rounding
+
+
+def test_torch_merge_of_decode_halves_equals_full_decode():
+    q, k, v, kw = make_case(4, sq=3, hq=8, hkv=2, lens=(0, 1, 64, 130), s_max=130)
+    lens = kw["cache_seqlens"]
+    cut = torch.minimum(lens, torch.tensor(40, dtype=torch.int32))
+    first = tapi.decode_attention(q, k, v, cache_seqlens=cut, causal=False, return_lse=True)
+    # second part: rows cut .. len - 1 of each sequence, moved to the front of a second cache
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(len(lens)):
+        n = int(lens[i] - cut[i])
+        k2[i, :n], v2[i, :n] = k[i, cut[i]:lens[i]], v[i, cut[i]:lens[i]]
+    second = tapi.decode_attention(q, k2, v2, cache_seqlens=lens - cut, causal=False, return_lse=True)
+    out, lse = tapi.merge_attention_states(torch.stack([first[0], second[0]]),
+                                           torch.stack([first[1], second[1]]).transpose(-1, -2))
+    full_out, full_lse = tapi.decode_attention(q, k, v, cache_seqlens=lens, causal=False, return_lse=True)
+    torch.testing.assert_close(out, full_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(lse.transpose(-1, -2), full_lse, atol=2e-6, rtol=0)
+
+
+CASCADE_CASES = {
+    "contig-nhd": (dict(sq=1, hq=8, hkv=2, lens=(0, 1, 50)), 37, dict(causal=True)),
+    "paged-hnd-sinks-softcap": (dict(sq=3, hq=8, hkv=2, lens=(3, 1, 60), page_size=16, layout="HND", sinks=True),
+                                70, dict(causal=True, softcap=2.0)),
+    "fp8-paged": (dict(sq=1, hq=4, hkv=1, lens=(9, 0, 40), page_size=16, fp8="head"), 45, dict(causal=True)),
+    "many-rows": (dict(sq=3, hq=16, hkv=1, lens=(2, 5, 40)), 33, dict(causal=True)),  # 144 shared rows: 3 blocks
+}
+
+
+def _shared(seed, spec, shared_len):
+    g = torch.Generator().manual_seed(seed)
+    hkv, dqk = spec.get("hkv", 2), spec.get("dqk", 64)
+    xs = [torch.randn(shared_len, hkv, dqk, generator=g) for _ in range(2)]
+    if spec.get("fp8"):
+        xs = [x.to(torch.float8_e4m3fn) for x in xs]
+    if spec.get("layout") == "HND":
+        xs = [x.transpose(0, 1).contiguous() for x in xs]
+    return xs
+
+
+@pytest.mark.parametrize("name", list(CASCADE_CASES))
+def test_torch_cascade_attention(name):
+    spec, shared_len, options = CASCADE_CASES[name]
+    layout = spec.get("layout", "NHD")
+    q, k, v, kw = make_case(_seed(name), **spec)
+    sk, sv = _shared(_seed(name) + 1, spec, shared_len)
+    out, lse = tapi.cascade_attention(q, sk, sv, k, v, kv_layout=layout, **kw, **options, return_lse=True)
+    npkw = to_np(kw)
+    ro, rl = ref.cascade_attention(np64(q), cache_np(sk), cache_np(sv), cache_np(k), cache_np(v), kv_layout=layout,
+                                   **npkw, **options)
+    np.testing.assert_allclose(np64(out), ro, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np64(lse), rl, atol=2e-5, rtol=0)
+    # the same as one decode over the concatenated cache (rows of the shared prefix first) wherever every
+    # query still sees the whole prefix under causal masking there (L >= Sq - 1)
+    lens = kw["cache_seqlens"]
+    if bool((lens >= q.shape[1] - 1).all()) and "block_table" not in kw and layout == "NHD":
+        cat = [torch.cat([s[None].expand(len(lens), *s.shape), c], dim=1) for s, c in ((sk, k), (sv, v))]
+        full = tapi.decode_attention(q, *cat, **dict(kw, cache_seqlens=lens + shared_len), **options)
+        torch.testing.assert_close(out, full, atol=2e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------- append
+
+APPEND_CASES = {
+    "contig-nhd-f32": dict(layout="NHD", page_size=None, dtype="float32", fp8=None),
+    "paged16-hnd-bf16": dict(layout="HND", page_size=16, dtype="bfloat16", fp8=None),
+    "paged64-nhd-fp8-head": dict(layout="NHD", page_size=64, dtype="bfloat16", fp8="head"),
+    "contig-hnd-fp8-tensor": dict(layout="HND", page_size=None, dtype="float32", fp8="tensor"),
+}
+
+
+def _append_inputs(name, case, framework_copy=False):
+    """A cache holding the first L_b rows, k_new/v_new for the next n rows, and the full-cache equivalent."""
+    n_new = 3
+    lens = (0, 1, 61)
+    q, k, v, kw = make_case(_seed(name), sq=n_new, hq=4, hkv=2, dqk=64, dv=48, lens=tuple(x + n_new for x in lens),
+                            s_max=80, page_size=case["page_size"], layout=case["layout"], dtype=case["dtype"],
+                            fp8=case["fp8"])
+    g = torch.Generator().manual_seed(1)
+    dt = TORCH_DTYPES[case["dtype"]]
+    k_new = (torch.randn(len(lens), n_new, 2, 64, generator=g) * 3).to(dt)
+    v_new = (torch.randn(len(lens), n_new, 2, 48, generator=g) * 3).to(dt)
+    before = dict(kw, cache_seqlens=torch.tensor(lens, dtype=torch.int32))
+    return q, k, v, k_new, v_new, kw, before
+
+
+@pytest.mark.parametrize("name", list(APPEND_CASES))
+def test_torch_append_then_decode(name):
+    case = APPEND_CASES[name]
+    layout = case["layout"]
+    q, k, v, k_new, v_new, after, before = _append_inputs(name, case)
+    scales = {n: before[n] for n in ("k_scale", "v_scale") if n in before}
+    extra = {n: before[n] for n in ("block_table",) if n in before}
+    rk, rv = ref.append_kv_cache(cache_np(k), cache_np(v), np64(k_new) if case["fp8"] else cache_np(k_new),
+                                 np64(v_new) if case["fp8"] else cache_np(v_new),
+                                 cache_seqlens=before["cache_seqlens"].numpy(), kv_layout=layout,
+                                 **{n: t.numpy() for n, t in {**extra, **scales}.items()})
+    kc, vc = k.clone(), v.clone()
+    assert tapi.append_kv_cache(kc, vc, k_new, v_new, cache_seqlens=before["cache_seqlens"], kv_layout=layout,
+                                **extra, **scales) is None
+    # in place, bit-exact against the reference (fp8: the same e4m3 rounding as ml_dtypes / torch)
+    for got, want in ((kc, rk), (vc, rv)):
+        np.testing.assert_array_equal(cache_np(got).view(np.uint8) if got.dtype == torch.float8_e4m3fn
+                                      else cache_np(got), want.view(np.uint8) if case["fp8"] else want)
+    # decode after the append == decode over the full reference cache (same bits: same cache, same kernel)
+    out = tapi.decode_attention(q, kc, vc, kv_layout=layout, **after, num_splits=2)
+    full_k = torch.from_numpy(rk.view(np.uint8)).view(torch.float8_e4m3fn) if case["fp8"] else \
+        torch.from_numpy(np.asarray(rk)).to(k.dtype)
+    full_v = torch.from_numpy(rv.view(np.uint8)).view(torch.float8_e4m3fn) if case["fp8"] else \
+        torch.from_numpy(np.asarray(rv)).to(v.dtype)
+    expect = tapi.decode_attention(q, full_k, full_v, kv_layout=layout, **after, num_splits=2)
+    assert torch.equal(out, expect)
+    ro, _ = ref.decode_attention(np64(q), rk, rv, kv_layout=layout, **to_np(after))
+    np.testing.assert_allclose(np64(out), ro, rtol=8e-3 if case["dtype"] == "bfloat16" else 1e-5, atol=1e-5)
+
+
+def test_fp8_quantisation_edge_values_match_ml_dtypes():
+    # the kernel rounds to e4m3 with integer arithmetic (the interpreter's own float->fp8 cast is wrong on
+    # exponent carries and negative subnormals): check carries, subnormals, signed zeros and saturation
+    import ml_dtypes
+    special = torch.tensor([0.0, -0.0, 2 ** -10, -2 ** -10, 3 * 2 ** -10, -5 * 2 ** -10, 0.0155, -0.0156,
+                            31.13, -31.9, 7.87, 447.0, 449.0, 464.0, 465.0, -1000.0, 1e-9, 3.3, -0.0009])
+    g = torch.Generator().manual_seed(0)
+    rest = torch.randn(4 * 17 - special.numel(), generator=g) * torch.exp(torch.randn(4 * 17 - special.numel(),
+                                                                                       generator=g) * 4)
+    values = torch.cat([special, rest]).reshape(1, 4, 1, 17)
+    kc = torch.zeros(1, 8, 1, 17, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros(1, 8, 1, 17, dtype=torch.float8_e4m3fn)
+    tapi.append_kv_cache(kc, vc, values, values, cache_seqlens=torch.tensor([2], dtype=torch.int32))
+    want = np.clip(values.numpy(), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(kc.view(torch.uint8).numpy()[:, 2:6], want)
+    assert torch.all(kc.view(torch.uint8)[:, :2] == 0) and torch.all(kc.view(torch.uint8)[:, 6:] == 0)
+
+
+# ------------------------------------------------------------------------------------ torch: integration
+
+def test_torch_compile_fullgraph():
+    q, k, v, kw = make_case(6, sq=1, hq=4, hkv=2, dqk=32, lens=(1, 2, 40), page_size=16, sinks=True)
+    k_new, v_new = torch.randn(3, 1, 2, 32), torch.randn(3, 1, 2, 32)
+    sk, sv = torch.randn(9, 2, 32), torch.randn(9, 2, 32)
+    lens, table, sinks = kw["cache_seqlens"], kw["block_table"], kw["sinks"]
+
+    def step(q, k, v, k_new, v_new, lens, table, sinks):
+        tapi.append_kv_cache(k, v, k_new, v_new, cache_seqlens=lens, block_table=table)
+        out, lse = tapi.decode_attention(q, k, v, cache_seqlens=lens + 1, block_table=table, sinks=sinks,
+                                         num_splits=2, return_lse=True)
+        c = tapi.cascade_attention(q, sk, sv, k, v, cache_seqlens=lens + 1, block_table=table)
+        m, _ = tapi.merge_attention_states(torch.stack([out, c]), torch.stack([lse, lse]).transpose(-1, -2))
+        return out, lse, m
+
+    kc, vc = k.clone(), v.clone()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, kc, vc, k_new, v_new, lens, table, sinks)
+    ke, ve = k.clone(), v.clone()
+    want = step(q, ke, ve, k_new, v_new, lens, table, sinks)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(kc, ke) and torch.equal(vc, ve) and not torch.equal(kc, k)  # the mutation happened
+
+
+def test_torch_opcheck():
+    q, k, v, kw = make_case(8, sq=2, hq=2, hkv=1, dqk=16, lens=(1, 2, 20), page_size=16, sinks=True,
+                            alibi="heads")
+    args = (q, k, v, kw["cache_seqlens"], kw["block_table"], kw["alibi_slopes"], kw["sinks"], None, None, "NHD",
+            0.25, True, 4, 0, 1.5, 2)
+    torch.library.opcheck(torch.ops.flashbridge.decode_attn.default, args)
+    out, lse = torch.ops.flashbridge.decode_attn(*args)
+    torch.library.opcheck(torch.ops.flashbridge.merge_attn_states.default,
+                          (torch.stack([out, out]), torch.stack([lse, lse]).transpose(-1, -2).contiguous()))
+    sk = torch.randn(5, 1, 16)
+    torch.library.opcheck(torch.ops.flashbridge.cascade_attn.default,
+                          (q, sk, sk, k, v, kw["cache_seqlens"], kw["block_table"], kw["sinks"], None, None, "NHD",
+                           0.25, True, 0.0, None))
+    new = (torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16))
+    torch.library.opcheck(torch.ops.flashbridge.append_kv_cache.default,
+                          (k.clone(), v.clone(), *new, kw["cache_seqlens"], kw["block_table"], None, None, "NHD"))
+    # FP8 caches: torch's schema check compares tensors with allclose, which has no float8 CPU kernel, so the
+    # FP8 variants run the other checks (fake tensors, autograd registration, AOT dispatch)
+    _, k8, v8, kw8 = make_case(8, sq=2, hq=2, hkv=1, dqk=16, lens=(1, 2, 20), page_size=16, fp8="head")
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.flashbridge.decode_attn.default,
+                          (q, k8, v8, kw8["cache_seqlens"], kw8["block_table"], None, None, kw8["k_scale"],
+                           kw8["v_scale"], "NHD", 0.25, False, None, None, 0.0, None), test_utils=utils)
+    torch.library.opcheck(torch.ops.flashbridge.append_kv_cache.default,
+                          (k8.clone(), v8.clone(), *new, kw8["cache_seqlens"], kw8["block_table"], kw8["k_scale"],
+                           kw8["v_scale"], "NHD"), test_utils=utils)
+
+
+# ----------------------------------------------------------------------------------- torch: bad inputs
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def _i(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _fp8(*shape):
+    return _t(*shape).to(torch.float8_e4m3fn)
+
+
+def _base():
+    return dict(q=_t(2, 1, 4, 8), k_cache=_t(2, 16, 2, 8), v_cache=_t(2, 16, 2, 8), cache_seqlens=_i(3, 16))
+
+
+def _paged():
+    return dict(q=_t(2, 1, 4, 8), k_cache=_t(5, 4, 2, 8), v_cache=_t(5, 4, 2, 8), cache_seqlens=_i(3, 8),
+                block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+
+
+BAD_INPUTS = [
+    ("q 3-D", dict(q=_t(2, 4, 8)), ValueError, "q: expected 4 dimensions"),
+    ("q int", dict(q=torch.ones(2, 1, 4, 8, dtype=torch.int32)), TypeError, "q: dtype int32"),
+    ("q empty", dict(q=_t(2, 0, 4, 8)), ValueError, "q: empty"),
+    ("cache dtype", dict(k_cache=_t(2, 16, 2, 8, dtype=torch.float16), v_cache=_t(2, 16, 2, 8, dtype=torch.float16)),
+     TypeError, "k_cache: dtype float16"),
+    ("k/v dtype differ", dict(v_cache=_fp8(2, 16, 2, 8)), TypeError, "share one dtype"),
+    ("cache 3-D", dict(k_cache=_t(16, 2, 8), v_cache=_t(16, 2, 8)), ValueError, "k_cache: expected 4 dimensions"),
+    ("k/v rows differ", dict(v_cache=_t(2, 15, 2, 8)), ValueError, "k_cache, v_cache"),
+    ("cache batch", dict(k_cache=_t(3, 16, 2, 8), v_cache=_t(3, 16, 2, 8)), ValueError, "one entry per sequence"),
+    ("head dim", dict(k_cache=_t(2, 16, 2, 16), v_cache=_t(2, 16, 2, 16)), ValueError, "head dims differ"),
+    ("gqa ratio", dict(q=_t(2, 1, 3, 8)), ValueError, "multiple"),
+    ("dv > 512", dict(v_cache=_t(1, 1, 2, 513).expand(2, 16, 2, 513)), ValueError, "v_cache: head dim 513"),
+    ("layout", dict(kv_layout="BSHD"), ValueError, "kv_layout"),
+    ("seqlens dtype", dict(cache_seqlens=torch.tensor([3, 16])), TypeError, "cache_seqlens: must be int32"),
+    ("seqlens shape", dict(cache_seqlens=_i(3, 16, 1)), ValueError, "cache_seqlens: expected shape"),
+    ("seqlens missing", dict(cache_seqlens=None), TypeError, "cache_seqlens"),
+    ("seqlens > capacity", dict(cache_seqlens=_i(3, 17)), ValueError, "holds 16"),
+    ("seqlens negative", dict(cache_seqlens=_i(-1, 3)), ValueError, "negative"),
+    ("scales without fp8", dict(k_scale=torch.ones(()), v_scale=torch.ones(())), ValueError, "float8"),
+    ("one scale", dict(k_cache=_fp8(2, 16, 2, 8), v_cache=_fp8(2, 16, 2, 8), k_scale=torch.ones(())), ValueError,
+     "give both"),
+    ("scale shape", dict(k_cache=_fp8(2, 16, 2, 8), v_cache=_fp8(2, 16, 2, 8), k_scale=torch.ones(3),
+                         v_scale=torch.ones(3)), ValueError, "k_scale: expected shape"),
+    ("scale dtype", dict(k_cache=_fp8(2, 16, 2, 8), v_cache=_fp8(2, 16, 2, 8),
+                         k_scale=torch.ones((), dtype=torch.float16), v_scale=torch.ones((), dtype=torch.float16)),
+     TypeError, "k_scale: must be float32"),
+    ("mixed scale modes", dict(k_cache=_fp8(2, 16, 2, 8), v_cache=_fp8(2, 16, 2, 8), k_scale=torch.ones(()),
+                               v_scale=torch.ones(2)), ValueError, "must both be per tensor"),
+    ("window", dict(window_size=(-3, 0)), ValueError, "window_size"),
+    ("softcap", dict(softcap=-1.0), ValueError, "softcap"),
+    ("scale nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("causal not bool", dict(causal=1), TypeError, "causal"),
+    ("sinks shape", dict(sinks=_t(3)), ValueError, "sinks"),
+    ("alibi shape", dict(alibi_slopes=_t(2, 3)), ValueError, "alibi_slopes"),
+    ("cache empty", dict(k_cache=_t(2, 0, 2, 8), v_cache=_t(2, 0, 2, 8)), ValueError, "k_cache: empty cache"),
+    ("dqk > 1024", dict(q=_t(2, 1, 4, 1025), k_cache=_t(1, 1, 2, 1025).expand(2, 16, 2, 1025)), ValueError,
+     "k_cache: head dim 1025"),
+    ("scale not a number", dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+    ("window not a pair", dict(window_size=5), ValueError, "window_size"),
+    ("softcap not a number", dict(softcap=None), TypeError, "softcap"),
+    ("sinks dtype", dict(sinks=torch.ones(4, dtype=torch.int32)), TypeError, "sinks: dtype int32"),
+    ("alibi dtype", dict(alibi_slopes=torch.ones(4, dtype=torch.int32)), TypeError, "alibi_slopes: dtype int32"),
+    ("num_splits 0", dict(num_splits=0), ValueError, "num_splits"),
+    ("num_splits float", dict(num_splits=2.0), TypeError, "num_splits"),
+    ("not a tensor", dict(k_cache=np.ones((2, 16, 2, 8), np.float32)), TypeError, "k_cache: expected a torch.Tensor"),
+]
+
+BAD_PAGED = [
+    ("table dtype", dict(block_table=torch.tensor([[0, 1], [2, 3]])), TypeError, "block_table: must be int32"),
+    ("table rows", dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, "block_table: expected"),
+    ("page size 3", dict(k_cache=_t(5, 3, 2, 8), v_cache=_t(5, 3, 2, 8)), ValueError, "page size 3"),
+    ("page out of range", dict(block_table=torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)), ValueError,
+     r"block_table: entry \[1, 1\] = 5"),
+    ("negative page in use", dict(block_table=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32)), ValueError,
+     r"entry \[0, 0\] = -1"),
+    ("length beyond table", dict(cache_seqlens=_i(3, 9)), ValueError, "holds 8"),
+]
+
+
+@pytest.mark.parametrize("name,override,error,match", BAD_INPUTS + BAD_PAGED,
+                         ids=[c[0] for c in BAD_INPUTS + BAD_PAGED])
+def test_torch_bad_inputs(name, override, error, match):
+    args = _paged() if any(name == c[0] for c in BAD_PAGED) else _base()
+    args.update(override)
+    q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    with pytest.raises(error, match=match):
+        tapi.decode_attention(q, k, v, **args)
+
+
+def _cascade_args():
+    b = _base()
+    return dict(q=b["q"], shared_k=_t(5, 2, 8), shared_v=_t(5, 2, 8), k_cache=b["k_cache"], v_cache=b["v_cache"],
+                cache_seqlens=b["cache_seqlens"])
+
+
+def _append_args():
+    b = _base()
+    return dict(k_cache=b["k_cache"], v_cache=b["v_cache"], k_new=_t(2, 1, 2, 8), v_new=_t(2, 1, 2, 8),
+                cache_seqlens=_i(3, 4))
+
+
+BAD_OTHER = [
+    ("merge", dict(outs=torch.ones(2, 3, 8, dtype=torch.int32), lses=_t(2, 3)), TypeError, "outs: dtype int32"),
+    ("merge", dict(outs=_t(2, 3, 4, 8), lses=_t(2, 4, 3)), ValueError, "lses: expected shape"),
+    ("merge", dict(outs=_t(2, 3, 8), lses=_t(2, 3, dtype=torch.float16)), TypeError, "lses: must be float32"),
+    ("merge", dict(outs=_t(8), lses=_t(1)), ValueError, "outs: expected"),
+    ("merge", dict(outs=_t(2, 0, 8), lses=_t(2, 0)), ValueError, "outs: empty"),
+    ("merge", dict(outs=_t(2, 3, 513), lses=_t(2, 3)), ValueError, "outs: head dim 513"),
+    ("merge", dict(outs=None, lses=_t(2, 3)), TypeError, "outs: expected a torch.Tensor"),
+    ("cascade", dict(shared_k=_t(5, 1, 8), shared_v=_t(5, 1, 8)), ValueError, "shared_k: expected 2 kv heads"),
+    ("cascade", dict(shared_k=_t(5, 2, 8, dtype=torch.float16)), TypeError, "shared_k: must have the cache's dtype"),
+    ("cascade", dict(shared_k=_t(1, 5, 2, 8)), ValueError, "shared_k: expected 3 non-empty dimensions"),
+    ("cascade", dict(shared_v=_t(6, 2, 8)), ValueError, "shared_k, shared_v: must agree"),
+    ("cascade", dict(shared_k=_t(5, 2, 4)), ValueError, "head dim 8"),
+    ("cascade", dict(cache_seqlens=_i(3, 17)), ValueError, "holds 16"),
+    ("cascade", dict(window_size=(4, 0)), TypeError, "window_size"),
+    ("append", dict(cache_seqlens=_i(3, 16)), ValueError, r"cache_seqlens \+ 1 new tokens: sequence 1 needs 17 rows"),
+    ("append", dict(k_new=_t(2, 1, 2, 8, dtype=torch.float16), v_new=_t(2, 1, 2, 8, dtype=torch.float16)), TypeError,
+     "k_new: must have the cache's dtype"),
+    ("append", dict(k_new=torch.ones(2, 1, 2, 8, dtype=torch.int32)), TypeError, "k_new: dtype int32"),
+    ("append", dict(v_new=_t(2, 1, 2, 8, dtype=torch.float16)), TypeError, "k_new, v_new: must share one dtype"),
+    ("append", dict(k_new=_t(2, 1, 8)), ValueError, "k_new: expected 4 non-empty dimensions"),
+    ("append", dict(v_new=_t(2, 2, 2, 8)), ValueError, "k_new, v_new: must agree"),
+    ("append", dict(k_new=_t(2, 1, 1, 8), v_new=_t(2, 1, 1, 8)), ValueError, "k_new, v_new: expected 2 kv heads"),
+    ("append", dict(k_new=_t(3, 1, 2, 8), v_new=_t(3, 1, 2, 8)), ValueError, "one entry per sequence"),
+    ("append", dict(k_scale=torch.ones(()), v_scale=torch.ones(())), ValueError, "float8"),
+    ("append", dict(cache_seqlens=_i(-1, 3)), ValueError, "negative"),
+]
+
+
+@pytest.mark.parametrize("op,override,error,match", BAD_OTHER, ids=[f"{c[0]}-{c[3][:30]}" for c in BAD_OTHER])
+def test_torch_bad_merge_cascade_append(op, override, error, match):
+    args = {"merge": dict, "cascade": _cascade_args, "append": _append_args}[op]()
+    args.update(override)
+    fn = {"merge": tapi.merge_attention_states, "cascade": tapi.cascade_attention, "append": tapi.append_kv_cache}[op]
+    positional = {"merge": ("outs", "lses"), "cascade": ("q", "shared_k", "shared_v", "k_cache", "v_cache"),
+                  "append": ("k_cache", "v_cache", "k_new", "v_new")}[op]
+    pos = [args.pop(n) for n in positional]
+    with pytest.raises(error, match=match):
+        fn(*pos, **args)
+
+
+def test_decode_config_rejects_bad_blocks():
+    from flashbridge.core_kernels.decode.plan import DecodeConfig
+    with pytest.raises(ValueError, match="DecodeConfig.block_n"):
+        DecodeConfig(block_n=48)
+    with pytest.raises(ValueError, match="DecodeConfig.block_m"):
+        DecodeConfig(block_m=8)
+
+
+def test_torch_unused_table_entries_are_not_checked():
+    args = _paged()
+    args["block_table"] = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)  # seq 0 (3 rows) uses one page
+    q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    out = tapi.decode_attention(q, k, v, **args)
+    assert torch.isfinite(out).all()
+
+
+def test_torch_rejected_append_writes_nothing():
+    b = _base()
+    k, v = b["k_cache"].clone(), b["v_cache"].clone()
+    with pytest.raises(ValueError, match="new tokens"):
+        tapi.append_kv_cache(k, v, _t(2, 2, 2, 8), _t(2, 2, 2, 8), cache_seqlens=_i(3, 16))
+    assert torch.equal(k, b["k_cache"]) and torch.equal(v, b["v_cache"])
+
+
+# ------------------------------------------------------------------------------------------------- JAX
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+
+def _japi():
+    from flashbridge.jax_api import decode as jdecode
+    return jdecode
+
+
+def _to_jax(t):
+    if t is None or not isinstance(t, torch.Tensor):
+        return t
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return jnp.asarray(t.view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)
+    return jnp.asarray(t.numpy())
+
+
+@pytest.mark.parametrize("name", ["hnd-contig-gqa4-sq3", "all", "mla-576-512"])
+def test_jax_decode_under_jit_matches_torch_bitwise(name):
+    ja = _japi()
+    spec, options, splits = CASES[name]
+    layout = spec.get("layout", "NHD")
+    q, k, v, kw = make_case(_seed(name), **spec)
+    out, lse = tapi.decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options, return_lse=True)
+    jkw = {n: _to_jax(a) for n, a in kw.items()}
+
+    @jax.jit
+    def f(q, k, v, jkw):
+        return ja.decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **jkw, **options, return_lse=True)
+
+    jout, jlse = f(_to_jax(q), _to_jax(k), _to_jax(v), jkw)
+    np.testing.assert_array_equal(np64(jout), np64(out))
+    np.testing.assert_array_equal(np64(jlse), np64(lse))
+
+
+def test_cross_framework_parity_bf16_merge_cascade():
+    ja = _japi()
+    spec, shared_len, options = CASCADE_CASES["paged-hnd-sinks-softcap"]
+    q, k, v, kw = make_case(9, **dict(spec, dtype="bfloat16"))
+    sk, sv = (x.to(torch.bfloat16) for x in _shared(10, spec, shared_len))
+    jkw = {n: _to_jax(a) for n, a in kw.items()}
+    t = tapi.cascade_attention(q, sk, sv, k, v, kv_layout="HND", **kw, **options, return_lse=True)
+    j = ja.cascade_attention(*(_to_jax(x) for x in (q, sk, sv, k, v)), kv_layout="HND", **jkw, **options,
+                             return_lse=True)
+    for a, b in zip(j, t):
+        np.testing.assert_array_equal(np64(a), np64(b))
+    d = tapi.decode_attention(q, k, v, kv_layout="HND", **kw, **options, num_splits=3, return_lse=True)
+    jd = ja.decode_attention(_to_jax(q), _to_jax(k), _to_jax(v), kv_layout="HND", **jkw, **options, num_splits=3,
+                             return_lse=True)
+    for a, b in zip(jd, d):
+        np.testing.assert_array_equal(np64(a), np64(b))
+    outs, lses = torch.stack([t[0], d[0]]), torch.stack([t[1], d[1]]).transpose(-1, -2).contiguous()
+    tm = tapi.merge_attention_states(outs, lses)
+    jm = ja.merge_attention_states(_to_jax(outs), _to_jax(lses))
+    for a, b in zip(jm, tm):
+        np.testing.assert_array_equal(np64(a), np64(b))
+
+
+@pytest.mark.parametrize("name", ["paged16-hnd-bf16", "paged64-nhd-fp8-head"])
+def test_jax_append_jit_donated_then_decode(name):
+    ja = _japi()
+    case = APPEND_CASES[name]
+    layout = case["layout"]
+    q, k, v, k_new, v_new, after, before = _append_inputs(name, case)
+    extra = {n: _to_jax(before[n]) for n in ("block_table", "k_scale", "v_scale") if n in before}
+
+    def step(kc, vc, kn, vn, lens):
+        kc, vc = ja.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens, kv_layout=layout, **extra)
+        out = ja.decode_attention(q_j, kc, vc, cache_seqlens=lens + kn.shape[1], kv_layout=layout, num_splits=2,
+                                  **extra)
+        return kc, vc, out
+
+    q_j = _to_jax(q)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    with _no_error():
+        jk, jv, jout = jitted(_to_jax(k), _to_jax(v), _to_jax(k_new), _to_jax(v_new), _to_jax(before["cache_seqlens"]))
+    kc, vc = k.clone(), v.clone()
+    tapi.append_kv_cache(kc, vc, k_new, v_new, cache_seqlens=before["cache_seqlens"], kv_layout=layout,
+                         **{n: before[n] for n in ("block_table", "k_scale", "v_scale") if n in before})
+    out = tapi.decode_attention(q, kc, vc, kv_layout=layout, **after, num_splits=2)
+    np.testing.assert_array_equal(np64(jout), np64(out))
+    for a, b in ((jk, kc), (jv, vc)):
+        if b.dtype == torch.float8_e4m3fn:
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), b.view(torch.uint8).numpy())
+        else:
+            np.testing.assert_array_equal(np64(a), np64(b))
+
+
+class _no_error:
+    def __enter__(self):
+        import warnings
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def test_jax_bad_inputs():
+    ja = _japi()
+    q, k = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 16, 2, 8))
+    lens = jnp.array([3, 16], jnp.int32)
+    with pytest.raises(ValueError, match="multiple"):
+        ja.decode_attention(jnp.ones((2, 1, 3, 8)), k, k, cache_seqlens=lens)
+    with pytest.raises(TypeError, match="cache_seqlens: must be int32"):
+        ja.decode_attention(q, k, k, cache_seqlens=lens.astype(jnp.float32))
+    with pytest.raises(ValueError, match="cache_seqlens: required"):
+        ja.decode_attention(q, k, k, cache_seqlens=None)
+    with pytest.raises(ValueError, match="holds 16"):
+        ja.decode_attention(q, k, k, cache_seqlens=jnp.array([3, 17], jnp.int32))
+    with pytest.raises(ValueError, match="kv_layout"):
+        ja.decode_attention(q, k, k, cache_seqlens=lens, kv_layout="nhd")
+    with pytest.raises(ValueError, match=r"block_table: entry \[0, 0\] = 9"):
+        ja.decode_attention(q, jnp.ones((4, 8, 2, 8)), jnp.ones((4, 8, 2, 8)), cache_seqlens=lens,
+                            block_table=jnp.array([[9, 0], [1, 2]], jnp.int32))
+    with pytest.raises(ValueError, match="lses: expected shape"):
+        ja.merge_attention_states(jnp.ones((2, 3, 8)), jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="new tokens"):
+        ja.append_kv_cache(k, k, jnp.ones((2, 2, 2, 8)), jnp.ones((2, 2, 2, 8)), cache_seqlens=lens)
+    with pytest.raises(TypeError, match="k_cache: expected a jax.Array"):
+        ja.decode_attention(q, [1], k, cache_seqlens=lens)
+
+
+# ------------------------------------------------------------------------- compile parity (sm_90 on CPU)
+
+def _decode_plans():
+    """Representative plans: contiguous / paged, bf16 / fp8 caches, split and single, cascade, merge, append."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.decode import plan as P
+    h200 = Target(interpret=False, num_sms=132)
+    plans = []
+    for cache_dtype, paged, layout, splits in (("bfloat16", False, "NHD", None), ("bfloat16", True, "HND", 1),
+                                               ("float8_e4m3fn", True, "NHD", 4)):
+        kshape = (512, 64, 8, 128) if paged else (4, 8192, 8, 128)
+        if layout == "HND":
+            kshape = (kshape[0], kshape[2], kshape[1], kshape[3])
+        fp8 = cache_dtype == "float8_e4m3fn"
+        scales = dict(k_scale=((8,), "float32"), v_scale=((8,), "float32")) if fp8 else {}
+        shape, options, _ = P.check_decode_args(
+            q=((4, 1, 32, 128), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
+            cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None, kv_layout=layout,
+            sinks=((32,), "float32"), **scales)
+        plans.append((f"decode {cache_dtype} {layout} paged={paged}",
+                      P.plan_decode(shape, options, target=h200, num_splits=splits), cache_dtype))
+        append = P.check_append_args(k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
+                                     k_new=((4, 3, 8, 128), "bfloat16"), v_new=((4, 3, 8, 128), "bfloat16"),
+                                     cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None,
+                                     kv_layout=layout, **scales)
+        plans.append((f"append {cache_dtype} {layout} paged={paged}", P.plan_append(append, target=h200), cache_dtype))
+    shape, shared_len, options, _ = P.check_cascade_args(
+        q=((32, 1, 32, 128), "bfloat16"), shared_k=((4096, 8, 128), "bfloat16"), shared_v=((4096, 8, 128), "bfloat16"),
+        k_cache=((512, 64, 8, 128), "bfloat16"), v_cache=((512, 64, 8, 128), "bfloat16"), cache_seqlens=((32,), "int32"),
+        block_table=((32, 16), "int32"))
+    plans.append(("cascade", P.plan_cascade(shape, shared_len, options, target=h200), "bfloat16"))
+    plans.append(("merge", P.plan_merge(3, 4096, 128, "bfloat16", target=h200), "bfloat16"))
+    return plans
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
+    # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
+    parity = pytest.importorskip("test_compile_parity")
+    monkeypatch.setitem(parity._TT, "float8_e4m3fn", "fp8e4nv")
+    name, plan, cache_dtype = _decode_plans()[index]
+    dtypes = {"q": "bfloat16", "k_cache": cache_dtype, "v_cache": cache_dtype, "shared_k": "bfloat16",
+              "shared_v": "bfloat16", "cache_seqlens": "int32", "block_table": "int32", "sinks": "float32",
+              "k_scale": "float32", "v_scale": "float32", "k_new": "bfloat16", "v_new": "bfloat16",
+              "outs": "bfloat16", "lses": "float32", "out": "bfloat16", "lse": "float32"}
+    dtypes.update({s.name: s.dtype for s in plan.buffers})
+    for launch in plan.launches:
+        ptx = parity._assert_same_ptx(launch, dtypes)
+        if launch.kernel.endswith("decode_fwd_kernel"):
+            assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
