@@ -18,7 +18,7 @@ import torch
 
 from flashbridge import torch_api as ft
 from flashbridge.core_kernels import get_kernel
-from flashbridge.core_kernels.norms.plan import plan_norm_fwd
+from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 from flashbridge.torch_api._runtime import execute, target_for
 
 CALLS = 200
@@ -68,11 +68,20 @@ def main():
             layers["liger-kernel module"] = lambda: mod(x)
         except Exception as exc:  # not installed: the row is simply missing
             print(f"liger-kernel unavailable: {exc}")
+        # backward: the plan runtime alone, then autograd through the public op (what bench_norms times)
+        bplan = plan_norm_bwd(rows, cols, dx_dtype="bfloat16", weight_dtype="bfloat16", bias_dtype=None,
+                              is_rms=True, has_dh=False, dropout_p=0.0, target=target_for(x.device))
+        dy = torch.randn_like(x)
+        rstd = torch.rand(rows, device="cuda") + 0.5
+        layers["bwd: plan runtime (execute)"] = lambda: execute(bplan, {"dy": dy, "h": x, "weight": w, "rstd": rstd})
+        y = ft.rms_norm(xg, wg)
+        layers["bwd: autograd.grad through the op"] = lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
         for name, fn in layers.items():
             with torch.no_grad() if "grad" not in name else torch.enable_grad():
                 device_ms = time_torch(fn)
+                tensors = 3 if name.startswith("bwd") else 2
                 rows_out.append([f"{rows}x{cols}", name, device_ms, host_us(fn),
-                                 2 * x.numel() * 2 / (device_ms * 1e-3) / 1e12])
+                                 tensors * x.numel() * 2 / (device_ms * 1e-3) / 1e12])
     print_table("RMSNorm forward: device time (do_bench) and host time per call",
                 ["shape", "layer", "do_bench ms", "host us/call", "TB/s"], rows_out)
 
