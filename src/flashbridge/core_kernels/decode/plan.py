@@ -24,10 +24,10 @@ Plans:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2, pow2_divisor
+from ..flash_attn.plan import check_score_options
 
 _K = "decode.kernels"
 KV_LAYOUTS = ("NHD", "HND")
@@ -275,31 +275,6 @@ def check_num_splits(num_splits) -> Optional[int]:
     return num_splits
 
 
-def _check_scalar_options(*, head_dim_qk, causal, softmax_scale, window_size, softcap):
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(head_dim_qk)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
-        scale = float(softmax_scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
-    try:
-        left, right = window_size
-        left, right = int(left), int(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
-    return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
-
-
 def _check_q(q: TensorInfo) -> tuple[int, ...]:
     _check_float("q", q)
     if len(q[0]) != 4:
@@ -340,7 +315,7 @@ def check_decode_args(
     _check_heads(qs, cache)
     _check_seqlens(cache_seqlens, batch)
     scale_mode = check_scales(k_scale, v_scale, cache)
-    scale, left, right, cap = _check_scalar_options(head_dim_qk=dqk, causal=causal, softmax_scale=softmax_scale,
+    scale, left, right, cap = check_score_options(head_dim_qk=dqk, causal=causal, softmax_scale=softmax_scale,
                                                     window_size=window_size, softcap=softcap)
     alibi_batched = False
     if alibi_slopes is not None:

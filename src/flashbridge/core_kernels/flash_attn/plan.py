@@ -160,6 +160,33 @@ def _check_float(name: str, info: TensorInfo) -> None:
         raise TypeError(f"{name}: dtype {info[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
 
 
+def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size, softcap):
+    """Validate the score options shared by attention and decode; returns (scale, window_left,
+    window_right, softcap) with None for an unbounded side and causal folded into window_right = 0."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim_qk)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
+    return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
+
+
 def check_attention_args(
     *, q: TensorInfo, k: TensorInfo, v: TensorInfo, alibi_slopes: Optional[TensorInfo] = None,
     sinks: Optional[TensorInfo] = None, cu_seqlens_q: Optional[TensorInfo] = None,
@@ -228,27 +255,8 @@ def check_attention_args(
         shape = AttnShape(qs[0], qs[1], ks[1], qs[0] * qs[1], ks[0] * ks[1], hq, hkv, qs[-1], vs[-1], q[1],
                           False)
 
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(qs[-1])
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
-        scale = float(softmax_scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
-    try:
-        left, right = window_size
-        left, right = int(left), int(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
+    scale, window_left, window_right, softcap = check_score_options(
+        head_dim_qk=qs[-1], causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
 
     alibi_batched = False
     if alibi_slopes is not None:
@@ -265,9 +273,8 @@ def check_attention_args(
             raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {_fmt(sinks[0])}")
 
     options = AttnOptions(
-        softmax_scale=scale, causal=causal, window_left=None if left < 0 else left,
-        window_right=0 if causal else (None if right < 0 else right),
-        softcap=float(softcap), has_alibi=alibi_slopes is not None, alibi_batched=alibi_batched,
+        softmax_scale=scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, has_alibi=alibi_slopes is not None, alibi_batched=alibi_batched,
         has_sinks=sinks is not None)
     return shape, options
 
