@@ -75,3 +75,50 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     for r in rows:
         table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in r])
     Console(width=200).print(table)
+
+
+_PTR_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32", "int64": "*i64",
+              "float8_e4m3fn": "*fp8e4nv"}
+
+
+def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
+    """Compile one Launch for sm_90 on this machine (no GPU needed) the way Triton's launcher would
+    specialise it: pointers 16-byte aligned, integers equal to 1 folded, other integers unspecialised (the
+    kernels opt out of alignment specialisation). Returns (shared memory bytes, "REG:n STACK:n")."""
+    import inspect
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashbridge.core_kernels import get_kernel
+
+    fn = get_kernel(launch.kernel, False)
+    names = list(inspect.signature(fn.fn).parameters)
+    args = [*launch.inputs, *(n for n, _ in launch.scalars), *launch.outputs]
+    values = [None] * len(launch.inputs) + launch.scalar_values() + [None] * len(launch.outputs)
+    sig, attrs, consts = {}, {}, dict(launch.constexpr_dict())
+    for i, (pname, arg, value) in enumerate(zip(names, args, values)):
+        if value is None:
+            sig[pname] = _PTR_TYPES[dtypes_of.get(arg) or plan.spec(arg).dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            sig[pname] = "fp32"
+        elif value == 1:
+            consts[pname] = 1
+        else:
+            sig[pname] = "i32" if -2**31 <= value < 2**31 else "i64"
+    for c in consts:
+        sig[c] = "constexpr"
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()}),
+        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
+    return kernel.metadata.shared, " ".join(line.split()[:2])

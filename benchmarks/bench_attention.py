@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import traceback
 
-from _common import environment, print_table, results_dir, save, time_jax, time_torch
+from _common import compile_launch_sm90, environment, print_table, results_dir, save, time_jax, time_torch
 
 import numpy as np
 import torch
@@ -228,21 +228,9 @@ def tune(d, causal, s=4096):
 
 def ptxas_report(dims=HEAD_DIMS, dtypes=("bfloat16",)):
     """Compile the default plans for sm_90 without a GPU (Triton's bundled ptxas) and print each kernel's
-    registers and stack (spills). Specialisation mimics the launcher: pointers and multiples of 16 get
-    divisibility 16, ints equal to 1 become constants."""
-    import inspect
-    import os
-    import subprocess
-    import tempfile
+    registers and stack (spills); see _common.compile_launch_sm90 for the specialisation."""
+    from flashbridge.core_kernels import Target
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from flashbridge.core_kernels import Target, get_kernel
-
-    ptr = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32"}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     target = Target(interpret=False, num_sms=132)
     for dtype in dtypes:
         for d in dims:
@@ -253,39 +241,9 @@ def ptxas_report(dims=HEAD_DIMS, dtypes=("bfloat16",)):
                 for plan in (plan_attention_fwd(shape, options, target=target),
                              plan_attention_bwd(shape, options, target=target)):
                     for launch in plan.launches:
-                        fn = get_kernel(launch.kernel, False)
-                        names = list(inspect.signature(fn.fn).parameters)
-                        args = [*launch.inputs, *(n for n, _ in launch.scalars), *launch.outputs]
-                        values = [None] * len(launch.inputs) + launch.scalar_values() + [None] * len(launch.outputs)
-                        sig, attrs, consts = {}, {}, dict(launch.constexpr_dict())
-                        for i, (pname, arg, value) in enumerate(zip(names, args, values)):
-                            if value is None:
-                                sig[pname] = ptr[dtypes_of.get(arg) or plan.spec(arg).dtype]
-                                attrs[(i,)] = [["tt.divisibility", 16]]
-                            elif isinstance(value, float):
-                                sig[pname] = "fp32"
-                            elif value == 1:
-                                consts[pname] = 1
-                            else:
-                                sig[pname] = "i32"
-                                if value % 16 == 0:
-                                    attrs[(i,)] = [["tt.divisibility", 16]]
-                        for c in consts:
-                            sig[c] = "constexpr"
-                        kernel = triton.compile(
-                            ASTSource(fn=fn, signature=sig, attrs=attrs,
-                                      constexprs={(names.index(k),): v for k, v in consts.items()}),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
-                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                            f.write(kernel.asm["cubin"])
-                            f.flush()
-                            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                                                   capture_output=True, text=True).stdout
-                        line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
+                        smem, usage = compile_launch_sm90(plan, launch, dtypes_of)
                         print(f"{dtype} D={d} causal={causal} {launch.kernel.split(':')[1]:28s} "
-                              f"warps={launch.num_warps} stages={launch.num_stages} "
-                              f"smem={kernel.metadata.shared} {' '.join(line.split()[:2])}")
+                              f"warps={launch.num_warps} stages={launch.num_stages} smem={smem} {usage}")
 
 
 # --------------------------------------------------------------------------------------------------- main

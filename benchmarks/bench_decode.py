@@ -21,7 +21,7 @@ import itertools
 import math
 import traceback
 
-from _common import environment, print_table, results_dir, save, time_jax
+from _common import compile_launch_sm90, environment, print_table, results_dir, save, time_jax
 
 import numpy as np
 
@@ -311,55 +311,17 @@ def ptxas_report():
     registers and stack (spills). Specialisation mimics both launchers: pointers get divisibility 16, integer
     scalars none (the kernels declare them ``do_not_specialize_on_alignment``; the plans state alignment as
     constexprs), ints equal to 1 become constants."""
-    import inspect
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from flashbridge.core_kernels import Target, get_kernel
+    from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode.plan import (check_append_args, check_cascade_args, check_decode_args,
                                                       plan_append, plan_cascade, plan_decode, plan_merge)
 
-    ptr = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32", "float8_e4m3fn": "*fp8e4nv"}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     target = Target(interpret=False, num_sms=132)
 
     def compile_plan(title, plan, dtypes_of):
         for launch in plan.launches:
-            fn = get_kernel(launch.kernel, False)
-            names = list(inspect.signature(fn.fn).parameters)
-            args = [*launch.inputs, *(n for n, _ in launch.scalars), *launch.outputs]
-            values = [None] * len(launch.inputs) + launch.scalar_values() + [None] * len(launch.outputs)
-            sig, attrs, consts = {}, {}, dict(launch.constexpr_dict())
-            for i, (pname, arg, value) in enumerate(zip(names, args, values)):
-                if value is None:
-                    sig[pname] = ptr[dtypes_of.get(arg) or plan.spec(arg).dtype]
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-                elif isinstance(value, float):
-                    sig[pname] = "fp32"
-                elif value == 1:
-                    consts[pname] = 1
-                else:
-                    sig[pname] = "i32" if -2**31 <= value < 2**31 else "i64"
-            for c in consts:
-                sig[c] = "constexpr"
-            kernel = triton.compile(
-                ASTSource(fn=fn, signature=sig, attrs=attrs,
-                          constexprs={(names.index(k),): v for k, v in consts.items()}),
-                target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                       text=True).stdout
-            line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
+            smem, usage = compile_launch_sm90(plan, launch, dtypes_of)
             print(f"{title:38s} {launch.kernel.split(':')[1]:22s} warps={launch.num_warps} "
-                  f"stages={launch.num_stages} smem={kernel.metadata.shared} {' '.join(line.split()[:2])}")
+                  f"stages={launch.num_stages} smem={smem} {usage}")
 
     for cache_dtype in ("bfloat16", "float8_e4m3fn"):
         for layout, paged in (("NHD", False), ("HND", False), ("NHD", True), ("HND", True)):
