@@ -4,11 +4,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import norms as R
-from . import Check, Measurement, error_vs_reference, rounded, to_framework
+from . import Check, Measurement, error_vs_reference, rounded, to_framework, to_numpy64
 
 # (rows, cols): small on the CPU interpreter, benchmark-sized on a GPU
 SHAPES = {"cpu": (64, 1000), "cuda": (4096, 8192)}
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
+DROPOUT_P = 0.1
 
 
 def _inputs(rows, cols, dtype, seed):
@@ -29,12 +30,22 @@ def _op(api, name):
         "rms_norm+residual": lambda a: api.rms_norm(a["x"], a["w"], residual=a["r"])[0],
         "layer_norm": lambda a: api.layer_norm(a["x"], a["w"], a["b"]),
         "layer_norm+residual": lambda a: api.layer_norm(a["x"], a["w"], a["b"], residual=a["r"])[0],
+        "layer_norm_dropout_residual": lambda a: api.layer_norm_dropout_residual(
+            a["x"], a["w"], a["b"], a["r"], dropout_p=DROPOUT_P, seed=1234),
     }[name]
 
 
-def _reference(name, a, dtype):
+def _reference(name, a, dtype, y=None):
+    """(reference output, naive same-dtype output, (reference dx, reference dweight)). The dropout row reads
+    its keep mask off the kernel's own output ``y`` (a kept element z / (1-p) is never 0 for these inputs),
+    which is why that row runs in float32."""
     x, r, w, b, dy = a["x"], a["r"], a["w"], a["b"], a["dy"]
     h = rounded(x + r, dtype)
+    if name == "layer_norm_dropout_residual":
+        keep = np.abs(to_numpy64(y) - r) > 0
+        ref = R.layer_norm_dropout_residual(x, w, b, r, keep_mask=keep, dropout_p=DROPOUT_P)
+        dref = R.layer_norm_dropout_residual_bwd(dy, x, w, b, r, keep_mask=keep, dropout_p=DROPOUT_P)[:2]
+        return ref, rounded(ref, dtype), dref
     if name.startswith("rms_norm"):
         res = r if name.endswith("residual") else None
         ref = R.rms_norm(x, w, residual=res)
@@ -51,6 +62,8 @@ def _reference(name, a, dtype):
 
 
 def _bytes(name, rows, cols, itemsize, backward):
+    if name == "layer_norm_dropout_residual":  # x, residual in, y out; backward dy, x in, dx out
+        return 3 * rows * cols * itemsize
     tensors = 2 + (2 if name.endswith("residual") else 0)  # x, y (+ residual in, h out)
     if backward:
         tensors = 3 + (1 if name.endswith("residual") else 0)  # dy, h, dx (+ dresidual)
@@ -62,24 +75,27 @@ def checks(framework: str, device: str) -> list[Check]:
     dtype = DTYPES[device]
     itemsize = 4 if dtype == "float32" else 2
     out = []
-    for i, name in enumerate(("rms_norm", "rms_norm+residual", "layer_norm", "layer_norm+residual")):
+    names = ("rms_norm", "rms_norm+residual", "layer_norm", "layer_norm+residual", "layer_norm_dropout_residual")
+    for i, name in enumerate(names):
+        row_dtype = "float32" if name == "layer_norm_dropout_residual" else dtype
         for backward in (False, True):
             out.append(Check(
                 op=f"{name} {'bwd' if backward else 'fwd'}", framework=framework,
-                run=_make_run(framework, device, name, backward, rows, cols, dtype, itemsize, seed=i)))
+                run=_make_run(framework, device, name, backward, rows, cols, row_dtype,
+                              2 if row_dtype != "float32" else 4, seed=i)))
     return out
 
 
 def _make_run(framework, device, name, backward, rows, cols, dtype, itemsize, seed):
     def run() -> Measurement:
         a = _inputs(rows, cols, dtype, seed)
-        ref, naive, (ref_dx, ref_dw) = _reference(name, a, dtype)
         if framework == "torch":
             import torch
             from .. import torch_api as api
             t = {k: to_framework("torch", v, dtype, device, requires_grad=k in ("x", "w")) for k, v in a.items()}
             fwd = _op(api, name)
             y = fwd(t)
+            ref, naive, (ref_dx, ref_dw) = _reference(name, a, dtype, y)
             if backward:
                 y.backward(t["dy"])
                 err = max(error_vs_reference(t["x"].grad, ref_dx, rounded(ref_dx, dtype)),
@@ -104,6 +120,7 @@ def _make_run(framework, device, name, backward, rows, cols, dtype, itemsize, se
 
             rest = {k: v for k, v in j.items() if k not in ("x", "w")}
             y, vjp_fn = jax.vjp(lambda x, w: fwd({**rest, "x": x, "w": w}), j["x"], j["w"])
+            ref, naive, (ref_dx, ref_dw) = _reference(name, a, dtype, y)
             apply_vjp = lambda f, ct: f(ct)  # noqa: E731 -- the backward alone, residuals saved
             if backward:
                 dx, dw = jax.jit(apply_vjp)(vjp_fn, j["dy"])
