@@ -9,7 +9,6 @@ TB/s = (bytes of every tensor read + every tensor written) / time; weights are c
 from __future__ import annotations
 
 import argparse
-import math
 
 from _common import (environment, measure_copy_ceiling, print_table, results_dir, save, time_jax,
                      time_torch)

@@ -73,7 +73,6 @@ def _bytes(name, rows, cols, itemsize, backward):
 def checks(framework: str, device: str) -> list[Check]:
     rows, cols = SHAPES[device]
     dtype = DTYPES[device]
-    itemsize = 4 if dtype == "float32" else 2
     out = []
     names = ("rms_norm", "rms_norm+residual", "layer_norm", "layer_norm+residual", "layer_norm_dropout_residual")
     for i, name in enumerate(names):

@@ -121,6 +121,16 @@ class Plan:
         raise KeyError(name)
 
 
+def check_float_dtype(name: str, dtype: str) -> None:
+    """A TypeError naming the argument unless ``dtype`` is one the kernels take as floating input."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+
+
+def fmt_shape(shape) -> str:
+    return str(tuple(shape))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -11,7 +11,6 @@ the branch of the platform the computation is placed on; CPU arrays on a GPU mac
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Mapping

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import numbers
 
-from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
+from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
 
 _KERNELS = "cross_entropy.kernels"
 LABEL_DTYPES = ("int32", "int64")
@@ -98,8 +98,7 @@ def check_cross_entropy_args(
 ) -> tuple[int, int]:
     """Validate a ``cross_entropy`` call from (shape, dtype-name) pairs; returns ``(n_rows, V)``."""
     shape, dtype = logits
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"logits: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    check_float_dtype("logits", dtype)
     if len(shape) < 1:
         raise ValueError("logits: expected (..., V), got a scalar")
     vocab = shape[-1]
@@ -123,8 +122,7 @@ def check_linear_cross_entropy_args(
     """
     h_shape, h_dtype = hidden
     w_shape, w_dtype = weight
-    if h_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"hidden: dtype {h_dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    check_float_dtype("hidden", h_dtype)
     if w_dtype != h_dtype:
         raise TypeError(f"weight: dtype {w_dtype} must match hidden's dtype {h_dtype}")
     if len(h_shape) < 1:

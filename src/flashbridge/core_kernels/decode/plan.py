@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2, pow2_divisor
+from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
+                     next_power_of_2, pow2_divisor)
 from ..flash_attn.plan import check_score_options
 
 _K = "decode.kernels"
@@ -162,15 +163,6 @@ class DecodeOptions:
 
 # ------------------------------------------------------------------------------------------------ checks
 
-def _fmt(shape) -> str:
-    return str(tuple(shape))
-
-
-def _check_float(name: str, info: TensorInfo) -> None:
-    if info[1] not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: dtype {info[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
-
-
 def _check_int32(name: str, info: TensorInfo) -> None:
     if info[1] != "int32":
         raise TypeError(f"{name}: must be int32, got {info[1]}")
@@ -201,12 +193,12 @@ def check_cache(*, k_cache: TensorInfo, v_cache: TensorInfo, block_table: Option
     for name, info in ((kn, k_cache), (vn, v_cache)):
         if len(info[0]) != 4:
             raise ValueError(f"{name}: expected 4 dimensions {what} for kv_layout={kv_layout!r}"
-                             f"{' with a block_table' if paged else ''}, got shape {_fmt(info[0])}")
+                             f"{' with a block_table' if paged else ''}, got shape {fmt_shape(info[0])}")
         if any(d < 1 for d in info[0]):
-            raise ValueError(f"{name}: empty cache of shape {_fmt(info[0])}; every dimension must be >= 1")
+            raise ValueError(f"{name}: empty cache of shape {fmt_shape(info[0])}; every dimension must be >= 1")
     ks, vs = tuple(k_cache[0]), tuple(v_cache[0])
     if ks[:-1] != vs[:-1]:
-        raise ValueError(f"{kn}, {vn}: must agree in every dimension but the last, got {_fmt(ks)} and {_fmt(vs)}")
+        raise ValueError(f"{kn}, {vn}: must agree in every dimension but the last, got {fmt_shape(ks)} and {fmt_shape(vs)}")
     if kv_layout == "NHD":
         n0, rows, heads = ks[0], ks[1], ks[2]
     else:
@@ -219,13 +211,13 @@ def check_cache(*, k_cache: TensorInfo, v_cache: TensorInfo, block_table: Option
         _check_int32("block_table", block_table)
         if len(block_table[0]) != 2 or block_table[0][0] != batch or block_table[0][1] < 1:
             raise ValueError(f"block_table: expected shape ({batch}, max_pages) with max_pages >= 1 (one row per "
-                             f"sequence), got {_fmt(block_table[0])}")
+                             f"sequence), got {fmt_shape(block_table[0])}")
         if rows & (rows - 1) or rows > MAX_PAGE_SIZE:
-            raise ValueError(f"{kn}: page size {rows} (from shape {_fmt(ks)}) is not supported; page sizes are "
+            raise ValueError(f"{kn}: page size {rows} (from shape {fmt_shape(ks)}) is not supported; page sizes are "
                              f"powers of two from 1 to {MAX_PAGE_SIZE}")
         return CacheShape(kv_layout, True, n0, rows, int(block_table[0][1]), heads, ks[-1], vs[-1], k_cache[1])
     if n0 != batch:
-        raise ValueError(f"{kn}: a contiguous cache needs one entry per sequence: batch {n0} in {_fmt(ks)}, but "
+        raise ValueError(f"{kn}: a contiguous cache needs one entry per sequence: batch {n0} in {fmt_shape(ks)}, but "
                          f"{batch} sequences (pass block_table for a paged cache)")
     return CacheShape(kv_layout, False, n0, rows, 1, heads, ks[-1], vs[-1], k_cache[1])
 
@@ -249,10 +241,10 @@ def check_scales(k_scale: Optional[TensorInfo], v_scale: Optional[TensorInfo], c
             modes.add("head")
         else:
             raise ValueError(f"{name}: expected shape () or (1,) (per tensor) or ({cache.heads},) (per kv head), "
-                             f"got {_fmt(shape)}")
+                             f"got {fmt_shape(shape)}")
     if len(modes) != 1:
         raise ValueError(f"k_scale, v_scale: must both be per tensor or both per kv head, got shapes "
-                         f"{_fmt(k_scale[0])} and {_fmt(v_scale[0])}")
+                         f"{fmt_shape(k_scale[0])} and {fmt_shape(v_scale[0])}")
     return modes.pop()
 
 
@@ -262,7 +254,7 @@ def _check_seqlens(cache_seqlens: TensorInfo, batch: int) -> None:
     _check_int32("cache_seqlens", cache_seqlens)
     if tuple(cache_seqlens[0]) != (batch,):
         raise ValueError(f"cache_seqlens: expected shape ({batch},) (one length per sequence), got "
-                         f"{_fmt(cache_seqlens[0])}")
+                         f"{fmt_shape(cache_seqlens[0])}")
 
 
 def check_num_splits(num_splits) -> Optional[int]:
@@ -276,17 +268,17 @@ def check_num_splits(num_splits) -> Optional[int]:
 
 
 def _check_q(q: TensorInfo) -> tuple[int, ...]:
-    _check_float("q", q)
+    check_float_dtype("q", q[1])
     if len(q[0]) != 4:
-        raise ValueError(f"q: expected 4 dimensions (batch, seqlen_q, heads, head_dim), got shape {_fmt(q[0])}")
+        raise ValueError(f"q: expected 4 dimensions (batch, seqlen_q, heads, head_dim), got shape {fmt_shape(q[0])}")
     if any(d < 1 for d in q[0]):
-        raise ValueError(f"q: empty tensor of shape {_fmt(q[0])}; every dimension must be >= 1")
+        raise ValueError(f"q: empty tensor of shape {fmt_shape(q[0])}; every dimension must be >= 1")
     return tuple(q[0])
 
 
 def _check_heads(qs, cache: CacheShape, kname="k_cache"):
     if qs[-1] != cache.head_dim_k:
-        raise ValueError(f"q, {kname}: head dims differ: q {_fmt(qs)} (Dqk={qs[-1]}), {kname} Dqk={cache.head_dim_k}")
+        raise ValueError(f"q, {kname}: head dims differ: q {fmt_shape(qs)} (Dqk={qs[-1]}), {kname} Dqk={cache.head_dim_k}")
     if qs[2] % cache.heads:
         raise ValueError(f"q, {kname}: the number of query heads ({qs[2]}) must be a multiple of the number of "
                          f"key/value heads ({cache.heads}) for grouped-query attention")
@@ -294,9 +286,9 @@ def _check_heads(qs, cache: CacheShape, kname="k_cache"):
 
 def _check_sinks(sinks, hq):
     if sinks is not None:
-        _check_float("sinks", sinks)
+        check_float_dtype("sinks", sinks[1])
         if tuple(sinks[0]) != (hq,):
-            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {_fmt(sinks[0])}")
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {fmt_shape(sinks[0])}")
 
 
 def check_decode_args(
@@ -319,13 +311,13 @@ def check_decode_args(
                                                     window_size=window_size, softcap=softcap)
     alibi_batched = False
     if alibi_slopes is not None:
-        _check_float("alibi_slopes", alibi_slopes)
+        check_float_dtype("alibi_slopes", alibi_slopes[1])
         ashape = tuple(alibi_slopes[0])
         if ashape == (batch, hq):
             alibi_batched = True
         elif ashape != (hq,):
             raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({batch}, {hq}) (heads, or batch x heads), "
-                             f"got {_fmt(ashape)}")
+                             f"got {fmt_shape(ashape)}")
     _check_sinks(sinks, hq)
     splits = check_num_splits(num_splits)
     shape = DecodeShape(batch, sq, hq, dqk, cache.head_dim_v, q[1], cache)
@@ -358,16 +350,16 @@ def check_cache_values(cache_seqlens, block_table, cache: CacheShape, *, new_tok
 
 def check_merge_args(outs: TensorInfo, lses: TensorInfo) -> tuple[int, tuple[int, ...], int, str]:
     """(n_states, row shape ``...``, head dim, dtype) of ``merge_attention_states(outs, lses)``."""
-    _check_float("outs", outs)
+    check_float_dtype("outs", outs[1])
     if lses[1] != "float32":
         raise TypeError(f"lses: must be float32 (log-sum-exp values), got {lses[1]}")
     os_, ls = tuple(outs[0]), tuple(lses[0])
     if len(os_) < 2:
-        raise ValueError(f"outs: expected (N, ..., D) with at least 2 dimensions, got shape {_fmt(os_)}")
+        raise ValueError(f"outs: expected (N, ..., D) with at least 2 dimensions, got shape {fmt_shape(os_)}")
     if any(d < 1 for d in os_):
-        raise ValueError(f"outs: empty tensor of shape {_fmt(os_)}; every dimension must be >= 1")
+        raise ValueError(f"outs: empty tensor of shape {fmt_shape(os_)}; every dimension must be >= 1")
     if ls != os_[:-1]:
-        raise ValueError(f"lses: expected shape {_fmt(os_[:-1])} (outs without its last dimension), got {_fmt(ls)}; "
+        raise ValueError(f"lses: expected shape {fmt_shape(os_[:-1])} (outs without its last dimension), got {fmt_shape(ls)}; "
                          "a decode lse (B, Hq, Sq) must be transposed to (B, Sq, Hq) to merge with (B, Sq, Hq, D)")
     if os_[-1] > MAX_HEAD_DIM_V:
         raise ValueError(f"outs: head dim {os_[-1]} is not supported; the kernels handle 1..{MAX_HEAD_DIM_V}")
@@ -395,15 +387,15 @@ def check_cascade_args(
         s = tuple(info[0])
         if len(s) != 3 or any(d < 1 for d in s):
             raise ValueError(f"{name}: expected 3 non-empty dimensions {what} for kv_layout={kv_layout!r}, "
-                             f"got {_fmt(s)}")
+                             f"got {fmt_shape(s)}")
         heads = s[1] if kv_layout == "NHD" else s[0]
         if heads != cache.heads or s[-1] != dim:
             raise ValueError(f"{name}: expected {cache.heads} kv heads and head dim {dim} (like the cache), got "
-                             f"{_fmt(s)}")
+                             f"{fmt_shape(s)}")
     ks, vs = tuple(shared_k[0]), tuple(shared_v[0])
     if ks[:-1] != vs[:-1]:
-        raise ValueError(f"shared_k, shared_v: must agree in every dimension but the last, got {_fmt(ks)} and "
-                         f"{_fmt(vs)}")
+        raise ValueError(f"shared_k, shared_v: must agree in every dimension but the last, got {fmt_shape(ks)} and "
+                         f"{fmt_shape(vs)}")
     shared_len = ks[0] if kv_layout == "NHD" else ks[1]
     return shape, shared_len, options, splits
 
@@ -424,15 +416,15 @@ def check_append_args(*, k_cache: TensorInfo, v_cache: TensorInfo, k_new: Tensor
     """Validate append_kv_cache: ``k_new`` ``(B, S_new, Hkv, Dqk)``, ``v_new`` ``(B, S_new, Hkv, Dv)`` in a
     float dtype (the cache's, or any float dtype for an FP8 cache, which quantises)."""
     for name, info in (("k_new", k_new), ("v_new", v_new)):
-        _check_float(name, info)
+        check_float_dtype(name, info[1])
         if len(info[0]) != 4 or any(d < 1 for d in info[0]):
             raise ValueError(f"{name}: expected 4 non-empty dimensions (batch, new_tokens, Hkv, D), got "
-                             f"{_fmt(info[0])}")
+                             f"{fmt_shape(info[0])}")
     if k_new[1] != v_new[1]:
         raise TypeError(f"k_new, v_new: must share one dtype, got {k_new[1]} and {v_new[1]}")
     kn, vn = tuple(k_new[0]), tuple(v_new[0])
     if kn[:-1] != vn[:-1]:
-        raise ValueError(f"k_new, v_new: must agree in every dimension but the last, got {_fmt(kn)} and {_fmt(vn)}")
+        raise ValueError(f"k_new, v_new: must agree in every dimension but the last, got {fmt_shape(kn)} and {fmt_shape(vn)}")
     batch = kn[0]
     cache = check_cache(k_cache=k_cache, v_cache=v_cache, block_table=block_table, batch=batch,
                         kv_layout=kv_layout, allowed_dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
@@ -440,7 +432,7 @@ def check_append_args(*, k_cache: TensorInfo, v_cache: TensorInfo, k_new: Tensor
         raise TypeError(f"k_new: must have the cache's dtype ({cache.dtype}), got {k_new[1]}")
     if kn[2] != cache.heads or kn[3] != cache.head_dim_k or vn[3] != cache.head_dim_v:
         raise ValueError(f"k_new, v_new: expected {cache.heads} kv heads and head dims {cache.head_dim_k} / "
-                         f"{cache.head_dim_v} (like the cache), got {_fmt(kn)} and {_fmt(vn)}")
+                         f"{cache.head_dim_v} (like the cache), got {fmt_shape(kn)} and {fmt_shape(vn)}")
     _check_seqlens(cache_seqlens, batch)
     scale_mode = check_scales(k_scale, v_scale, cache)
     return AppendShape(batch, kn[1], cache, k_new[1], scale_mode)

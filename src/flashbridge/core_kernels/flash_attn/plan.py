@@ -13,7 +13,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2, pow2_divisor
+from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
+                     pow2_divisor)
 
 MAX_HEAD_DIM = 256
 _FWD = "flash_attn.kernels_fwd"
@@ -151,15 +152,6 @@ class AttnOptions:
 
 # ------------------------------------------------------------------------------------------------ checks
 
-def _fmt(shape) -> str:
-    return str(tuple(shape))
-
-
-def _check_float(name: str, info: TensorInfo) -> None:
-    if info[1] not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: dtype {info[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
-
-
 def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size, softcap):
     """Validate the score options shared by attention and decode; returns (scale, window_left,
     window_right, softcap) with None for an unbounded side and causal folded into window_right = 0."""
@@ -200,7 +192,7 @@ def check_attention_args(
     call it when the values are on the host and not traced).
     """
     for name, info in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, info)
+        check_float_dtype(name, info[1])
     if k[1] != q[1] or v[1] != q[1]:
         raise TypeError(f"q, k, v: must share one dtype, got q {q[1]}, k {k[1]}, v {v[1]}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -208,18 +200,18 @@ def check_attention_args(
     layout = "(total, heads, head_dim) with cu_seqlens" if varlen else "(batch, seqlen, heads, head_dim)"
     for name, info in (("q", q), ("k", k), ("v", v)):
         if len(info[0]) != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions {layout}, got shape {_fmt(info[0])}")
+            raise ValueError(f"{name}: expected {ndim} dimensions {layout}, got shape {fmt_shape(info[0])}")
         if any(d < 1 for d in info[0]):
-            raise ValueError(f"{name}: empty tensor of shape {_fmt(info[0])}; every dimension must be >= 1")
+            raise ValueError(f"{name}: empty tensor of shape {fmt_shape(info[0])}; every dimension must be >= 1")
     qs, ks, vs = tuple(q[0]), tuple(k[0]), tuple(v[0])
     if not varlen:
         if not (qs[0] == ks[0] == vs[0]):
-            raise ValueError(f"q, k, v: batch sizes differ: q {_fmt(qs)}, k {_fmt(ks)}, v {_fmt(vs)}")
+            raise ValueError(f"q, k, v: batch sizes differ: q {fmt_shape(qs)}, k {fmt_shape(ks)}, v {fmt_shape(vs)}")
     if ks[:-1] != vs[:-1]:
         raise ValueError(f"k, v: must agree in every dimension but the last (key length and heads), got "
-                         f"k {_fmt(ks)} and v {_fmt(vs)}")
+                         f"k {fmt_shape(ks)} and v {fmt_shape(vs)}")
     if qs[-1] != ks[-1]:
-        raise ValueError(f"q, k: head dims differ: q {_fmt(qs)} (Dqk={qs[-1]}), k {_fmt(ks)} (Dqk={ks[-1]})")
+        raise ValueError(f"q, k: head dims differ: q {fmt_shape(qs)} (Dqk={qs[-1]}), k {fmt_shape(ks)} (Dqk={ks[-1]})")
     hq, hkv = qs[-2], ks[-2]
     if hq % hkv:
         raise ValueError(f"q, k: the number of query heads ({hq}) must be a multiple of the number of "
@@ -236,7 +228,7 @@ def check_attention_args(
             if info[1] != "int32":
                 raise TypeError(f"{name}: must be int32, got {info[1]}")
             if len(info[0]) != 1 or info[0][0] < 2:
-                raise ValueError(f"{name}: expected shape (n_seqs + 1,) with n_seqs >= 1, got {_fmt(info[0])}")
+                raise ValueError(f"{name}: expected shape (n_seqs + 1,) with n_seqs >= 1, got {fmt_shape(info[0])}")
         if cu_seqlens_q[0] != cu_seqlens_k[0]:
             raise ValueError(f"cu_seqlens_q, cu_seqlens_k: must have the same length (one entry per sequence "
                              f"+ 1), got {cu_seqlens_q[0][0]} and {cu_seqlens_k[0][0]}")
@@ -260,17 +252,17 @@ def check_attention_args(
 
     alibi_batched = False
     if alibi_slopes is not None:
-        _check_float("alibi_slopes", alibi_slopes)
+        check_float_dtype("alibi_slopes", alibi_slopes[1])
         ashape = tuple(alibi_slopes[0])
         if ashape == (shape.batch, hq):
             alibi_batched = True
         elif ashape != (hq,):
             raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({shape.batch}, {hq}) (heads, or batch x "
-                             f"heads), got {_fmt(ashape)}")
+                             f"heads), got {fmt_shape(ashape)}")
     if sinks is not None:
-        _check_float("sinks", sinks)
+        check_float_dtype("sinks", sinks[1])
         if tuple(sinks[0]) != (hq,):
-            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {_fmt(sinks[0])}")
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {fmt_shape(sinks[0])}")
 
     options = AttnOptions(
         softmax_scale=scale, causal=causal, window_left=window_left, window_right=window_right,

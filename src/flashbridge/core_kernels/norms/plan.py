@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, next_power_of_2
+from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
 
 MAX_COLS = 65536  # one row lives in one program's registers; wider rows would spill to local memory
 _KERNELS = "norms.kernels"
@@ -63,8 +63,7 @@ def check_norm_args(
     """Validate a norm call from (shape, dtype-name) pairs; returns (n_rows, n_cols). Shared by both
     front-ends so that both raise the same errors, before any launch."""
     shape, dtype = x
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+    check_float_dtype("x", dtype)
     if len(shape) < 1:
         raise ValueError("x: expected at least one dimension (the normalised one), got a scalar")
     n_cols = shape[-1]
@@ -82,8 +81,7 @@ def check_norm_args(
         if tuple(arg[0]) != (n_cols,):
             raise ValueError(f"{name}: expected shape ({n_cols},) to match the last dimension of x, "
                              f"got {tuple(arg[0])}")
-        if arg[1] not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: dtype {arg[1]} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
+        check_float_dtype(name, arg[1])
     for name, arg in (("residual", residual), ("post_residual", post_residual)):
         if arg is None:
             continue
