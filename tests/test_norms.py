@@ -51,6 +51,8 @@ CASES = [
     ("ln", (2, 3), 4096, "bfloat16", True, False, True, "float32"),
     ("ln", (7,), 333, "float32", False, False, True, None),
     ("ln", (5,), 4096, "float32", True, True, False, None),
+    ("rms", (2,), 65536, "bfloat16", True, False, True, None),
+    ("ln", (3,), 65536, "float32", True, True, False, None),
 ]
 
 
@@ -194,7 +196,7 @@ def test_reference_dropout_backward_matches_finite_differences():
         np.testing.assert_allclose(grads[i], numeric, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_dropout_residual_same_mask_in_both_frameworks(dtype):
     rng = np.random.default_rng(2)
     shape, p, seed = (3, 50, 96), 0.25, 1234
