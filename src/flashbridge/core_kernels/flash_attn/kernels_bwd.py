@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, kv_block_range, load_tile, lse_log2,
-                             q_block_range, score_grad, score_mods, score_params, seq_range)
+                             q_block_range, query_block, score_grad, score_mods, score_params, seq_range)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -236,13 +236,8 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first, as in the forward
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    kh = h // GROUP
-    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
-    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
-    m_start = pid_m * BLOCK_M
+    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN)
     if m_start >= len_q:
         return
 

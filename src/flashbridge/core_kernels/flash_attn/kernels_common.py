@@ -42,6 +42,21 @@ def seq_range(CU, b, max_len, total, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """Coordinates of a query-block program on a (query blocks, heads, batch) grid: the heaviest causal
+    blocks (the last rows) run first, so the tail of the grid is made of short programs.
+
+    Returns (h, b, kh, q_start, len_q, k_start, len_k, m_start); the caller returns when m_start >= len_q."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+    return h, b, h // GROUP, q_start, len_q, k_start, len_k, pid_m * BLOCK_M
+
+
+@triton.jit
 def kv_key_range(q_first, q_last, diag, seqlen_k, window_left, window_right,
                  BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
     """Key blocks (in units of BLOCK_N) seen by the query indices ``q_first..q_last`` (inclusive; query

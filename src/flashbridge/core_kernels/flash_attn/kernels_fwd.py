@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (aligned, aligned_strides, alibi_slope2, fwd_kv_range, kv_block_range, load_tile,
-                             score_params, seq_range, softmax_finalize, softmax_init)
+                             query_block, score_params, softmax_finalize, softmax_init)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
@@ -39,14 +39,8 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    # Heaviest causal blocks (the last rows) first, so the tail of the grid is made of short programs.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    kh = h // GROUP
-    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
-    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
-    m_start = pid_m * BLOCK_M
+    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN)
     if m_start >= len_q:
         return
 
