@@ -65,6 +65,15 @@ def save(name: str, payload: dict) -> Path:
     return path
 
 
+def save_figure(fig, name: str) -> Path:
+    """Write a matplotlib figure next to the JSON results as ``<name>.png``."""
+    fig.tight_layout()
+    path = results_dir() / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+    return path
+
+
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     from rich.console import Console
     from rich.table import Table

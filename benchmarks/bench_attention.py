@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import traceback
 
-from _common import compile_launch_sm90, environment, print_table, results_dir, save, time_jax, time_torch
+from _common import (compile_launch_sm90, environment, print_table, save, save_figure, time_jax,
+                     time_torch)
 
 import numpy as np
 import torch
@@ -340,10 +341,7 @@ def plot(main_rows):
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path = results_dir() / "attention_h200.png"
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, "attention_h200")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import gc
 import sys
 
 import _common  # noqa: F401  (puts src/ on sys.path)
-from _common import measure_copy_ceiling, print_table, results_dir, save, time_jax, time_torch
+from _common import measure_copy_ceiling, print_table, save, save_figure, time_jax, time_torch
 
 N, H, V = 8192, 4096, 128256
 
@@ -125,7 +125,7 @@ def bench_logits(quick: bool, ceiling: float) -> list[dict]:
     return rows
 
 
-def plot(linear: list[dict], path) -> None:
+def plot(linear: list[dict]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -138,8 +138,7 @@ def plot(linear: list[dict], path) -> None:
     axes[1].barh(names, [r["peak_extra_gb"] for r in ok])
     axes[1].set_xlabel("peak extra memory (GB)")
     fig.suptitle(f"linear cross-entropy, {ok[0]['shape'] if ok else ''}, H200")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, "cross_entropy")
 
 
 def main(argv=None) -> int:
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
                   r["fwd_bwd_of_ceiling"]] for r in logits])
     path = save("cross_entropy", {"copy_ceiling_tbs": ceiling, "linear": linear, "logits": logits,
                                   "quick": args.quick})
-    plot(linear, results_dir() / "cross_entropy.png")
+    plot(linear)
     print(f"wrote {path}")
     return 0
 

@@ -21,7 +21,7 @@ import itertools
 import math
 import traceback
 
-from _common import compile_launch_sm90, environment, print_table, results_dir, save, time_jax
+from _common import compile_launch_sm90, environment, print_table, save, save_figure, time_jax
 
 import numpy as np
 
@@ -298,10 +298,7 @@ def plot(rows):
     ax.set_title(f"decode, Hq={HQ} Hkv={HKV} D={D} Sq=1")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    path = results_dir() / "decode_h200.png"
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, "decode_h200")
 
 
 # ------------------------------------------------------------------------------------------------ ptxas

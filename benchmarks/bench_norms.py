@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import (environment, measure_copy_ceiling, print_table, results_dir, save, time_jax,
+from _common import (environment, measure_copy_ceiling, print_table, save, save_figure, time_jax,
                      time_torch)
 
 import torch
@@ -275,10 +275,7 @@ def plot(sweep, ceiling):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("TB/s (read + write)")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    path = results_dir() / "norms_h200.png"
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, "norms_h200")
 
 
 if __name__ == "__main__":

@@ -447,3 +447,15 @@ def test_buffers_are_poisoned_in_tests():
     assert (_alloc(Spec("i", (5,), "int32"), torch.int32, torch.device("cpu")) == -1).all()
     assert np.isnan(_host_alloc(Spec("y", (3, 4), "bfloat16"))).all()
     assert (_alloc(Spec("z", (2,), "float32", zero=True), torch.float32, torch.device("cpu")) == 0).all()
+
+
+def test_tolerance_rule_rejects_wrong_and_non_finite_outputs():
+    ref = np.linspace(-2.0, 2.0, 50)
+    naive = rounded(ref, "bfloat16")
+    assert_close(naive, ref, naive, name="naive itself")
+    with pytest.raises(AssertionError, match="bound"):
+        assert_close(ref + 0.1, ref, naive)
+    with pytest.raises(AssertionError, match="bound"):
+        assert_close(np.where(ref > 0, np.nan, ref), ref, naive)
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(ref[:-1], ref, naive)

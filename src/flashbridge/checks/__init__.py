@@ -54,24 +54,36 @@ def rounded(a, dtype: str):
 
 
 def to_numpy64(a):
+    """torch tensor / jax array / numpy array -> float64 numpy (None stays None)."""
     import numpy as np
 
+    if a is None:
+        return None
     if hasattr(a, "detach"):
         return a.detach().float().cpu().double().numpy()
     return np.asarray(a).astype(np.float64)
 
 
-def error_vs_reference(out, ref, naive, *, factor: float = 2.0, floor: float = 1e-3) -> float:
-    """max|out - ref| / (factor * max|naive - ref| + floor * max(1, max|ref|)): <= 1 passes (the
-    flash-attn rule: at most twice the error of a naive same-dtype implementation, plus a floor)."""
+def error_and_bound(out, ref, naive, *, factor: float = 2.0, floor: float = 1e-3) -> tuple[float, float]:
+    """(max|out - ref|, factor * max|naive - ref| + floor * max(1, max|ref|)) against the float64 ``ref``:
+    the flash-attn rule passes when the first is at most the second. Non-finite outputs give an infinite
+    error; shapes must match."""
     import numpy as np
 
-    out, naive = to_numpy64(out), to_numpy64(naive)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
+    out, ref, naive = to_numpy64(out), to_numpy64(ref), to_numpy64(naive)
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {out.shape} != reference shape {ref.shape}")
     scale = max(1.0, float(np.max(np.abs(ref), initial=0.0)))
     bound = factor * float(np.max(np.abs(naive - ref), initial=0.0)) + floor * scale
-    return float(np.max(np.abs(out - ref), initial=0.0)) / bound
+    if not np.all(np.isfinite(out)):
+        return float("inf"), bound
+    return float(np.max(np.abs(out - ref), initial=0.0)), bound
+
+
+def error_vs_reference(out, ref, naive, *, factor: float = 2.0, floor: float = 1e-3) -> float:
+    """error / bound of :func:`error_and_bound`: <= 1 passes."""
+    err, bound = error_and_bound(out, ref, naive, factor=factor, floor=floor)
+    return err / bound
 
 
 def to_framework(framework: str, a, dtype: str, device: str, requires_grad: bool = False):
