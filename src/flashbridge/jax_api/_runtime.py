@@ -135,13 +135,15 @@ def _varying_axes(arrays) -> frozenset:
 
 def _mark_varying(outs, axes: frozenset):
     """Kernel calls and callbacks are opaque to shard_map's varying-axes typing: give the results the
-    varying axes of the inputs, which is what they depend on (custom_vjp checks that types match)."""
-    if not axes:
-        return outs
-    names = tuple(sorted(axes))
-    if hasattr(jax.lax, "pcast"):
-        return tuple(jax.lax.pcast(o, names, to="varying") if _varying_axes([o]) != axes else o for o in outs)
-    return tuple(jax.lax.pvary(o, names) if _varying_axes([o]) != axes else o for o in outs)
+    varying axes of the inputs, which is what they depend on (custom_vjp checks that types match). Only
+    the axes an array does not vary over yet are cast."""
+    out = []
+    for o in outs:
+        missing = tuple(sorted(axes - _varying_axes([o])))
+        if missing:
+            o = jax.lax.pcast(o, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(o, missing)
+        out.append(o)
+    return tuple(out)
 
 
 def match_varying(*arrays):

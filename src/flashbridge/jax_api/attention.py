@@ -18,7 +18,7 @@ import numpy as np
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_arrays
-from ._runtime import dtype_name, execute
+from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
 
@@ -187,29 +187,6 @@ def _is_concrete(a) -> bool:
     return not isinstance(a, jax.core.Tracer)
 
 
-def _match_varying(*arrays):
-    """Inside shard_map, make every array vary over the union of the mesh axes its peers vary over.
-
-    A custom_vjp backward must return cotangents typed like the primal inputs; sinks replicated over the
-    batch axis get a per-shard gradient. Casting them to 'varying' up front lets JAX insert the psum of
-    that cast's transpose, so the replicated input receives the summed gradient. Outside shard_map this
-    is a no-op.
-    """
-    def vma(a):  # the mesh axes an array varies over (jax >= 0.10: manual_axis_type; before: vma)
-        aval = jax.typeof(a)
-        manual = getattr(aval, "manual_axis_type", None)
-        return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
-
-    union = frozenset().union(*(vma(a) for a in arrays if a is not None))
-    if not union:
-        return arrays
-    out = []
-    for a in arrays:
-        missing = () if a is None else tuple(sorted(union - vma(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return tuple(out)
-
-
 # ----------------------------------------------------------------------------------------------- public
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
@@ -257,7 +234,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
         check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(), shape)
     static = _Static(options, max_seqlen_q, max_seqlen_k)
-    out, lse = _attention(*_match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
+    out, lse = _attention(*match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
     return (out, lse) if return_lse else out
 
 
@@ -304,7 +281,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
     # from the bottom-right diagonal t + S - T: shift both sides by that offset.
     options = dataclasses.replace(options, window_left=None if left is None else left + diag,
                                   window_right=None if right is None else right - diag)
-    out, lse = _attention(*_match_varying(query, key, value), None, None, None, None,
+    out, lse = _attention(*match_varying(query, key, value), None, None, None, None,
                           _Static(options, None, None))
     if unbatched:
         out, lse = out[0], lse[0]
