@@ -7,12 +7,18 @@ from torch import Tensor
 from ._runtime import DTYPE_NAMES
 
 
-def check_same_device(**tensors: Tensor | None) -> torch.device:
-    """All given tensors on one CUDA device or all on the CPU; returns that device."""
+def check_tensors(tensors: dict[str, Tensor | None], required: tuple[str, ...] = ()) -> torch.device:
+    """Every argument a torch.Tensor (or None, unless it is ``required``) of a supported dtype, all on one
+    CUDA device or all on the CPU; returns that device."""
     device, first = None, None
     for name, t in tensors.items():
         if t is None:
+            if name in required:
+                raise TypeError(f"{name}: expected a torch.Tensor, got None")
             continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor{'' if name in required else ' or None'}, "
+                            f"got {type(t).__name__}")
         if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported by flashbridge")
         if t.device.type not in ("cpu", "cuda"):

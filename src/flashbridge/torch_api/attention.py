@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
                                             plan_attention_bwd, plan_attention_fwd)
-from ._checks import check_same_device
+from ._checks import check_tensors
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -190,11 +190,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     tensors = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if name not in 'qkv' else ''}, "
-                            f"got {type(t).__name__}")
-    check_same_device(**tensors)
+    check_tensors(tensors, required=("q", "k", "v"))
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     shape, options = check_attention_args(
@@ -250,7 +246,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return t.transpose(1, 2)  # (B, L, H, E), a view
 
     q, k, v = to_bshd(query), to_bshd(key), to_bshd(value)
-    check_same_device(query=query, key=key, value=value)
+    check_tensors({"query": query, "key": key, "value": value}, required=("query", "key", "value"))
     shape, options = check_attention_args(q=_info(q), k=_info(k), v=_info(v), softmax_scale=scale)
     if is_causal:
         # SDPA's causal mask is aligned to the top-left corner: j <= i, i.e. the bottom-right diagonal

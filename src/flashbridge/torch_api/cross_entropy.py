@@ -37,7 +37,7 @@ from torch import Tensor
 from ..core_kernels.cross_entropy.plan import (
     bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
     chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
-from ._checks import check_same_device
+from ._checks import check_tensors
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -278,14 +278,6 @@ torch.library.register_autograd("flashbridge::linear_cross_entropy_fwd", _lce_ba
 
 # ---------------------------------------------------------------------------------------- public API
 
-def _check_tensors(**tensors) -> torch.device:
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if name == 'bias' else ''}, "
-                            f"got {type(t).__name__}")
-    return check_same_device(**tensors)
-
-
 def _shape_dtype(t: Optional[Tensor]):
     return None if t is None else (tuple(t.shape), dtype_name(t.dtype))
 
@@ -337,7 +329,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
         >>> loss = cross_entropy(logits, torch.tensor([1, 2, -100, 9]))
         >>> loss.backward()
     """
-    device = _check_tensors(logits=logits, labels=labels)
+    device = check_tensors({"logits": logits, "labels": labels}, required=("logits", "labels"))
     n_rows, vocab = check_cross_entropy_args(
         logits=_shape_dtype(logits), labels=_shape_dtype(labels), ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction)
@@ -383,7 +375,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         >>> loss = linear_cross_entropy(h, w, torch.randint(0, 1000, (6,)), chunk_size=4)
         >>> loss.backward()
     """
-    _check_tensors(hidden=hidden, weight=weight, labels=labels, bias=bias)
+    check_tensors({"hidden": hidden, "weight": weight, "labels": labels, "bias": bias},
+                  required=("hidden", "weight", "labels"))
     n_rows, h, vocab = check_linear_cross_entropy_args(
         hidden=_shape_dtype(hidden), weight=_shape_dtype(weight), labels=_shape_dtype(labels),
         bias=_shape_dtype(bias), ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,

@@ -24,7 +24,7 @@ from ..core_kernels import get_kernel
 from ..core_kernels.decode.plan import (DecodeOptions, check_append_args, check_cache_values, check_cascade_args,
                                         check_decode_args, check_merge_args, check_scales, plan_append,
                                         plan_cascade, plan_decode, plan_merge)
-from ._checks import check_same_device
+from ._checks import check_tensors
 from ._runtime import _compile_options, dtype_name, execute, target_for
 
 
@@ -47,16 +47,6 @@ def _cache_strides(t: Tensor, kv_layout: str) -> tuple[int, int, int]:
     if kv_layout == "NHD":
         return (t.stride(0), t.stride(1), t.stride(2))
     return (t.stride(0), t.stride(2), t.stride(1))
-
-
-def _check_tensors(tensors: dict, required: tuple[str, ...]) -> torch.device:
-    for name, t in tensors.items():
-        if t is None and name in required:
-            raise TypeError(f"{name}: expected a torch.Tensor, got None")
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor{'' if name in required else ' or None'}, "
-                            f"got {type(t).__name__}")
-    return check_same_device(**tensors)
 
 
 def _host_values(cache_seqlens: Tensor, block_table: Optional[Tensor]):
@@ -266,7 +256,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
                "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
                "v_scale": v_scale}
-    _check_tensors(tensors, ("q", "k_cache", "v_cache", "cache_seqlens"))
+    check_tensors(tensors, ("q", "k_cache", "v_cache", "cache_seqlens"))
     shape, options, splits = check_decode_args(
         **{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
@@ -298,7 +288,7 @@ def merge_attention_states(outs: Tensor, lses: Tensor):
         >>> l1, l2 = torch.randn(2, 4, 8).unbind(0)
         >>> out, lse = merge_attention_states(torch.stack([o1, o2]), torch.stack([l1, l2]))
     """
-    _check_tensors({"outs": outs, "lses": lses}, ("outs", "lses"))
+    check_tensors({"outs": outs, "lses": lses}, ("outs", "lses"))
     check_merge_args(_info(outs), _info(lses))
     return torch.ops.flashbridge.merge_attn_states(outs, lses)
 
@@ -329,7 +319,7 @@ def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Te
     tensors = {"q": q, "shared_k": shared_k, "shared_v": shared_v, "k_cache": k_cache, "v_cache": v_cache,
                "cache_seqlens": cache_seqlens, "block_table": block_table, "sinks": sinks, "k_scale": k_scale,
                "v_scale": v_scale}
-    _check_tensors(tensors, ("q", "shared_k", "shared_v", "k_cache", "v_cache", "cache_seqlens"))
+    check_tensors(tensors, ("q", "shared_k", "shared_v", "k_cache", "v_cache", "cache_seqlens"))
     shape, _, options, splits = check_cascade_args(
         **{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
         causal=causal, softcap=softcap, num_splits=num_splits)
@@ -365,7 +355,7 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
     """
     tensors = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
                "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
-    _check_tensors(tensors, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"))
+    check_tensors(tensors, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"))
     shape = check_append_args(**{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout)
     values = _host_values(cache_seqlens, block_table)
     if values is not None:

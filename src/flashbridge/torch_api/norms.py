@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
 from ._runtime import dtype_name, execute, target_for
-from ._checks import check_same_device, seed_tensor
+from ._checks import check_tensors, seed_tensor
 
 
 @torch.library.custom_op("flashbridge::norm_fwd", mutates_args=())
@@ -97,10 +97,7 @@ torch.library.register_autograd("flashbridge::norm_fwd", _backward, setup_contex
 
 def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
     tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual, "post_residual": post_residual}
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
-    check_same_device(**tensors)
+    check_tensors(tensors, required=("x",))
     check_norm_args(**{k: None if t is None else (tuple(t.shape), dtype_name(t.dtype))
                        for k, t in tensors.items()}, eps=eps, dropout_p=dropout_p)
     y, h, _, _ = torch.ops.flashbridge.norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps),
