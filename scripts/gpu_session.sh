@@ -3,8 +3,12 @@
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention bench-decode bench-ce host-overhead
 #   (default: env tests memcheck check bench-norms)
-# Results and logs go to $OUT (or ./gpu-out). Carried wheels (jax-triton, liger-kernel) are read from .whl/.
+# Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
+# device runner returns at most 8 files; a run cut short still returns the stages it finished).
+# Without $OUT they stay in ./gpu-out. Carried wheels (jax-triton, liger-kernel) are read from .whl/.
 set -uo pipefail
+PACK=${OUT:-}
+export OUT=${PACK:+/tmp/fb-run}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 stages=("$@")
@@ -35,5 +39,6 @@ for stage in "${stages[@]}"; do
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
+  [ -n "$PACK" ] && tar czf "$PACK/results.tgz" -C "$OUT" .
 done
 exit $status

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_tensors
+from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -54,7 +55,7 @@ def _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 # -------------------------------------------------------------------------------------------------- ops
 
-@torch.library.custom_op("flashbridge::flash_attn_fwd", mutates_args=())
+@fused_op("flash_attn_fwd")
 def _flash_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
@@ -85,7 +86,7 @@ def _(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out, lse
 
 
-@torch.library.custom_op("flashbridge::flash_attn_bwd", mutates_args=())
+@fused_op("flash_attn_bwd")
 def _flash_attn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
@@ -129,18 +130,18 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = torch.ops.flashbridge.flash_attn_bwd(
+    dq, dk, dv, dsinks = _flash_attn_bwd(
         dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options)
     return (dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None, None, None,
             None, None)
 
 
-torch.library.register_autograd("flashbridge::flash_attn_fwd", _backward, setup_context=_setup_context)
+_flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _attention(q, k, v, options: AttnOptions, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                max_seqlen_k):
-    return torch.ops.flashbridge.flash_attn_fwd(
+    return _flash_attn_fwd(
         q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
         float(options.softcap))

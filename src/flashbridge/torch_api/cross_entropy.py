@@ -38,6 +38,7 @@ from ..core_kernels.cross_entropy.plan import (
     bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
     chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
 from ._checks import check_tensors
+from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -48,7 +49,7 @@ def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):
 
 # ------------------------------------------------------------------------------- logits-level custom ops
 
-@torch.library.custom_op("flashbridge::cross_entropy_fwd", mutates_args=())
+@fused_op("cross_entropy_fwd")
 def _ce_fwd(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
             logit_softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     """logits (n, V), labels (n,) -> per-row loss, lse, lse_lo (float32 (n,) each; see plan_ce_fwd)."""
@@ -64,7 +65,7 @@ def _(logits, labels, ignore_index, label_smoothing, z_loss, logit_softcap):
     return tuple(logits.new_empty((n_rows,), dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("flashbridge::cross_entropy_bwd", mutates_args=())
+@fused_op("cross_entropy_bwd")
 def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, lse_lo: Tensor, dloss: Tensor, ignore_index: int,
             label_smoothing: float, z_loss: float, logit_softcap: float) -> Tensor:
     """Gradient of sum_i dloss_i * loss_i with respect to logits (n, V); dloss float32 (n,)."""
@@ -98,7 +99,7 @@ def _ce_backward(ctx, dloss, *_):
     return grad, None, None, None, None, None
 
 
-torch.library.register_autograd("flashbridge::cross_entropy_fwd", _ce_backward, setup_context=_ce_setup_context)
+_ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
 
 
 # ------------------------------------------------------------------------------------ linear custom ops
@@ -138,7 +139,7 @@ def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
     return dh, dw, db
 
 
-@torch.library.custom_op("flashbridge::linear_cross_entropy_fwd", mutates_args=())
+@fused_op("linear_cross_entropy_fwd")
 def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
              label_smoothing: float, z_loss: float, logit_softcap: float, reduction: str, chunk_size: int,
              grad_hidden: bool, grad_weight: bool, grad_bias: bool,
@@ -206,7 +207,7 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit
     return loss, hidden.new_empty((n_rows,), dtype=f32), hidden.new_empty((n_rows,), dtype=f32), dh, dw, db
 
 
-@torch.library.custom_op("flashbridge::linear_cross_entropy_bwd", mutates_args=())
+@fused_op("linear_cross_entropy_bwd")
 def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
              lse_lo: Tensor, dloss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
              chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
@@ -272,7 +273,7 @@ def _lce_backward(ctx, dloss, *_):
     return (dh if gh else None, dw if gw else None, None, db if gb else None) + (None,) * 9
 
 
-torch.library.register_autograd("flashbridge::linear_cross_entropy_fwd", _lce_backward,
+_lce_fwd.register_autograd(_lce_backward,
                                 setup_context=_lce_setup_context)
 
 
@@ -338,7 +339,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     x = logits.reshape(n_rows, vocab).contiguous()
     y = labels.reshape(n_rows).contiguous()
     _validate_label_values(y, vocab, ignore_index)
-    loss_rows, lse, _ = torch.ops.flashbridge.cross_entropy_fwd(x, y, int(ignore_index), float(label_smoothing),
+    loss_rows, lse, _ = _ce_fwd(x, y, int(ignore_index), float(label_smoothing),
                                                              float(z_loss), float(logit_softcap))
     loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
     return (loss, lse.view(lead)) if return_lse else loss
@@ -388,7 +389,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     b = None if bias is None else bias.contiguous()
     _validate_label_values(y, vocab, ignore_index)
     grad_on = torch.is_grad_enabled()
-    loss, lse, _, _, _, _ = torch.ops.flashbridge.linear_cross_entropy_fwd(
+    loss, lse, _, _, _, _ = _lce_fwd(
         h2, w, y, b, int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap), reduction,
         int(chunk_size or 0), grad_on and h2.requires_grad, grad_on and w.requires_grad,
         grad_on and b is not None and b.requires_grad)

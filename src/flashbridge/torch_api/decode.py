@@ -25,6 +25,7 @@ from ..core_kernels.decode.plan import (DecodeOptions, check_append_args, check_
                                         check_decode_args, check_merge_args, check_scales, plan_append,
                                         plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
+from ._ops import fused_op
 from ._runtime import _compile_options, dtype_name, execute, target_for
 
 
@@ -85,7 +86,7 @@ def _cascade_plan(shape, shared_len, options, target, num_splits, k_strides, v_s
 
 # -------------------------------------------------------------------------------------------------- ops
 
-@torch.library.custom_op("flashbridge::decode_attn", mutates_args=())
+@fused_op("decode_attn")
 def _decode_attn(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
@@ -113,7 +114,7 @@ def _(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_sc
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashbridge::merge_attn_states", mutates_args=())
+@fused_op("merge_attn_states")
 def _merge_attn_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     n, rows_shape, dim, dtype = check_merge_args(_info(outs), _info(lses))
     rows = 1
@@ -130,7 +131,7 @@ def _(outs, lses):
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
 
 
-@torch.library.custom_op("flashbridge::cascade_attn", mutates_args=())
+@fused_op("cascade_attn")
 def _cascade_attn(
     q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
     block_table: Optional[Tensor], sinks: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
@@ -159,7 +160,7 @@ def _(q, shared_k, shared_v, k_cache, v_cache, cache_seqlens, block_table, sinks
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashbridge::append_kv_cache", mutates_args=("k_cache", "v_cache"))
+@fused_op("append_kv_cache", mutates_args=("k_cache", "v_cache"))
 def _append_kv_cache(
     k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, cache_seqlens: Tensor,
     block_table: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor], kv_layout: str,
@@ -263,7 +264,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
-    out, lse = torch.ops.flashbridge.decode_attn(
+    out, lse = _decode_attn(
         q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
         float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
         float(options.softcap), splits)
@@ -290,7 +291,7 @@ def merge_attention_states(outs: Tensor, lses: Tensor):
     """
     check_tensors({"outs": outs, "lses": lses}, ("outs", "lses"))
     check_merge_args(_info(outs), _info(lses))
-    return torch.ops.flashbridge.merge_attn_states(outs, lses)
+    return _merge_attn_states(outs, lses)
 
 
 def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Tensor, v_cache: Tensor, *,
@@ -326,7 +327,7 @@ def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Te
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
-    out, lse = torch.ops.flashbridge.cascade_attn(
+    out, lse = _cascade_attn(
         q, shared_k, shared_v, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, kv_layout,
         float(options.softmax_scale), bool(options.causal), float(options.softcap), splits)
     return (out, lse) if return_lse else out
@@ -360,5 +361,5 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
-    torch.ops.flashbridge.append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+    _append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
                                           v_scale, kv_layout)

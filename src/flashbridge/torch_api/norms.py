@@ -11,11 +11,12 @@ import torch
 from torch import Tensor
 
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
+from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
 from ._checks import check_tensors, seed_tensor
 
 
-@torch.library.custom_op("flashbridge::norm_fwd", mutates_args=())
+@fused_op("norm_fwd")
 def _norm_fwd(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
     post_residual: Optional[Tensor], seed: Optional[Tensor], eps: float, is_rms: bool, dropout_p: float,
@@ -42,7 +43,7 @@ def _(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p):
     return x.new_empty(x.shape), h, mean, x.new_empty((n_rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashbridge::norm_bwd", mutates_args=())
+@fused_op("norm_bwd")
 def _norm_bwd(
     dy: Tensor, h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
     seed: Optional[Tensor], dh: Optional[Tensor], is_rms: bool, dropout_p: float,
@@ -92,7 +93,7 @@ def _backward(ctx, dy, dh, dmean, drstd):
             None, None, None, None)
 
 
-torch.library.register_autograd("flashbridge::norm_fwd", _backward, setup_context=_setup_context)
+_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
@@ -100,7 +101,7 @@ def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, 
     check_tensors(tensors, required=("x",))
     check_norm_args(**{k: None if t is None else (tuple(t.shape), dtype_name(t.dtype))
                        for k, t in tensors.items()}, eps=eps, dropout_p=dropout_p)
-    y, h, _, _ = torch.ops.flashbridge.norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps),
+    y, h, _, _ = _norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps),
                                                 is_rms, float(dropout_p))
     return y if residual is None else (y, h)
 

@@ -1,0 +1,93 @@
+"""The eager fast path of torch_api/_ops.py against the dispatcher path: same values, same gradients,
+bit for bit, for one op of every family (CPU, interpreter); and a dispatch mode sees the dispatcher path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashbridge import torch_api as ft  # noqa: E402
+from flashbridge.torch_api import _ops  # noqa: E402
+
+
+def _inputs(seed, *shapes):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=torch.float32) for s in shapes]
+
+
+def _norm(requires_grad):
+    x, w, r = _inputs(1, (5, 33), (33,), (5, 33))
+    params = [t.requires_grad_(requires_grad) for t in (x, w, r)]
+    y, h = ft.rms_norm(x, w, residual=r)
+    return (y, h), params, (y.sum() + 0.5 * (h * h).sum()) if requires_grad else None
+
+
+def _attention(requires_grad):
+    q, k, v, sinks = _inputs(2, (1, 9, 4, 16), (1, 11, 2, 16), (1, 11, 2, 16), (4,))
+    params = [t.requires_grad_(requires_grad) for t in (q, k, v, sinks)]
+    out = ft.flash_attention(q, k, v, causal=True, sinks=sinks)
+    return (out,), params, (out * out).sum() if requires_grad else None
+
+
+def _linear_ce(requires_grad):
+    h, w = _inputs(3, (7, 16), (37, 16))
+    labels = torch.tensor([0, 5, -100, 36, 2, 2, 9])
+    params = [t.requires_grad_(requires_grad) for t in (h, w)]
+    loss = ft.linear_cross_entropy(h, w, labels, label_smoothing=0.1, chunk_size=3)
+    return (loss,), params, loss if requires_grad else None
+
+
+def _decode(requires_grad):
+    q, k, v = _inputs(4, (2, 1, 4, 16), (2, 20, 2, 16), (2, 20, 2, 16))
+    out = ft.decode_attention(q, k, v, cache_seqlens=torch.tensor([20, 7], dtype=torch.int32), num_splits=2)
+    return (out,), [], None
+
+
+FAMILIES = {"norms": _norm, "attention": _attention, "cross_entropy": _linear_ce, "decode": _decode}
+
+
+def _run(fn, fast, requires_grad):
+    old = _ops.FusedOp.eager_fast_path
+    _ops.FusedOp.eager_fast_path = fast
+    try:
+        outs, params, loss = fn(requires_grad)
+        grads = torch.autograd.grad(loss, params) if loss is not None else ()
+    finally:
+        _ops.FusedOp.eager_fast_path = old
+    return [t.detach().numpy() for t in (*outs, *grads)]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_path_matches_dispatcher(family, requires_grad):
+    if family == "decode" and requires_grad:
+        pytest.skip("decode is forward only")
+    fast = _run(FAMILIES[family], True, requires_grad)
+    slow = _run(FAMILIES[family], False, requires_grad)
+    assert len(fast) == len(slow) > 0
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_retained_graph_runs_backward_twice():
+    """needs_input_grad is restored after each backward (a retained graph runs the node again)."""
+    h, w = _inputs(5, (4, 8), (11, 8))
+    h.requires_grad_()
+    loss = ft.linear_cross_entropy(h, w, torch.tensor([1, 2, 3, 4]))
+    g1, = torch.autograd.grad(loss, h, retain_graph=True)
+    g2, = torch.autograd.grad(loss, h)
+    np.testing.assert_array_equal(g1.numpy(), g2.numpy())
+
+
+def test_fast_path_only_in_plain_eager(monkeypatch):
+    calls = []
+    real = _ops._EagerAutograd.apply
+    monkeypatch.setattr(_ops._EagerAutograd, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(3, 8, requires_grad=True)
+    ft.rms_norm(x)
+    assert calls == [1]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():  # a dispatch mode: the op must go through the dispatcher (fake kernel)
+        y = ft.rms_norm(torch.empty(3, 8, requires_grad=True))
+    assert calls == [1] and tuple(y.shape) == (3, 8)
