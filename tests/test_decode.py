@@ -294,6 +294,14 @@ def test_torch_merge_attention_states():
     seen = torch.isfinite(lses[1])[..., None]
     assert o1.dtype == torch.bfloat16 and torch.equal(o1, torch.where(seen, outs[1], 0.0).bfloat16())
     torch.testing.assert_close(l1, lses[1], atol=1e-6, rtol=0)  # lse * log2(e) * ln(2): float32 rounding
+    # 37 states (three blocks of 16 states, the last ragged), rows x D not a multiple of the element block
+    outs = torch.randn(37, 3, 5, 7, 40, generator=g)
+    lses = torch.randn(37, 3, 5, 7, generator=g) * 4
+    lses[5:30, 2] = float("-inf")
+    out, lse = tapi.merge_attention_states(outs, lses)
+    ro, rl = ref.merge_attention_states(outs.double().numpy(), lses.double().numpy())
+    np.testing.assert_allclose(np64(out), ro, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(np64(lse), rl, atol=4e-6, rtol=0)
 
 
 def test_torch_merge_of_decode_halves_equals_full_decode():

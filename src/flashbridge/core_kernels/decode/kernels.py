@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, attend_block, kv_key_range,
-                                         load_tile, merge_state_step, score_params, softmax_finalize, softmax_init)
+                                         LN2, load_tile, merge_states_block, score_params, softmax_finalize,
+                                         softmax_init)
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -240,13 +241,30 @@ def decode_fwd_kernel(
 
 # ------------------------------------------------------------------------------------------------ merge
 
+@triton.jit
+def merge_stack(acc, m_i, l_i, O, L, n_states, stride_o, stride_l, offs_e, r, e_ok, BLOCK_N: tl.constexpr):
+    """Fold states ``0..n_states-1`` of one stack (``O[n * stride_o + e]``, ``L[n * stride_l + r]``) into the
+    running merge, BLOCK_N states per step: the loads of a step are independent, so a merge of many
+    splits costs a few memory round trips, not one per split."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, n_states, BLOCK_N):
+        n = n0 + offs_n
+        n_ok = n < n_states
+        n64 = tl.cast(n, tl.int64)[:, None]
+        ok = n_ok[:, None] & e_ok[None, :]
+        lse = tl.load(L + n64 * stride_l + r[None, :], mask=ok, other=float("-inf"))  # [N, E]
+        o = tl.load(O + n64 * stride_o + offs_e[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc, m_i, l_i = merge_states_block(acc, m_i, l_i, lse, o)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize_on_alignment=MERGE_INT_SCALARS)
 def merge_states_kernel(
     O_A, L_A, O_B, L_B, SINKS,  # inputs: two stacks of states (B optional), sinks optional
     n_a, n_b, n_rows, seqlen_q, heads, stride_oa, stride_la, stride_obn, stride_lbn,
     stride_lse_b, stride_lse_s, stride_lse_h,  # runtime scalars
     O, LSE,  # outputs: out (rows, DV) contiguous, lse through its (batch, token, head) strides
-    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_B: tl.constexpr,
+    DV: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, HAS_B: tl.constexpr,
     HAS_SINKS: tl.constexpr, O_ALIGN: tl.constexpr, L_ALIGN: tl.constexpr,
 ):
     """``out = sum_n exp(lse_n - lse) o_n``, ``lse = log(sum_n exp(lse_n) [+ exp(sink_h)])`` over the
@@ -254,40 +272,36 @@ def merge_states_kernel(
 
     State ``n`` of A is ``O_A[n * stride_oa + r * DV + d]`` / ``L_A[n * stride_la + r]`` for rows
     ``r < n_rows``; row ``r`` is (batch, token, head) = ``(r // (seqlen_q * heads), r // heads % seqlen_q,
-    r % heads)``, which places the lse and picks the sink. Grid ``(cdiv(n_rows, BLOCK_R),)``. The state
-    strides are multiples of O_ALIGN (outs) and L_ALIGN (lses) elements.
+    r % heads)``, which places the lse and picks the sink. The merge runs element by element over the
+    flattened ``(row, d)`` outputs, BLOCK_E of them per program (grid ``(cdiv(n_rows * DV, BLOCK_E),)``),
+    each element recomputing its row's weights from the (cached) lse: a few extra exp2s buy tiles that do
+    not depend on DV and programs for every SM even when there are few rows. The lanes with ``d == 0``
+    store the row's lse. State strides are multiples of O_ALIGN (outs) and L_ALIGN (lses) elements.
     """
     stride_oa = aligned(stride_oa, O_ALIGN)
     stride_obn = aligned(stride_obn, O_ALIGN)
     stride_la = aligned(stride_la, L_ALIGN)
     stride_lbn = aligned(stride_lbn, L_ALIGN)
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = offs_r < n_rows
-    r = tl.minimum(offs_r, n_rows - 1)  # padding rows re-read the last row: no masks in the loops
+    offs_e = tl.cast(tl.program_id(0), tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < tl.cast(n_rows, tl.int64) * DV
+    r = tl.cast(offs_e // DV, tl.int32)
     h = r % heads
-    offs_d = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < DV
-    o_off = tl.cast(r, tl.int64)[:, None] * DV + offs_d[None, :]  # [R, Dv]
-    m_i, l_i = softmax_init(SINKS, h, BLOCK_R, HAS_SINKS)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    for n in range(n_a):
-        lse = tl.load(L_A + tl.cast(n, tl.int64) * stride_la + r)
-        o = load_tile(O_A + tl.cast(n, tl.int64) * stride_oa + o_off, row_ok, d_ok, False, BLOCK_DV != DV)
-        acc, m_i, l_i = merge_state_step(acc, m_i, l_i, lse, o.to(tl.float32))
+    m_i, l_i = softmax_init(SINKS, tl.where(e_ok, h, 0), BLOCK_E, HAS_SINKS)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    acc, m_i, l_i = merge_stack(acc, m_i, l_i, O_A, L_A, n_a, stride_oa, stride_la, offs_e, r, e_ok, BLOCK_N)
     if HAS_B:
-        for n in range(n_b):
-            lse = tl.load(L_B + tl.cast(n, tl.int64) * stride_lbn + r)
-            o = load_tile(O_B + tl.cast(n, tl.int64) * stride_obn + o_off, row_ok, d_ok, False, BLOCK_DV != DV)
-            acc, m_i, l_i = merge_state_step(acc, m_i, l_i, lse, o.to(tl.float32))
-    out, lse = softmax_finalize(acc, m_i, l_i)
-    if BLOCK_DV != DV:
-        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        acc, m_i, l_i = merge_stack(acc, m_i, l_i, O_B, L_B, n_b, stride_obn, stride_lbn, offs_e, r, e_ok,
+                                    BLOCK_N)
+    # softmax_finalize, element-wise: elements whose row saw nothing give 0 and -inf
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc * tl.where(seen, 1.0 / l_safe, 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(O + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
     b = r // (seqlen_q * heads)
     s = (r // heads) % seqlen_q
     l_off = tl.cast(b, tl.int64) * stride_lse_b + tl.cast(s, tl.int64) * stride_lse_s + h * stride_lse_h
-    tl.store(LSE + l_off, lse, mask=row_ok)
+    tl.store(LSE + l_off, lse, mask=e_ok & (offs_e % DV == 0))
 
 
 # ----------------------------------------------------------------------------------------------- append

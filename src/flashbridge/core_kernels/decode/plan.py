@@ -53,7 +53,8 @@ class DecodeConfig:
       program (more rows -> more row blocks, each reading the cache again);
     * ``programs_per_sm``: the auto split count aims at this many programs per SM when the batch does not
       fill the GPU on its own, ``min_blocks_per_split`` keeps each split at least that many key blocks long;
-    * ``merge_block_rows``: rows per program of the merge kernel.
+    * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
+      ``merge_block_states`` states per step.
 
     The GPU defaults are set for Hopper from the memory-bound character of decode (untimed: the session that
     wrote them had no GPU time); the interpreter pays per program and per operation, not per element.
@@ -65,12 +66,13 @@ class DecodeConfig:
     num_stages: Optional[int] = None
     programs_per_sm: Optional[int] = None
     min_blocks_per_split: Optional[int] = None
-    merge_block_rows: Optional[int] = None
+    merge_block_elements: Optional[int] = None
+    merge_block_states: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("block_n", "block_m", "merge_block_rows"):
+        for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states"):
             value = getattr(self, name)
-            minimum = 1 if name == "merge_block_rows" else 16
+            minimum = 1 if name.startswith("merge") else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
 
@@ -572,24 +574,24 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
 def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Optional[str], n_a: int, n_b: int,
                   n_rows: int, seqlen_q: int, heads: int, head_dim_v: int, lse_strides: tuple[int, int, int],
                   target: Target, config: DecodeConfig) -> Launch:
-    block_dv = _pad(head_dim_v)
-    if config.merge_block_rows:
-        block_r = config.merge_block_rows
-    elif target.interpret:
-        block_r = 64
-    else:
-        block_r = max(1, min(64, 4096 // block_dv))
+    # Elements per program: enough programs for two per SM when the merge is small (decode of one
+    # sequence merges only Hq * Dv elements per split), at most 512 (16 states x 512 fp32 per step in
+    # registers); states per step: 16 (a 64-split merge is four dependent round trips to memory).
+    elements = n_rows * head_dim_v
+    block_e = config.merge_block_elements or (
+        256 if target.interpret else max(32, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
+    block_n = config.merge_block_states or min(16, next_power_of_2(max(n_a, n_b, 1)))
     state_stride = n_rows * head_dim_v
     return Launch(
         kernel=f"{_K}:merge_states_kernel",
-        grid=(cdiv(n_rows, block_r),),
+        grid=(cdiv(elements, block_e),),
         inputs=(a[0], a[1], (b or a)[0], (b or a)[1], sinks or a[1]),
         scalars=(("n_a", n_a), ("n_b", n_b), ("n_rows", n_rows), ("seqlen_q", seqlen_q), ("heads", heads),
                  ("stride_oa", state_stride), ("stride_la", n_rows), ("stride_obn", state_stride),
                  ("stride_lbn", n_rows), ("stride_lse_b", lse_strides[0]), ("stride_lse_s", lse_strides[1]),
                  ("stride_lse_h", lse_strides[2])),
         outputs=("out", "lse"),
-        constexprs=(("DV", head_dim_v), ("BLOCK_R", block_r), ("BLOCK_DV", block_dv), ("HAS_B", b is not None),
+        constexprs=(("DV", head_dim_v), ("BLOCK_E", block_e), ("BLOCK_N", block_n), ("HAS_B", b is not None),
                     ("HAS_SINKS", sinks is not None), ("O_ALIGN", pow2_divisor(state_stride)),
                     ("L_ALIGN", pow2_divisor(n_rows))),
         num_warps=4,

@@ -257,19 +257,20 @@ def online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def merge_state_step(acc, m_i, l_i, lse, o):
-    """Fold one normalised partial state into the running softmax: ``lse`` [M] (natural log, -inf = the
-    part saw nothing), ``o`` [M, Dv] its output. The same algebra as :func:`online_softmax_step` with the
-    part standing for one key of weight ``exp(lse)`` and value ``o``: after every part,
-    :func:`softmax_finalize` gives the exact merge ``out = sum_n exp(lse_n - lse) o_n``,
-    ``lse = log sum_n exp(lse_n)``. Parts with lse = -inf contribute exactly 0 (even if their o is NaN)."""
+def merge_states_block(acc, m_i, l_i, lse, o):
+    """Fold a block of normalised partial states into a running merge, element by element: ``lse`` [N, E]
+    (natural log, -inf = the part saw nothing or is padding), ``o`` [N, E] the parts' outputs, axis 0 the
+    parts; acc, m_i (log2 units), l_i are [E]. The same algebra as :func:`online_softmax_step` with each
+    part standing for one key of weight ``exp(lse)`` and value ``o``: after every block,
+    ``acc / l_i`` is the exact merge ``sum_n exp(lse_n - lse) o_n`` and ``m_i + log2(l_i)`` its lse
+    (log2 units). Parts with lse = -inf contribute exactly 0 (even if their o is NaN)."""
     lse2 = lse * LOG2E
-    m_new = tl.maximum(m_i, lse2)
+    m_new = tl.maximum(m_i, tl.max(lse2, 0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    w = tl.exp2(lse2 - m_use)  # [M]
+    w = tl.exp2(lse2 - m_use[None, :])  # [N, E]
     alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + w
-    acc = acc * alpha[:, None] + w[:, None] * tl.where((w > 0.0)[:, None], o, 0.0)
+    l_i = l_i * alpha + tl.sum(w, 0)
+    acc = acc * alpha + tl.sum(w * tl.where(w > 0.0, o, 0.0), 0)
     return acc, m_new, l_i
 
 

@@ -35,7 +35,9 @@ def _row_mean_m2(h, mask, LOG2_CHUNKS: tl.constexpr):
     catastrophically. Only the small [BLOCK_M, NCHUNK] statistics are reshaped, never the tile.
     """
     n = tl.sum(mask.to(tl.float32), axis=2)  # [BLOCK_M, NCHUNK]
-    mean = tl.sum(h, axis=2) / tl.maximum(n, 1.0)
+    # IEEE division (Triton's default div.full is accurate to 2 ulp only): the mean of equal values is
+    # exactly that value, so h - mean is exactly 0 where it should be
+    mean = tl.math.div_rn(tl.sum(h, axis=2), tl.maximum(n, 1.0))
     dev = tl.where(mask, h - mean[:, :, None], 0.0)
     m2 = tl.sum(dev * dev, axis=2)
     for _ in tl.static_range(LOG2_CHUNKS):  # halve the number of parts each level
@@ -145,6 +147,11 @@ def norm_bwd_kernel(
         c1 = tl.sum(g * xhat, axis=1) / N_COLS
         if IS_RMS:
             dh = (g - xhat * c1[:, None]) * rstd[:, None]
+        elif N_COLS == 1:
+            # LayerNorm of one element is the constant bias: dh is exactly 0. (The general formula cancels
+            # g - mean(g) to 0 only if g is rounded first; fp fusion contracts g = dy * w into that
+            # subtraction and leaves half an ulp, times rstd = 1/sqrt(eps) ~ 316.)
+            dh = tl.zeros_like(g)
         else:
             c2 = tl.sum(g, axis=1) / N_COLS
             dh = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
