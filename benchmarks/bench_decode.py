@@ -230,8 +230,8 @@ def sweep_splits():
         k0, v0, extra0 = caches[0]
         shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
                                               **{n: info(t) for n, t in extra0.items()})
-        for splits in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128):
-            for block_n, warps, stages in ((64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (64, 4, 4), (128, 8, 3)):
+        for splits in (1, 4, 8, 16, 32, 64, 128):
+            for block_n, warps, stages in ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2)):
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)

@@ -86,8 +86,8 @@ _compiled_ln = torch.compile(_eager_ln, dynamic=False)
 def nbytes(op, rows, cols, itemsize, backward):
     big = rows * cols * itemsize
     params = cols * itemsize * (1 if op.startswith("rms") else 2)
-    if backward:  # read dy, h; write dx; read weight, write dweight (+ dbias)
-        return 3 * big + 2 * params
+    if backward:  # read dy, h (+ dh, the gradient of the h output); write dx; read weight, write dweight (+ dbias)
+        return (4 if op.endswith("+res") else 3) * big + 2 * params
     tensors = 2 + (2 if op.endswith("+res") else 0)
     return tensors * big + params
 
@@ -163,6 +163,7 @@ def tune(ceiling):
         x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)  # not x: h and dy are distinct reads
         mean = torch.randn(rows, device="cuda")
         rstd = torch.rand(rows, device="cuda") + 0.5
         target = target_for(x.device)
@@ -190,7 +191,7 @@ def tune(ceiling):
                         plan = plan_norm_bwd(rows, cols, dx_dtype="bfloat16", weight_dtype="bfloat16",
                                              bias_dtype=None if is_rms else "bfloat16", is_rms=is_rms,
                                              has_dh=False, dropout_p=0.0, target=target, config=cfg)
-                        inputs = {"dy": x, "h": x, "weight": w, "mean": mean, "rstd": rstd}
+                        inputs = {"dy": dy, "h": x, "weight": w, "mean": mean, "rstd": rstd}
                         try:
                             ms = time_torch(lambda: execute(plan, inputs))
                         except Exception as exc:

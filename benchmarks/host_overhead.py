@@ -84,6 +84,30 @@ def main():
                                  tensors * x.numel() * 2 / (device_ms * 1e-3) / 1e12])
     print_table("RMSNorm forward: device time (do_bench) and host time per call",
                 ["shape", "layer", "do_bench ms", "host us/call", "TB/s"], rows_out)
+    profile_training_step()
+
+
+def profile_training_step(rows=16384, cols=8192, steps=10):
+    """torch.profiler over forward + backward of the public op: which kernels and host calls a training
+    step costs (the backward's host time above is the question this answers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        torch.autograd.grad(ft.rms_norm(x, w), (x, w), dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"RMSNorm {rows}x{cols} bf16 forward + backward, {steps} steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
 
 
 if __name__ == "__main__":

@@ -70,14 +70,19 @@ def test_fast_path_matches_dispatcher(family, requires_grad):
         np.testing.assert_array_equal(a, b)
 
 
-def test_retained_graph_runs_backward_twice():
-    """needs_input_grad is restored after each backward (a retained graph runs the node again)."""
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_retained_graph_runs_backward_twice(reduction):
+    """A retained graph runs a node again: needs_input_grad is restored, and linear_cross_entropy (whose
+    first backward hands over the gradients computed in the forward) recomputes them the second time."""
     h, w = _inputs(5, (4, 8), (11, 8))
     h.requires_grad_()
-    loss = ft.linear_cross_entropy(h, w, torch.tensor([1, 2, 3, 4]))
-    g1, = torch.autograd.grad(loss, h, retain_graph=True)
-    g2, = torch.autograd.grad(loss, h)
-    np.testing.assert_array_equal(g1.numpy(), g2.numpy())
+    w.requires_grad_()
+    loss = ft.linear_cross_entropy(h, w, torch.tensor([1, -100, 3, 4]), reduction=reduction)
+    up = torch.tensor([0.5, 2.0, -1.0, 3.0]) if reduction == "none" else torch.tensor(1.5)
+    g1 = torch.autograd.grad(loss, (h, w), up, retain_graph=True)
+    g2 = torch.autograd.grad(loss, (h, w), up)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_fast_path_only_in_plain_eager(monkeypatch):

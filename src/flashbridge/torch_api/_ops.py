@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager(args) -> bool:
+def plain_eager(args) -> bool:
     """True when calling the implementation directly is indistinguishable from calling the op."""
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
             or torch._C._are_functorch_transforms_active()):
@@ -88,7 +88,7 @@ class FusedOp:
         return getattr(torch.ops.flashbridge, self.name).default
 
     def __call__(self, *args):
-        if not (FusedOp.eager_fast_path and _plain_eager(args)):
+        if not (FusedOp.eager_fast_path and plain_eager(args)):
             return self.overload(*args)
         if (self.backward is not None and torch.is_grad_enabled()
                 and any(isinstance(a, Tensor) and a.requires_grad for a in args)):

@@ -10,8 +10,8 @@ Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
   buffer; the logits chunk is freed right after), then ``dh_c = dlogits @ W`` into its slice of ``dh`` and
   ``dW += dlogits.T @ h_c`` (cuBLAS with beta=1) and ``db += colsum(dlogits)`` in fp32.
 * Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
-  and something requires grad: the backward only multiplies them by the upstream scalar. Three GEMMs in
-  all, eager's FLOP count. With reduction="none" the per-token upstream gradients are unknown in the
+  and something requires grad: the backward only multiplies them, in place, by the upstream scalar and
+  hands them to autograd (no copy; see ``_lce_backward``). Three GEMMs in all, eager's FLOP count. With reduction="none" the per-token upstream gradients are unknown in the
   forward, so the forward keeps only the fp32 lse and the backward recomputes the logits chunk by chunk
   (four GEMMs).
 * Memory: the returned gradients plus one chunk's logits and gradient, ``2 * C * V`` elements. ``C`` is
@@ -38,7 +38,7 @@ from ..core_kernels.cross_entropy.plan import (
     bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
     chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
 from ._checks import check_tensors
-from ._ops import fused_op
+from ._ops import fused_op, plain_eager
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -250,26 +250,44 @@ def _lce_setup_context(ctx, inputs, output):
     ctx.reduction = reduction
     ctx.flags = (grad_hidden, grad_weight, grad_bias and bias is not None)
     ctx.options = (ignore_index, label_smoothing, z_loss, logit_softcap, chunk_size)
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, labels, bias, lse, lse_lo)
-    else:
-        ctx.save_for_backward(dh, dw, db)
+    saved = (hidden, weight, labels, bias, lse, lse_lo)  # references to the inputs: no memory
+    ctx.handover = None
+    if reduction != "none":
+        if plain_eager((dh, dw, db)):
+            ctx.handover = [dh, dw, db]
+        else:  # traced (compile, AOT, fake tensors): tensors must pass through save_for_backward
+            saved += (dh, dw, db)
+    ctx.save_for_backward(*saved)
 
 
 def _lce_backward(ctx, dloss, *_):
+    """With reduction "mean" / "sum" the forward computed the gradients for an upstream gradient of 1.
+
+    Eager: the first backward *hands them over*, scaled in place, and drops its own references, so no copy
+    is made (a copy of dW alone is 1 GB at V=128256, H=4096) and autograd can move them into ``.grad``
+    without cloning. Traced (torch.compile): they come from saved tensors and are scaled out of place. A
+    retained graph that runs this node again after the hand-over, and reduction "none", recompute the
+    gradients from the saved lse, chunk by chunk (four GEMMs)."""
     gh, gw, gb = ctx.flags
     gh, gw, gb = gh and ctx.needs_input_grad[0], gw and ctx.needs_input_grad[1], gb and ctx.needs_input_grad[3]
     if dloss is None or not (gh or gw or gb):
         return (None,) * 13
-    if ctx.reduction == "none":
-        hidden, weight, labels, bias, lse, lse_lo = ctx.saved_tensors
-        ii, ls, zl, cap, chunk = ctx.options
-        dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, lse_lo, dloss.float().contiguous(), ii, ls, zl, cap,
-                              chunk, gh, gw, gb)
+    hidden, weight, labels, bias, lse, lse_lo, *fwd_grads = ctx.saved_tensors
+    ii, ls, zl, cap, chunk = ctx.options
+    g = dloss.float()
+    if ctx.handover is not None:
+        grads, ctx.handover = ctx.handover, None
+        dh, dw, db = (t.mul_(g) if need else None for t, need in zip(grads, (gh, gw, gb)))
+    elif fwd_grads:
+        dh, dw, db = (t * g if need else None for t, need in zip(fwd_grads, (gh, gw, gb)))
     else:
-        dh, dw, db = ctx.saved_tensors
-        g = dloss.float()
-        dh, dw, db = (dh * g if gh else None), (dw * g if gw else None), (db * g if gb else None)
+        if ctx.reduction == "none":
+            row_weights = g.contiguous()
+        else:  # the upstream gradient of the sum / mean, spread over the rows (ignored rows get 0 anyway)
+            count = (labels != ii).sum().clamp(min=1) if ctx.reduction == "mean" else 1
+            row_weights = (g / count).expand(labels.shape[0]).contiguous()
+        dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, lse_lo, row_weights, ii, ls, zl, cap, chunk,
+                              gh, gw, gb)
     return (dh if gh else None, dw if gw else None, None, db if gb else None) + (None,) * 9
 
 
