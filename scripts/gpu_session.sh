@@ -21,6 +21,7 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 status=0
+MEMCHECK=${MEMCHECK:-}
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
