@@ -223,8 +223,15 @@ def sweep_splits():
     variants += [("B1 S128k paged64", 1, 131072, True, False), ("B1 S128k fp8", 1, 131072, False, True)]
     out = []
     for label, b, s, paged, fp8 in variants:
-        caches = make_caches(b, s, paged=paged, fp8=fp8, copies=n_copies(kv_bytes(b, s, 1 if fp8 else 2)))
-        q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        try:
+            caches = make_caches(b, s, paged=paged, fp8=fp8, copies=n_copies(kv_bytes(b, s, 1 if fp8 else 2)))
+        except Exception as exc:
+            out.append({"case": label, "error": str(exc)[:120]})
+            print(out[-1])
+            continue
+        # a CPU generator: a graph capture that failed earlier in the process can leave the default CUDA
+        # generator unusable outside capture
+        q = torch.randn(b, 1, HQ, D, generator=torch.Generator().manual_seed(b + s)).to("cuda", torch.bfloat16)
         lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
         info = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
         k0, v0, extra0 = caches[0]
@@ -379,12 +386,12 @@ def main():
                 ["case", "provider", "ms", "TB/s"], table)
     lines = verdicts(rows)
     print("\n".join(lines))
-    payload = {"rows": rows, "verdicts": lines, "shape": {"hq": HQ, "hkv": HKV, "d": D, "sq": 1}}
-    if args.splits:
-        payload["splits"] = sweep_splits()
+    payload = {"environment": environment(), "rows": rows, "verdicts": lines,
+               "shape": {"hq": HQ, "hkv": HKV, "d": D, "sq": 1}}
     plot(rows)
-    path = save("decode_h200", payload)
-    print(f"wrote {path}")
+    print(f"wrote {save('decode_h200', payload)}")
+    if args.splits:  # saved on its own: a failure in the sweep must not lose the main table
+        print(f"wrote {save('decode_splits_h200', {'environment': environment(), 'splits': sweep_splits()})}")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ _compiled_ln = torch.compile(_eager_ln, dynamic=False)
 def nbytes(op, rows, cols, itemsize, backward):
     big = rows * cols * itemsize
     params = cols * itemsize * (1 if op.startswith("rms") else 2)
-    if backward:  # read dy, h (+ dh, the gradient of the h output); write dx; read weight, write dweight (+ dbias)
+    if backward:  # read dy, h (+ dh, the h output's gradient); write dx; read weight, write dweight (+ dbias)
         return (4 if op.endswith("+res") else 3) * big + 2 * params
     tensors = 2 + (2 if op.endswith("+res") else 0)
     return tensors * big + params
@@ -106,14 +106,14 @@ def jax_time(op, x, w, b, r, backward):
     rms = op.startswith("rms")
 
     def fwd(x, w):
-        o = fj.rms_norm(x, w, eps=EPS, residual=jr) if rms else fj.layer_norm(x, w, jb, eps=EPS, residual=jr)
-        return o[0] if jr is not None else o
+        return fj.rms_norm(x, w, eps=EPS, residual=jr) if rms else fj.layer_norm(x, w, jb, eps=EPS, residual=jr)
 
     if not backward:
         return time_jax(fwd, jx, jw)
-    y, vjp_fn = jax.vjp(fwd, jx, jw)
-    dy = jnp.ones_like(y) * 0.5 + jnp.asarray(0.1, y.dtype) * jx
-    return time_jax(lambda f, ct: f(ct), vjp_fn, dy)
+    outs, vjp_fn = jax.vjp(fwd, jx, jw)
+    # the same cotangents for every output as in torch: with a residual, (dy, dh)
+    cts = jax.tree_util.tree_map(lambda o: jnp.ones_like(o) * 0.5 + jnp.asarray(0.1, o.dtype) * jx, outs)
+    return time_jax(lambda f, ct: f(ct), vjp_fn, cts)
 
 
 def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
@@ -129,10 +129,11 @@ def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
             if backward:
                 x.requires_grad_(True)
                 weight.requires_grad_(True)
-                y = fn()
-                y = y[0] if isinstance(y, tuple) else y
-                dy = torch.randn_like(y)
-                ms = time_torch(lambda: torch.autograd.grad(y, [x, weight], dy, retain_graph=True))
+                # with a residual, both outputs carry a gradient (h is the next block's residual stream)
+                outs = fn()
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                grads = tuple(torch.randn_like(o) for o in outs)
+                ms = time_torch(lambda: torch.autograd.grad(outs, [x, weight], grads, retain_graph=True))
             else:
                 with torch.no_grad():
                     ms = time_torch(fn)

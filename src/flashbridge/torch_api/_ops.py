@@ -40,6 +40,9 @@ class _EagerAutograd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *args):
         op, args = args[-1], args[:-1]
+        # Gradients of outputs nobody used arrive as None instead of zero tensors (every backward here
+        # accepts None): no fill kernels, and e.g. a norm whose h output is unused skips reading its zeros.
+        ctx.set_materialize_grads(False)
         result = op.impl(*args)
         op.setup_context(ctx, args, result)
         ctx.fused_op = op
