@@ -35,9 +35,9 @@ def _row_mean_m2(h, mask, LOG2_CHUNKS: tl.constexpr):
     catastrophically. Only the small [BLOCK_M, NCHUNK] statistics are reshaped, never the tile.
     """
     n = tl.sum(mask.to(tl.float32), axis=2)  # [BLOCK_M, NCHUNK]
-    # IEEE division (Triton's default div.full is accurate to 2 ulp only): the mean of equal values is
-    # exactly that value, so h - mean is exactly 0 where it should be
-    mean = tl.math.div_rn(tl.sum(h, axis=2), tl.maximum(n, 1.0))
+    # Triton's default division (div.full, 2 ulp), not IEEE div_rn: with div_rn here (the only kernel change
+    # between two H200 runs) LayerNorm's forward fell from 3.94 to 3.55 TB/s at 16384x8192 bf16
+    mean = tl.sum(h, axis=2) / tl.maximum(n, 1.0)
     dev = tl.where(mask, h - mean[:, :, None], 0.0)
     m2 = tl.sum(dev * dev, axis=2)
     for _ in tl.static_range(LOG2_CHUNKS):  # halve the number of parts each level
