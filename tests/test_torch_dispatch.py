@@ -96,3 +96,24 @@ def test_fast_path_only_in_plain_eager(monkeypatch):
     with FakeTensorMode():  # a dispatch mode: the op must go through the dispatcher (fake kernel)
         y = ft.rms_norm(torch.empty(3, 8, requires_grad=True))
     assert calls == [1] and tuple(y.shape) == (3, 8)
+
+
+def test_execute_into_caller_buffer():
+    """execute(out=...): the result is the caller's tensor (here the logits, overwritten by their gradient,
+    as linear_cross_entropy does); a buffer of the wrong shape or dtype is refused."""
+    from flashbridge.core_kernels import INTERPRETER
+    from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad
+    from flashbridge.torch_api._runtime import execute
+
+    logits, = _inputs(6, (5, 37))
+    labels = torch.tensor([0, 36, -100, 3, 3])
+    plan = plan_ce_fwd_grad(5, 37, grad_dtype="float32", per_row_weight=False, ignore_index=-100,
+                            label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, target=INTERPRETER)
+    inputs = {"logits": logits, "labels": labels, "weight": torch.ones(1)}
+    expected = execute(plan, {**inputs, "logits": logits.clone()})[2]
+    buffer = logits.clone()
+    grad = execute(plan, {**inputs, "logits": buffer}, out={"grad": buffer})[2]
+    assert grad is buffer
+    np.testing.assert_array_equal(grad.numpy(), expected.numpy())
+    with pytest.raises(ValueError, match=r"out\['grad'\]"):
+        execute(plan, inputs, out={"grad": torch.empty(5, 36)})

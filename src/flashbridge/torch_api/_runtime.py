@@ -62,15 +62,31 @@ def _launch_dtype(dtype: str, interpret: bool) -> torch.dtype:
     return torch.float32 if interpret and dtype == "bfloat16" else TORCH_DTYPES[dtype]
 
 
-def execute(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Allocate the plan's buffers, run its launches in order and return its results."""
+def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
+            out: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """Allocate the plan's buffers, run its launches in order and return its results.
+
+    ``out`` names buffers the caller provides instead (contiguous, the buffer's shape and dtype), e.g. an
+    input to be overwritten in place where the kernel allows it (each element read before it is written,
+    by the same program); the result is then that tensor.
+    """
     device = inputs[plan.inputs[0]].device
     interpret = device.type == "cpu"
+    out = out or {}
     env: dict[str, torch.Tensor] = {}
     for name in plan.inputs:
         t = inputs[name]
         env[name] = t.float() if interpret and t.dtype == torch.bfloat16 else t
     for spec in plan.buffers:
+        given = out.get(spec.name)
+        if given is not None:
+            if (tuple(given.shape) != spec.shape or given.dtype != TORCH_DTYPES[spec.dtype]
+                    or not given.is_contiguous()):
+                raise ValueError(f"out[{spec.name!r}]: expected a contiguous {spec.dtype} tensor of shape "
+                                 f"{spec.shape}, got {given.dtype} {tuple(given.shape)}")
+            if given.dtype == _launch_dtype(spec.dtype, interpret):  # else (bf16 on the CPU): copied below
+                env[spec.name] = given
+                continue
         env[spec.name] = _alloc(spec, _launch_dtype(spec.dtype, interpret), device)
     # Triton launches on the current device: switch only when the tensors live elsewhere (the switch
     # itself costs host time on every call).
@@ -81,8 +97,11 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
             args = ([env[n] for n in launch.inputs] + launch.scalar_values()
                     + [env[n] for n in launch.outputs])
             kernel[launch.grid](*args, **launch.constexpr_dict(), **_compile_options(launch, interpret))
-    out = []
+    results = []
     for name in plan.results:
         t, want = env[name], TORCH_DTYPES[plan.spec(name).dtype]
-        out.append(t if t.dtype == want else t.to(want))
-    return tuple(out)
+        t = t if t.dtype == want else t.to(want)
+        if name in out and out[name] is not t:
+            t = out[name].copy_(t)
+        results.append(t)
+    return tuple(results)

@@ -6,18 +6,18 @@ Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
 
 * Tokens are cut into chunks of ``C`` rows. Per chunk: ``logits = h_c @ W.T (+ b)`` with the framework's
   GEMM (cuBLAS, input dtype, fp32 accumulation), then our Triton kernels: the lse / loss pass (one read,
-  online softmax, fp32) and the gradient pass (second read, one write of ``dlogits`` into a fresh chunk
-  buffer; the logits chunk is freed right after), then ``dh_c = dlogits @ W`` into its slice of ``dh`` and
+  online softmax, fp32) and the gradient pass (second read, ``dlogits`` written over the logits in place), then ``dh_c = dlogits @ W`` into its slice of ``dh`` and
   ``dW += dlogits.T @ h_c`` (cuBLAS with beta=1) and ``db += colsum(dlogits)`` in fp32.
 * Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
   and something requires grad: the backward only multiplies them, in place, by the upstream scalar and
   hands them to autograd (no copy; see ``_lce_backward``). Three GEMMs in all, eager's FLOP count. With reduction="none" the per-token upstream gradients are unknown in the
   forward, so the forward keeps only the fp32 lse and the backward recomputes the logits chunk by chunk
   (four GEMMs).
-* Memory: the returned gradients plus one chunk's logits and gradient, ``2 * C * V`` elements. ``C`` is
-  chosen so that this is at most the weight's size (at least 256 MiB, at most a quarter of the free
-  memory): at N=8192, H=4096, V=128256 in bf16, 4 chunks of 2048 tokens and a peak of about
-  dW + dh + one weight, 2.2 GB, against 14 GB for eager.
+* Memory: the returned gradients plus one chunk's logits (overwritten by their gradient), ``C * V``
+  elements. ``C`` is chosen by :func:`choose_chunk_size` (shared with the JAX path, which keeps logits and
+  gradient apart, hence its budget of ``2 * C * V`` <= the weight's size): at N=8192, H=4096, V=128256 in
+  bf16, 4 chunks of 2048 tokens and a peak of about dW + dh + half a weight (measured 2.24 GB before the
+  gradient was written in place, 6.3 GB for eager).
 * Accuracy: lse, loss and the reduction in fp32; the logits are rounded once to the input dtype (as in
   eager); ``dW`` is rounded to the weight's dtype once per chunk (eager rounds once in all). A float32
   ``dW`` accumulator would remove that but costs two more weights of memory; a handful of chunks keeps
@@ -175,8 +175,9 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
         if fused:
             plan = plan_ce_fwd_grad(stop - start, vocab, grad_dtype=dtype, per_row_weight=False, **options,
                                     target=target)
-            loss_c, lse_c, grad = execute(plan, {**named, "weight": scale})
-            del logits, named  # the chunk's logits are dead once the gradient is written
+            # the gradient overwrites the chunk's logits (the gradient kernel reads each tile before writing it)
+            loss_c, lse_c, grad = execute(plan, {**named, "weight": scale}, out={"grad": logits})
+            del logits, named
             _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
             del grad
         else:
@@ -226,7 +227,8 @@ def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
         plan = plan_ce_grad(stop - start, vocab, grad_dtype=dtype_name(hidden.dtype), per_row_weight=True,
                             **options, target=target)
         (grad,) = execute(plan, {"logits": logits, "labels": labels[start:stop], "lse": lse[start:stop],
-                                 "lse_lo": lse_lo[start:stop], "weight": dloss[start:stop]})
+                                 "lse_lo": lse_lo[start:stop], "weight": dloss[start:stop]},
+                          out={"grad": logits})  # in place, as in the forward
         del logits
         _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
         del grad
