@@ -255,19 +255,27 @@ def main():
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
+    parser.add_argument("--dims", help="comma-separated head dims (default: all); the results file is then "
+                                       "named after them, so a long matrix can be split across runs")
+    parser.add_argument("--no-extra", action="store_true", help="skip the GQA / varlen / window rows")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
         return
     print(environment())
     print("GPU tile defaults:", GPU_TILES)
-    payload = {"main": [], "extra": [], "tune": []}
+    payload = {"environment": environment(), "main": [], "extra": [], "tune": []}
     seqlens = (4096,) if args.quick else SEQLENS
     dims = (128,) if args.quick else HEAD_DIMS
+    out_name = "attention_h200"
+    if args.dims:
+        dims = tuple(int(d) for d in args.dims.split(","))
+        out_name += "_d" + "-".join(map(str, dims))
     table = []
 
     def record(label, entry_list, meta, res):
         entry_list.append({**meta, "results": res})
+        save(out_name, payload)  # after every row: a run cut short keeps what it measured
         for name, r in res.items():
             if "error" in r:
                 table.append([label, name, "-", "-", "-", "-"])
@@ -281,7 +289,7 @@ def main():
                 res = bench(b, s, H, H, d, causal, with_jax=not args.no_jax)
                 record(f"D{d} S{s} {'causal' if causal else 'full'}", payload["main"],
                        {"b": b, "s": s, "h": H, "d": d, "causal": causal}, res)
-    if not args.quick:
+    if not (args.quick or args.no_extra):
         for causal in (False, True):
             res = bench(4, 4096, 32, 8, 128, causal, with_jax=not args.no_jax)
             record(f"GQA 32/8 D128 S4096 {'causal' if causal else 'full'}", payload["extra"],
@@ -310,12 +318,11 @@ def main():
                     print(d, causal, r)
     print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
                 ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)
-    plot(payload["main"])
-    path = save("attention_h200", payload)
-    print(f"wrote {path}")
+    plot(payload["main"], out_name)
+    print(f"wrote {save(out_name, payload)}")
 
 
-def plot(main_rows):
+def plot(main_rows, name="attention_h200"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -341,7 +348,7 @@ def plot(main_rows):
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
-    save_figure(fig, "attention_h200")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 status=0
 MEMCHECK=${MEMCHECK:-}
+ATTN_DIMS=${ATTN_DIMS:-}
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
@@ -37,7 +38,8 @@ for stage in "${stages[@]}"; do
     bench-norms) python3 benchmarks/bench_norms.py 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
     bench-decode) python3 benchmarks/bench_decode.py --splits 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
     bench-ce) python3 benchmarks/bench_cross_entropy.py 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
-    bench-attention) python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
+    # ATTN_DIMS=64,128 splits the full matrix across runs (one results file per split)
+    bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
