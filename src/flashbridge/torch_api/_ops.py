@@ -8,8 +8,8 @@ autograd kernel and its schema-driven argument handling), and a norm's kernel on
 130 us: the GPU would wait for the host.
 
 So :class:`FusedOp` runs the *same* implementation, ``setup_context`` and ``backward`` functions directly
-when nothing needs the dispatcher: not compiling, no dispatch mode active, no functorch transform, only
-plain tensors. Then it calls the implementation (no input needs a gradient) or one generic
+when nothing needs the dispatcher: not compiling or tracing, no dispatch mode active, no functorch
+transform, only plain tensors. Then it calls the implementation (no input needs a gradient) or one generic
 ``torch.autograd.Function`` around it, exactly as ``torch.library``'s own autograd kernel does.
 ``tests/test_norms.py::test_eager_fast_path_matches_custom_op`` asserts both paths give the same bits.
 """
@@ -28,7 +28,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def plain_eager(args) -> bool:
     """True when calling the implementation directly is indistinguishable from calling the op."""
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or torch._C._are_functorch_transforms_active()):
+            or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()):
         return False
     return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor))
 
