@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, attend_block, kv_key_range,
-                                         LN2, load_tile, merge_states_block, score_params, softmax_finalize,
-                                         softmax_init)
+                                         load_tile, merge_states_block, score_params, softmax_finalize,
+                                         softmax_init, softmax_normaliser)
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -292,12 +292,8 @@ def merge_states_kernel(
     if HAS_B:
         acc, m_i, l_i = merge_stack(acc, m_i, l_i, O_B, L_B, n_b, stride_obn, stride_lbn, offs_e, r, e_ok,
                                     BLOCK_N)
-    # softmax_finalize, element-wise: elements whose row saw nothing give 0 and -inf
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc * tl.where(seen, 1.0 / l_safe, 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    tl.store(O + offs_e, out.to(O.dtype.element_ty), mask=e_ok)
+    inv_l, lse = softmax_normaliser(m_i, l_i)  # element-wise: elements whose row saw nothing give 0, -inf
+    tl.store(O + offs_e, (acc * inv_l).to(O.dtype.element_ty), mask=e_ok)
     b = r // (seqlen_q * heads)
     s = (r // heads) % seqlen_q
     l_off = tl.cast(b, tl.int64) * stride_lse_b + tl.cast(s, tl.int64) * stride_lse_s + h * stride_lse_h

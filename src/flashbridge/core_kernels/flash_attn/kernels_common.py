@@ -66,7 +66,8 @@ def kv_key_range(q_first, q_last, diag, seqlen_k, window_left, window_right,
     ``[full_lo, full_hi)`` are visible from every query of the range and inside ``seqlen_k``, so they need
     no mask. Blocks entirely masked (above the causal diagonal, outside the window) are never visited.
     Query-major kernels call it through :func:`kv_block_range`; the decode kernel, whose rows pack several
-    query heads per query token, passes the token range of its rows.
+    query heads per query token, passes the token range of its rows; :func:`q_block_range` calls it with
+    queries and keys swapped.
     """
     if HAS_LOCAL:
         first_key = tl.maximum(q_first + diag - window_left, 0)
@@ -104,24 +105,10 @@ def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
     :func:`kv_block_range` for kernels that loop over queries. ``[full_lo, full_hi)`` are blocks inside
     ``seqlen_q`` whose rows all see every key of the block (keys past ``seqlen_k`` are not checked: they only
     feed rows of dK/dV that are never stored)."""
-    n_blocks = tl.cdiv(seqlen_q, BLOCK_M)
-    if HAS_LOCAL:
-        diag = seqlen_k - seqlen_q
-        n_last = n_start + BLOCK_N - 1
-        first_row = tl.maximum(n_start - diag - window_right, 0)
-        end_row = tl.minimum(n_last - diag + window_left + 1, seqlen_q)
-        lo = first_row // BLOCK_M
-        hi = tl.maximum(tl.cdiv(tl.maximum(end_row, 0), BLOCK_M), lo)
-        full_lo = tl.cdiv(tl.maximum(n_last - diag - window_right, 0), BLOCK_M)
-        full_hi = tl.maximum(tl.minimum(n_start - diag + window_left + 1, seqlen_q), 0) // BLOCK_M
-    else:
-        lo = n_start * 0
-        hi = n_blocks + n_start * 0
-        full_lo = lo
-        full_hi = seqlen_q // BLOCK_M + n_start * 0
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
+    # Query i sees key j when j - window_right <= i + diag <= j + window_left: the same relation as
+    # kv_key_range's with queries and keys swapped, the diagonal negated and the window sides exchanged.
+    return kv_key_range(n_start, n_start + BLOCK_N - 1, seqlen_q - seqlen_k, seqlen_q, window_right, window_left,
+                        BLOCK_M, HAS_LOCAL)
 
 
 @triton.jit
@@ -275,13 +262,19 @@ def merge_states_block(acc, m_i, l_i, lse, o):
 
 
 @triton.jit
-def softmax_finalize(acc, m_i, l_i):
-    """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf."""
+def softmax_normaliser(m_i, l_i):
+    """(1 / sum, lse in natural log) of running (max, sum) states of any shape; states that saw nothing
+    give 0 and -inf (their output is 0)."""
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)  # no 1/0 or log(0), even in lanes that are discarded
-    out = acc * tl.where(seen, 1.0 / l_safe, 0.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    return out, lse
+    return tl.where(seen, 1.0 / l_safe, 0.0), tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+
+
+@triton.jit
+def softmax_finalize(acc, m_i, l_i):
+    """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf."""
+    inv_l, lse = softmax_normaliser(m_i, l_i)
+    return acc * inv_l[:, None], lse
 
 
 @triton.jit
