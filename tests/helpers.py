@@ -15,3 +15,18 @@ def assert_close(out, ref, naive, *, name="output", factor=2.0, floor=1e-5):
     err, bound = error_and_bound(out, ref, naive, factor=factor, floor=floor)
     assert err <= bound, (f"{name}: max error {err:.3g} > bound {bound:.3g} ({factor} x the naive "
                           f"same-dtype error + {floor} x max(1, |ref|))")
+
+
+def torch_to_jax(t):
+    """A torch tensor as a JAX array with the same values and dtype (bf16 and fp8 included); anything else is
+    returned as is. Imports torch and JAX lazily: suites that need neither still import this module."""
+    import torch
+    if not isinstance(t, torch.Tensor):
+        return t
+    import jax.numpy as jnp
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return jnp.asarray(t.view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)
+    return jnp.asarray(t.numpy())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashbridge.reference import attention as ref
-from helpers import assert_close, np64
+from helpers import assert_close, np64, torch_to_jax
 
 torch_api = pytest.importorskip("flashbridge.torch_api.attention")
 
@@ -478,12 +478,6 @@ def _jax_api():
     return jax_attention
 
 
-def _to_jax(t):
-    if t is None or not isinstance(t, torch.Tensor):
-        return t
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
-    return jnp.asarray(t.numpy())
 
 
 JAX_CASES = {
@@ -500,7 +494,7 @@ def test_jax_forward_backward_matches_reference(name):
     ja = _jax_api()
     spec, options = JAX_CASES[name]
     q, k, v, kw = make_inputs(len(name), **spec)
-    jkw = {n: _to_jax(a) for n, a in kw.items()}
+    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
     sinks = jkw.pop("sinks", None)
 
     def loss(q, k, v, sinks, dout, dlse):
@@ -512,7 +506,7 @@ def test_jax_forward_backward_matches_reference(name):
     dout, dlse = rng.standard_normal(ro.shape).astype(np.float32), rng.standard_normal(rl.shape).astype(np.float32)
     argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
     grads, (out, lse) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(
-        _to_jax(q), _to_jax(k), _to_jax(v), sinks, dout, dlse)
+        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), sinks, dout, dlse)
     n_out, _ = naive_torch(q, k, v, **kw, **options)
     assert_close(out, ro, n_out, name="out")
     rgrads = ref.flash_attention_bwd(dout, np64(q), np64(k), np64(v), **ref_options(kw, **options), dlse=dlse)
@@ -530,12 +524,12 @@ def test_cross_framework_parity_is_bitwise():
         out, lse = torch_api.flash_attention(q, k, v, **kw, **options, return_lse=True)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.dtype)
         tgrads = torch.autograd.grad((out.float() * dout.float()).sum(), leaves)
-        jkw = {n: _to_jax(a.detach()) for n, a in kw.items()}
+        jkw = {n: torch_to_jax(a.detach()) for n, a in kw.items()}
         sinks = jkw.pop("sinks")
         (jout, jlse), vjp = jax.vjp(lambda q, k, v, s: ja.flash_attention(q, k, v, sinks=s, **jkw, **options,
                                                                             return_lse=True),
-                                    *[_to_jax(t.detach()) for t in (q, k, v)], sinks)
-        jgrads = vjp((_to_jax(dout), jnp.zeros_like(jlse)))
+                                    *[torch_to_jax(t.detach()) for t in (q, k, v)], sinks)
+        jgrads = vjp((torch_to_jax(dout), jnp.zeros_like(jlse)))
         np.testing.assert_array_equal(np64(jout), np64(out))
         np.testing.assert_array_equal(np64(jlse), np64(lse))
         for a, b in zip(jgrads, tgrads):
@@ -545,7 +539,7 @@ def test_cross_framework_parity_is_bitwise():
 def test_jax_vmap_folds_and_maps():
     ja = _jax_api()
     q, k, v, kw = make_inputs(21, b=2, hq=4, hkv=2, sq=17, sk=33, sinks=True, alibi="heads")
-    q, k, v, sinks, slopes = (_to_jax(t) for t in (q, k, v, kw["sinks"], kw["alibi_slopes"]))
+    q, k, v, sinks, slopes = (torch_to_jax(t) for t in (q, k, v, kw["sinks"], kw["alibi_slopes"]))
     qs, ks, vs = (jnp.stack([x, x * 0.5 + 0.1]) for x in (q, k, v))  # a mapped axis of 2
 
     def loss(q, k, v, s, a):
@@ -571,8 +565,8 @@ def test_jax_vmap_folds_and_maps():
 def test_jax_vmap_varlen():
     ja = _jax_api()
     q, k, v, kw = make_inputs(23, seqlens=[(5, 9), (12, 3)], hq=2, hkv=1)
-    jkw = {n: _to_jax(a) for n, a in kw.items()}
-    q, k, v = (_to_jax(t) for t in (q, k, v))
+    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
+    q, k, v = (torch_to_jax(t) for t in (q, k, v))
     f = lambda q: ja.flash_attention(q, k, v, causal=True, **jkw)  # noqa: E731
     batched = jax.vmap(f)(jnp.stack([q, -q]))
     np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(f(-q)))
@@ -590,7 +584,7 @@ def test_jax_shard_map_over_batch_and_heads():
         pytest.skip("needs 4 host devices (XLA_FLAGS set in conftest)")
     mesh = Mesh(devices.reshape(2, 2), ("batch", "heads"))
     q, k, v, kw = make_inputs(29, b=2, hq=4, hkv=2, sq=17, sk=17, sinks=True)
-    q, k, v, sinks = (_to_jax(t) for t in (q, k, v, kw["sinks"]))
+    q, k, v, sinks = (torch_to_jax(t) for t in (q, k, v, kw["sinks"]))
     spec = P("batch", None, "heads", None)
 
     def f(q, k, v, s):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_close, np64
+from helpers import assert_close, np64, torch_to_jax
 from test_attention import naive_torch
 
 pytestmark = pytest.mark.gpu
@@ -137,7 +137,6 @@ def test_gpu_sdpa_drop_in():
 @pytest.mark.parametrize("name", ["d128-causal", "gqa-32-8", "varlen-ragged", "softcap-alibi-sinks"])
 def test_gpu_jax_matches_torch_bitwise(name):
     jax = pytest.importorskip("jax")
-    jnp = jax.numpy
     if not jax.devices("gpu"):
         pytest.skip("JAX has no GPU backend")
     from flashbridge.jax_api.attention import flash_attention as jfa
@@ -150,18 +149,11 @@ def test_gpu_jax_matches_torch_bitwise(name):
     dout = torch.randn_like(out)
     tgrads = torch.autograd.grad(out, leaves, dout)
 
-    def to_jax(t):
-        t = t.detach()
-        if not isinstance(t, torch.Tensor):
-            return t
-        return jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16) if t.dtype == torch.bfloat16 \
-            else jnp.asarray(t.cpu().numpy())
-
-    jkw = {n: to_jax(a) if isinstance(a, torch.Tensor) else a for n, a in kw.items()}
+    jkw = {n: torch_to_jax(a) if isinstance(a, torch.Tensor) else a for n, a in kw.items()}
     sinks = jkw.pop("sinks", None)
     jout, vjp = jax.vjp(lambda q, k, v, s: jfa(q, k, v, sinks=s, **jkw, **options),
-                        to_jax(q), to_jax(k), to_jax(v), sinks)
-    jgrads = vjp(to_jax(dout))
+                        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), sinks)
+    jgrads = vjp(torch_to_jax(dout))
     np.testing.assert_array_equal(np64(jout), np64(out))
     for a, b in zip(jgrads, tgrads):
         np.testing.assert_array_equal(np64(a), np64(b))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashbridge.reference import decode as ref
-from helpers import assert_close, np64
+from helpers import assert_close, np64, torch_to_jax
 from test_attention import naive_torch
 
 tapi = pytest.importorskip("flashbridge.torch_api.decode")
@@ -671,14 +671,6 @@ def _japi():
     return jdecode
 
 
-def _to_jax(t):
-    if t is None or not isinstance(t, torch.Tensor):
-        return t
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
-    if t.dtype == torch.float8_e4m3fn:
-        return jnp.asarray(t.view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)
-    return jnp.asarray(t.numpy())
 
 
 @pytest.mark.parametrize("name", ["hnd-contig-gqa4-sq3", "all", "mla-576-512"])
@@ -688,13 +680,13 @@ def test_jax_decode_under_jit_matches_torch_bitwise(name):
     layout = spec.get("layout", "NHD")
     q, k, v, kw = make_case(_seed(name), **spec)
     out, lse = tapi.decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options, return_lse=True)
-    jkw = {n: _to_jax(a) for n, a in kw.items()}
+    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
 
     @jax.jit
     def f(q, k, v, jkw):
         return ja.decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **jkw, **options, return_lse=True)
 
-    jout, jlse = f(_to_jax(q), _to_jax(k), _to_jax(v), jkw)
+    jout, jlse = f(torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
     np.testing.assert_array_equal(np64(jout), np64(out))
     np.testing.assert_array_equal(np64(jlse), np64(lse))
 
@@ -704,20 +696,20 @@ def test_cross_framework_parity_bf16_merge_cascade():
     spec, shared_len, options = CASCADE_CASES["paged-hnd-sinks-softcap"]
     q, k, v, kw = make_case(9, **dict(spec, dtype="bfloat16"))
     sk, sv = (x.to(torch.bfloat16) for x in _shared(10, spec, shared_len))
-    jkw = {n: _to_jax(a) for n, a in kw.items()}
+    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
     t = tapi.cascade_attention(q, sk, sv, k, v, kv_layout="HND", **kw, **options, return_lse=True)
-    j = ja.cascade_attention(*(_to_jax(x) for x in (q, sk, sv, k, v)), kv_layout="HND", **jkw, **options,
+    j = ja.cascade_attention(*(torch_to_jax(x) for x in (q, sk, sv, k, v)), kv_layout="HND", **jkw, **options,
                              return_lse=True)
     for a, b in zip(j, t):
         np.testing.assert_array_equal(np64(a), np64(b))
     d = tapi.decode_attention(q, k, v, kv_layout="HND", **kw, **options, num_splits=3, return_lse=True)
-    jd = ja.decode_attention(_to_jax(q), _to_jax(k), _to_jax(v), kv_layout="HND", **jkw, **options, num_splits=3,
+    jd = ja.decode_attention(torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), kv_layout="HND", **jkw, **options, num_splits=3,
                              return_lse=True)
     for a, b in zip(jd, d):
         np.testing.assert_array_equal(np64(a), np64(b))
     outs, lses = torch.stack([t[0], d[0]]), torch.stack([t[1], d[1]]).transpose(-1, -2).contiguous()
     tm = tapi.merge_attention_states(outs, lses)
-    jm = ja.merge_attention_states(_to_jax(outs), _to_jax(lses))
+    jm = ja.merge_attention_states(torch_to_jax(outs), torch_to_jax(lses))
     for a, b in zip(jm, tm):
         np.testing.assert_array_equal(np64(a), np64(b))
 
@@ -728,7 +720,7 @@ def test_jax_append_jit_donated_then_decode(name):
     case = APPEND_CASES[name]
     layout = case["layout"]
     q, k, v, k_new, v_new, after, before = _append_inputs(name, case)
-    extra = {n: _to_jax(before[n]) for n in ("block_table", "k_scale", "v_scale") if n in before}
+    extra = {n: torch_to_jax(before[n]) for n in ("block_table", "k_scale", "v_scale") if n in before}
 
     def step(kc, vc, kn, vn, lens):
         kc, vc = ja.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens, kv_layout=layout, **extra)
@@ -736,10 +728,10 @@ def test_jax_append_jit_donated_then_decode(name):
                                   **extra)
         return kc, vc, out
 
-    q_j = _to_jax(q)
+    q_j = torch_to_jax(q)
     jitted = jax.jit(step, donate_argnums=(0, 1))
     with _no_error():
-        jk, jv, jout = jitted(_to_jax(k), _to_jax(v), _to_jax(k_new), _to_jax(v_new), _to_jax(before["cache_seqlens"]))
+        jk, jv, jout = jitted(torch_to_jax(k), torch_to_jax(v), torch_to_jax(k_new), torch_to_jax(v_new), torch_to_jax(before["cache_seqlens"]))
     kc, vc = k.clone(), v.clone()
     tapi.append_kv_cache(kc, vc, k_new, v_new, cache_seqlens=before["cache_seqlens"], kv_layout=layout,
                          **{n: before[n] for n in ("block_table", "k_scale", "v_scale") if n in before})

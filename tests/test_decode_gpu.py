@@ -160,13 +160,13 @@ def test_gpu_jax_matches_torch_bitwise(name):
         pytest.skip("JAX has no GPU backend")
     from flashbridge.jax_api.decode import decode_attention as jdecode
     from flashbridge.torch_api.decode import decode_attention as tdecode
-    from test_decode import _to_jax
+    from helpers import torch_to_jax
     spec, options, splits = CASES[name]
     q, k, v, kw = make_case(7, **spec)
     out, lse = tdecode(*(t.cuda() for t in (q, k, v)), num_splits=splits, **{n: t.cuda() for n, t in kw.items()},
                        **options, return_lse=True)
-    jkw = {n: jax.device_put(_to_jax(t), jax.devices("gpu")[0]) for n, t in kw.items()}
-    jq, jk, jv = (jax.device_put(_to_jax(t), jax.devices("gpu")[0]) for t in (q, k, v))
+    jkw = {n: jax.device_put(torch_to_jax(t), jax.devices("gpu")[0]) for n, t in kw.items()}
+    jq, jk, jv = (jax.device_put(torch_to_jax(t), jax.devices("gpu")[0]) for t in (q, k, v))
     jout, jlse = jax.jit(lambda q, k, v, kw: jdecode(q, k, v, num_splits=splits, **kw, **options,
                                                      return_lse=True))(jq, jk, jv, jkw)
     np.testing.assert_array_equal(np64(jout), np64(out))
@@ -250,16 +250,16 @@ def _memcheck_case():
     try:
         import jax
         from flashbridge.jax_api import decode as japi
-        from test_decode import _to_jax
+        from helpers import torch_to_jax
     except ImportError:
         return
     q, k, v, kw = make_case(2, hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000), page_size=16)
-    jkw = {n: _to_jax(t) for n, t in kw.items()}
-    out = jax.jit(lambda q, k, v, kw: japi.decode_attention(q, k, v, **kw))(_to_jax(q), _to_jax(k), _to_jax(v), jkw)
-    new = _to_jax(torch.randn(4, 1, 2, 128).to(torch.bfloat16))
+    jkw = {n: torch_to_jax(t) for n, t in kw.items()}
+    out = jax.jit(lambda q, k, v, kw: japi.decode_attention(q, k, v, **kw))(torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
+    new = torch_to_jax(torch.randn(4, 1, 2, 128).to(torch.bfloat16))
     k2, v2 = jax.jit(lambda k, v, n, kw: japi.append_kv_cache(k, v, n, n, cache_seqlens=kw["cache_seqlens"],
                                                               block_table=kw["block_table"]),
-                     donate_argnums=(0, 1))(_to_jax(k), _to_jax(v), new, jkw)
+                     donate_argnums=(0, 1))(torch_to_jax(k), torch_to_jax(v), new, jkw)
     jax.block_until_ready((out, k2, v2))
     print("jax decode / append, ragged + paged: ok")
 

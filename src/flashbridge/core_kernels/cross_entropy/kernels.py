@@ -74,7 +74,7 @@ def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, BLOCK_V: tl
 
 
 @triton.jit
-def _grad_tile(LOGITS, GRAD, offs, start, rows_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,
+def _grad_tile(LOGITS, GRAD, offs, start, row_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,
                V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """Write the gradient of the logits tile at column ``start`` (one read, one write; each element is read
     before it is written, by the same program, so GRAD may be LOGITS). MASKED: the tile runs past V."""
@@ -95,9 +95,9 @@ def _grad_tile(LOGITS, GRAD, offs, start, rows_ok, label, lse, lse_lo, coef, on_
     if HAS_SOFTCAP:
         g = g * sech2
     if MASKED:
-        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=rows_ok[:, None] & (cols < V)[None, :])
+        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=row_ok[:, None] & (cols < V)[None, :])
     else:
-        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=rows_ok[:, None])
+        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=row_ok[:, None])
 
 
 # Runtime integers get no divisibility specialisation from their values (jax-triton gives none), so that
