@@ -11,7 +11,7 @@ So :class:`FusedOp` runs the *same* implementation, ``setup_context`` and ``back
 when nothing needs the dispatcher: not compiling or tracing, no dispatch mode active, no functorch
 transform, only plain tensors. Then it calls the implementation (no input needs a gradient) or one generic
 ``torch.autograd.Function`` around it, exactly as ``torch.library``'s own autograd kernel does.
-``tests/test_norms.py::test_eager_fast_path_matches_custom_op`` asserts both paths give the same bits.
+``tests/test_torch_dispatch.py`` asserts both paths give the same bits for an op of every family.
 """
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
 
 * Tokens are cut into chunks of ``C`` rows. Per chunk: ``logits = h_c @ W.T (+ b)`` with the framework's
   GEMM (cuBLAS, input dtype, fp32 accumulation), then our Triton kernels: the lse / loss pass (one read,
-  online softmax, fp32) and the gradient pass (second read, ``dlogits`` written over the logits in place), then ``dh_c = dlogits @ W`` into its slice of ``dh`` and
-  ``dW += dlogits.T @ h_c`` (cuBLAS with beta=1) and ``db += colsum(dlogits)`` in fp32.
+  online softmax, fp32) and the gradient pass (second read, ``dlogits`` written over the logits in
+  place), then ``dh_c = dlogits @ W`` into its slice of ``dh``, ``dW += dlogits.T @ h_c`` (cuBLAS with
+  beta=1) and ``db += colsum(dlogits)`` in fp32.
 * Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
   and something requires grad: the backward only multiplies them, in place, by the upstream scalar and
-  hands them to autograd (no copy; see ``_lce_backward``). Three GEMMs in all, eager's FLOP count. With reduction="none" the per-token upstream gradients are unknown in the
-  forward, so the forward keeps only the fp32 lse and the backward recomputes the logits chunk by chunk
-  (four GEMMs).
+  hands them to autograd (no copy; see ``_lce_backward``). Three GEMMs in all, eager's FLOP count. With
+  reduction="none" the per-token upstream gradients are unknown in the forward, so the forward keeps only
+  the fp32 lse and the backward recomputes the logits chunk by chunk (four GEMMs).
 * Memory: the returned gradients plus one chunk's logits (overwritten by their gradient), ``C * V``
   elements. ``C`` is chosen by :func:`choose_chunk_size` (shared with the JAX path, which keeps logits and
   gradient apart, hence its budget of ``2 * C * V`` <= the weight's size): at N=8192, H=4096, V=128256 in
@@ -162,12 +163,10 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     lse_lo = torch.zeros_like(lse)  # only the recomputing backward ("none") reads it
     dh, dw, db = _grad_buffers(hidden, weight, bias, fused and grad_hidden, fused and grad_weight,
                                fused and grad_bias)
+    count = _token_count(labels, ignore_index) if reduction == "mean" else None
     if fused:
-        n_active = (labels != ignore_index).sum()
-        if reduction == "mean":
-            scale = (1.0 / n_active.clamp(min=1).to(torch.float32)).reshape(1)
-        else:
-            scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
+        scale = ((1.0 / count).reshape(1) if count is not None
+                 else torch.ones(1, dtype=torch.float32, device=hidden.device))
     for start, stop in chunk_bounds(n_rows, chunk):
         h_c = hidden[start:stop]
         logits = _chunk_logits(h_c, weight, bias)
@@ -185,12 +184,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
                                                         named)
         loss_rows[start:stop] = loss_c
         lse[start:stop] = lse_c
-    if reduction == "none":
-        loss = loss_rows
-    elif reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = loss_rows.sum() / (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
+    loss = _reduce(loss_rows, labels, ignore_index, reduction, (n_rows,), count)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
     return loss, lse, lse_lo, dh, dw, db_out
 
@@ -286,15 +280,14 @@ def _lce_backward(ctx, dloss, *_):
         if ctx.reduction == "none":
             row_weights = g.contiguous()
         else:  # the upstream gradient of the sum / mean, spread over the rows (ignored rows get 0 anyway)
-            count = (labels != ii).sum().clamp(min=1) if ctx.reduction == "mean" else 1
+            count = _token_count(labels, ii) if ctx.reduction == "mean" else 1
             row_weights = (g / count).expand(labels.shape[0]).contiguous()
         dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, lse_lo, row_weights, ii, ls, zl, cap, chunk,
                               gh, gw, gb)
     return (dh if gh else None, dw if gw else None, None, db if gb else None) + (None,) * 9
 
 
-_lce_fwd.register_autograd(_lce_backward,
-                                setup_context=_lce_setup_context)
+_lce_fwd.register_autograd(_lce_backward, setup_context=_lce_setup_context)
 
 
 # ---------------------------------------------------------------------------------------- public API
@@ -313,12 +306,18 @@ def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int) -> Non
         raise ValueError(bad_label_message(int(bad.sum()), int(labels[bad][0]), vocab, ignore_index))
 
 
-def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str, lead) -> Tensor:
+def _token_count(labels: Tensor, ignore_index: int) -> Tensor:
+    """float32 count of the tokens a mean divides by (not ignored), at least 1: a mean of nothing is 0."""
+    return (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
+
+
+def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str, lead,
+            count: Optional[Tensor] = None) -> Tensor:
     if reduction == "none":
         return loss_rows.view(lead)
     if reduction == "sum":
         return loss_rows.sum()
-    return loss_rows.sum() / (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
+    return loss_rows.sum() / (_token_count(labels, ignore_index) if count is None else count)
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
@@ -359,8 +358,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     x = logits.reshape(n_rows, vocab).contiguous()
     y = labels.reshape(n_rows).contiguous()
     _validate_label_values(y, vocab, ignore_index)
-    loss_rows, lse, _ = _ce_fwd(x, y, int(ignore_index), float(label_smoothing),
-                                                             float(z_loss), float(logit_softcap))
+    loss_rows, lse, _ = _ce_fwd(x, y, int(ignore_index), float(label_smoothing), float(z_loss),
+                                float(logit_softcap))
     loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
     return (loss, lse.view(lead)) if return_lse else loss
 

@@ -361,5 +361,4 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
-    _append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
-                                          v_scale, kv_layout)
+    _append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout)

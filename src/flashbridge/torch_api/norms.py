@@ -101,8 +101,7 @@ def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, 
     check_tensors(tensors, required=("x",))
     check_norm_args(**{k: None if t is None else (tuple(t.shape), dtype_name(t.dtype))
                        for k, t in tensors.items()}, eps=eps, dropout_p=dropout_p)
-    y, h, _, _ = _norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps),
-                                                is_rms, float(dropout_p))
+    y, h, _, _ = _norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps), is_rms, float(dropout_p))
     return y if residual is None else (y, h)
 
 
