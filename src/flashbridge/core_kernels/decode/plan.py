@@ -581,7 +581,7 @@ def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Op
     block_e = config.merge_block_elements or (
         256 if target.interpret else max(32, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
     block_n = config.merge_block_states or min(16, next_power_of_2(max(n_a, n_b, 1)))
-    state_stride = n_rows * head_dim_v
+    state_stride = elements  # states are contiguous (rows, Dv) slabs
     return Launch(
         kernel=f"{_K}:merge_states_kernel",
         grid=(cdiv(elements, block_e),),
