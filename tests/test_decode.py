@@ -642,6 +642,10 @@ def test_decode_config_rejects_bad_blocks():
         DecodeConfig(block_n=48)
     with pytest.raises(ValueError, match="DecodeConfig.block_m"):
         DecodeConfig(block_m=8)
+    with pytest.raises(ValueError, match="DecodeConfig.merge_block_states"):
+        DecodeConfig(merge_block_states=3)
+    with pytest.raises(ValueError, match="DecodeConfig.merge_block_elements"):
+        DecodeConfig(merge_block_elements=0)
 
 
 def test_torch_unused_table_entries_are_not_checked():
