@@ -27,17 +27,27 @@ def _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @triton.jit
-def _row_mean_m2(h, mask, LOG2_CHUNKS: tl.constexpr):
+def _row_mean_m2(h, mask, N_COLS: tl.constexpr, LOG2_CHUNKS: tl.constexpr):
     """Mean and sum of squared deviations of each row of h [BLOCK_M, NCHUNK, CHUNK], one pass over registers.
 
     Each of the NCHUNK parts of a row gets an exact (count, mean, M2) from two passes over registers; the
     parts are then merged pairwise by Welford/Chan in a tree, so no long sum of squares ever cancels
     catastrophically. Only the small [BLOCK_M, NCHUNK] statistics are reshaped, never the tile.
     """
-    n = tl.sum(mask.to(tl.float32), axis=2)  # [BLOCK_M, NCHUNK]
-    # Triton's default division (div.full, 2 ulp), not IEEE div_rn: with div_rn here (the only kernel change
-    # between two H200 runs) LayerNorm's forward fell from 3.94 to 3.55 TB/s at 16384x8192 bf16
-    mean = tl.sum(h, axis=2) / tl.maximum(n, 1.0)
+    BLOCK_M: tl.constexpr = h.shape[0]
+    NCHUNK: tl.constexpr = h.shape[1]
+    CHUNK: tl.constexpr = h.shape[2]
+    # Part sizes follow from N_COLS alone: no reduction (each costs shuffles and a barrier). A padding row
+    # past n_rows is all zeros and its statistics are never stored.
+    if N_COLS == NCHUNK * CHUNK:  # every part full; CHUNK is a power of two, so 1 / CHUNK is exact
+        n = tl.full([BLOCK_M, NCHUNK], CHUNK, tl.float32)
+        mean = tl.sum(h, axis=2) * (1.0 / CHUNK)
+    else:
+        part_cols = tl.minimum(tl.maximum(N_COLS - tl.arange(0, NCHUNK) * CHUNK, 0), CHUNK)
+        n = tl.broadcast_to(part_cols.to(tl.float32)[None, :], (BLOCK_M, NCHUNK))
+        # Triton's default division (div.full, 2 ulp), not IEEE div_rn: with div_rn here (the only kernel
+        # change between two H200 runs) LayerNorm's forward fell from 3.94 to 3.55 TB/s at 16384x8192 bf16
+        mean = tl.sum(h, axis=2) / tl.maximum(n, 1.0)
     dev = tl.where(mask, h - mean[:, :, None], 0.0)
     m2 = tl.sum(dev * dev, axis=2)
     for _ in tl.static_range(LOG2_CHUNKS):  # halve the number of parts each level
@@ -88,7 +98,7 @@ def norm_fwd_kernel(
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=2), axis=1) / N_COLS + eps)  # [BLOCK_M]
         z = h * rstd[:, None, None]
     else:
-        mean, m2 = _row_mean_m2(h, mask, LOG2_CHUNKS)  # [BLOCK_M] each
+        mean, m2 = _row_mean_m2(h, mask, N_COLS, LOG2_CHUNKS)  # [BLOCK_M] each
         rstd = 1.0 / tl.sqrt(m2 / N_COLS + eps)
         z = (h - mean[:, None, None]) * rstd[:, None, None]
         tl.store(MEAN + rows, mean, mask=rows < n_rows)
@@ -144,8 +154,8 @@ def norm_bwd_kernel(
             dw_acc += tl.sum(g * xhat, axis=0)
             g = g * w[None, :]  # grad of xhat
         # dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), without the mean(g) term for RMSNorm
-        c1 = tl.sum(g * xhat, axis=1) / N_COLS
         if IS_RMS:
+            c1 = tl.sum(g * xhat, axis=1) / N_COLS
             dh = (g - xhat * c1[:, None]) * rstd[:, None]
         elif N_COLS == 1:
             # LayerNorm of one element is the constant bias: dh is exactly 0. (The general formula cancels
@@ -153,7 +163,10 @@ def norm_bwd_kernel(
             # subtraction and leaves half an ulp, times rstd = 1/sqrt(eps) ~ 316.)
             dh = tl.zeros_like(g)
         else:
-            c2 = tl.sum(g, axis=1) / N_COLS
+            # both row sums in one reduction: one exchange between warps instead of two
+            s1, s2 = tl.split(tl.sum(tl.join(g * xhat, g), axis=1))
+            c1 = s1 / N_COLS
+            c2 = s2 / N_COLS
             dh = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
         if HAS_DH:
             dh += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
