@@ -8,7 +8,8 @@ Per row ``i`` with logits ``x`` (``V`` columns), label ``y``, smoothing ``eps``,
     dz_j = w_i * (p_j * (1 + 2 * lam * lse) - (1 - eps) * [j == y] - eps / V),  p_j = exp(z_j - lse)
     dx_j = dz_j * (1 - (z_j / c)**2)               (HAS_SOFTCAP)
 
-A program owns ``BLOCK_N`` rows and walks the vocabulary in ``[BLOCK_N, BLOCK_V]`` tiles. The forward is
+A program owns ``BLOCK_N`` rows and walks the vocabulary in ``[BLOCK_N, BLOCK_V]`` tiles, whole tiles without
+masks and a masked last tile (rows past ``n_rows`` re-read the last row and store nothing). The forward is
 one read of the logits: an online softmax whose running maximum and sum are kept *per lane* (one exp per
 element, no cross-lane reduction inside the loop), merged across lanes once at the end; the label's logit
 is one scalar load. The gradient kernel is one read of the logits and one write of the gradient, given
@@ -49,6 +50,56 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     return x
 
 
+@triton.jit
+def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, BLOCK_V: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """Fold the logits tile at column ``start`` into the per-lane online softmax (m, s) and the running sum
+    of z (label smoothing). MASKED: the tile runs past V (the last one); its missing lanes count as -inf."""
+    cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    ptrs = row_base[:, None] + cols[None, :]
+    if MASKED:
+        col_ok = (cols < V)[None, :]
+        z = _capped(tl.load(ptrs, mask=col_ok, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+        if HAS_SMOOTH:
+            zsum += tl.where(col_ok, z, 0.0)
+        z = tl.where(col_ok, z, float("-inf"))
+    else:
+        z = _capped(tl.load(ptrs).to(tl.float32), softcap, HAS_SOFTCAP)
+        if HAS_SMOOTH:
+            zsum += z
+    m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.exp(tl.minimum(m, z) - m_new)  # exp(-|z - m|); 0 for masked lanes
+    s = tl.where(z > m, s * e + 1.0, s + e)
+    return m_new, s, zsum
+
+
+@triton.jit
+def _grad_tile(LOGITS, GRAD, offs, start, row_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,
+               V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """Write the gradient of the logits tile at column ``start`` (one read, one write; each element is read
+    before it is written, by the same program, so GRAD may be LOGITS). MASKED: the tile runs past V."""
+    cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    ptrs = offs[:, None] + cols[None, :]
+    if MASKED:
+        x = tl.load(LOGITS + ptrs, mask=(cols < V)[None, :], other=0.0).to(tl.float32)
+    else:
+        x = tl.load(LOGITS + ptrs).to(tl.float32)
+    if HAS_SOFTCAP:
+        th, sech2 = _tanh_sech2(x / softcap)
+        z = softcap * th
+    else:
+        z = x
+    p = tl.exp((z - lse[:, None]) - lse_lo[:, None])
+    g = coef[:, None] * p - off_label[:, None]
+    g = tl.where(cols[None, :] == label[:, None], g - on_label[:, None], g)
+    if HAS_SOFTCAP:
+        g = g * sech2
+    if MASKED:
+        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=row_ok[:, None] & (cols < V)[None, :])
+    else:
+        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=row_ok[:, None])
+
+
 # Runtime integers get no divisibility specialisation from their values (jax-triton gives none), so that
 # torch and JAX compile the same kernels: see core_kernels/_plan.py.
 @triton.jit(do_not_specialize_on_alignment=("n_rows", "ignore_index"))
@@ -62,22 +113,18 @@ def ce_fwd_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < n_rows
-    row_base = LOGITS + rows.to(tl.int64) * V  # [BLOCK_N] pointers
+    # padding rows (past n_rows) re-read the last row: loads need no row mask; their results are not stored
+    row_base = LOGITS + tl.minimum(rows, n_rows - 1).to(tl.int64) * V  # [BLOCK_N] pointers
     m = tl.full([BLOCK_N, BLOCK_V], _NEG_BIG, tl.float32)  # per-lane running max
     s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)  # per-lane sum of exp(z - m)
     zsum = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        mask = row_ok[:, None] & (cols[None, :] < V)
-        x = tl.load(row_base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = _capped(x, softcap, HAS_SOFTCAP)
-        if HAS_SMOOTH:
-            zsum += tl.where(mask, z, 0.0)
-        z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
-        e = tl.exp(tl.minimum(m, z) - m_new)  # exp(-|z - m|); 0 for masked lanes
-        s = tl.where(z > m, s * e + 1.0, s + e)
-        m = m_new
+    V_FULL: tl.constexpr = V // BLOCK_V * BLOCK_V
+    for start in range(0, V_FULL, BLOCK_V):  # whole tiles: no masks in the loop that moves the bytes
+        m, s, zsum = _lse_tile(m, s, zsum, row_base, start, softcap, V, BLOCK_V, HAS_SMOOTH, HAS_SOFTCAP,
+                               False)
+    if V_FULL < V:
+        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, BLOCK_V, HAS_SMOOTH, HAS_SOFTCAP,
+                               True)
     m_row = tl.max(m, axis=1)  # [BLOCK_N]
     s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
     log_s = tl.log(tl.where(row_ok, s_row, 1.0))
@@ -115,7 +162,8 @@ def ce_grad_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < n_rows
-    offs = rows.to(tl.int64) * V  # [BLOCK_N]
+    # padding rows (past n_rows) read the last row and store nothing: tile loads need no row mask
+    offs = tl.minimum(rows, n_rows - 1).to(tl.int64) * V  # [BLOCK_N]
     label = tl.load(LABELS + rows, mask=row_ok, other=ignore_index)
     active = label != ignore_index
     bad = active & ((label < 0) | (label >= V))
@@ -135,19 +183,10 @@ def ce_grad_kernel(
     if HAS_SMOOTH:
         on_label = w * (1.0 - label_smoothing)
         off_label = w * (label_smoothing / V)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        mask = row_ok[:, None] & (cols[None, :] < V)
-        ptrs = offs[:, None] + cols[None, :]
-        x = tl.load(LOGITS + ptrs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            th, sech2 = _tanh_sech2(x / softcap)
-            z = softcap * th
-        else:
-            z = x
-        p = tl.exp((z - lse[:, None]) - lse_lo[:, None])
-        g = coef[:, None] * p - off_label[:, None]
-        g = tl.where(cols[None, :] == label[:, None], g - on_label[:, None], g)
-        if HAS_SOFTCAP:
-            g = g * sech2
-        tl.store(GRAD + ptrs, g.to(GRAD.dtype.element_ty), mask=mask)
+    V_FULL: tl.constexpr = V // BLOCK_V * BLOCK_V
+    for start in range(0, V_FULL, BLOCK_V):  # whole tiles: only the (uniform) row predicate on the stores
+        _grad_tile(LOGITS, GRAD, offs, start, row_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,
+                   V, BLOCK_V, HAS_SOFTCAP, False)
+    if V_FULL < V:
+        _grad_tile(LOGITS, GRAD, offs, V_FULL, row_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,
+                   V, BLOCK_V, HAS_SOFTCAP, True)
