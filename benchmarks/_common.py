@@ -15,7 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from flashbridge._timing import time_jax, time_torch  # noqa: E402,F401
+from flashbridge._timing import time_jax, time_jax_steady, time_torch, time_torch_steady  # noqa: E402,F401
 
 COPY_CEILING_TBS = 4.24  # device-to-device copy measured on the H200 (shared/GPU.md); re-measured per run
 
@@ -131,3 +131,29 @@ def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
     return kernel.metadata.shared, " ".join(line.split()[:2])
+
+
+def kernel_trace(fn, *, calls: int = 5, label: str = "") -> list[dict]:
+    """The device activity of ``fn`` (kernels, memsets, copies), per call: name, launches, microseconds.
+
+    Uses torch.profiler's CUPTI activity trace, which records every CUDA launch in the process, JAX's
+    included, so the two frameworks' paths can be compared kernel by kernel. ``fn`` must synchronise."""
+    from collections import defaultdict
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.time_range.elapsed_us()
+            counts[event.name] += 1
+    rows = [{"name": name[:90], "launches": counts[name] / calls, "us": totals[name] / calls}
+            for name in sorted(totals, key=totals.get, reverse=True)]
+    print_table(f"device activity per call {label} (total {sum(r['us'] for r in rows):.1f} us)",
+                ["kernel", "launches", "us"], [[r["name"], r["launches"], r["us"]] for r in rows])
+    return rows

@@ -22,6 +22,7 @@ import _common  # noqa: F401  (puts src/ on sys.path)
 from _common import measure_copy_ceiling, print_table, save, save_figure, time_jax, time_torch
 
 N, H, V = 8192, 4096, 128256
+CHUNK_SWEEP = (256, 512, 1024)
 
 
 def _peak_extra_torch(fn) -> float:
@@ -64,6 +65,11 @@ def bench_linear(quick: bool) -> list[dict]:
         print(rows[-1], flush=True)
 
     add("flashbridge torch", lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)))
+    # the chunk trade-off: fewer tokens per chunk hold less logits memory but add a dW read-modify-write
+    # (and a bf16 rounding of dW) per chunk
+    for chunk in CHUNK_SWEEP:
+        add(f"flashbridge torch chunk={chunk}", lambda: torch.autograd.grad(
+            linear_cross_entropy(h, w, y, chunk_size=chunk), (h, w)))
     add("eager F.cross_entropy(h @ W.T)", lambda: torch.autograd.grad(
         F.cross_entropy(h @ w.T, y), (h, w)))
     try:

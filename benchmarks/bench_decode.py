@@ -21,12 +21,13 @@ import itertools
 import math
 import traceback
 
-from _common import compile_launch_sm90, environment, print_table, save, save_figure, time_jax
+from _common import compile_launch_sm90, environment, kernel_trace, print_table, save, save_figure, time_jax
 
 import numpy as np
 
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 60 * 2**20
+JAX_STEPS = 32  # decode steps per jitted call: a call lasts ~1 ms or more, so per-call dispatch is not timed
 ROWS = [  # (label, batch, kv length)
     ("B1 S16k", 1, 16384),
     ("B1 S128k", 1, 131072),
@@ -147,7 +148,8 @@ def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
     from flashbridge.jax_api.decode import decode_attention
 
     nbytes = kv_bytes(b, s, 1 if fp8 else 2)
-    copies = steps or n_copies(nbytes)
+    copies = n_copies(nbytes)
+    steps = steps or max(copies, JAX_STEPS)
     key = jax.random.key(0)
     ks, vs, tables = [], [], []
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -161,19 +163,41 @@ def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
             shape = (b, s, HKV, D)
         ks.append(jax.random.normal(k1, shape, jnp.bfloat16).astype(dtype))
         vs.append(jax.random.normal(k2, shape, jnp.bfloat16).astype(dtype))
-    q = jax.random.normal(key, (b, 1, HQ, D), jnp.bfloat16)
+    # a distinct query per step: XLA would merge two steps with the same operands into one
+    qs = list(jax.random.normal(key, (steps, b, 1, HQ, D), jnp.bfloat16))
     lens = jnp.full((b,), s, jnp.int32)
     scales = {"k_scale": jnp.ones((), jnp.float32), "v_scale": jnp.ones((), jnp.float32)} if fp8 else {}
 
-    def many(q, ks, vs, tables, lens):
+    def many(qs, ks, vs, tables, lens):
         outs = []
-        for i in range(len(ks)):
-            extra = {"block_table": tables[i]} if paged else {}
-            outs.append(decode_attention(q, ks[i], vs[i], cache_seqlens=lens, **extra, **scales))
+        for i, q in enumerate(qs):
+            c = i % copies
+            extra = {"block_table": tables[c]} if paged else {}
+            outs.append(decode_attention(q, ks[c], vs[c], cache_seqlens=lens, **extra, **scales))
         return outs
 
-    ms = time_jax(many, q, ks, vs, tables, lens) / copies
+    ms = time_jax(many, qs, ks, vs, tables, lens) / steps
     return ms, nbytes
+
+
+def trace_paths(b=1, s=16384):
+    """One decode step of each path, kernel by kernel (the same cache and query in both)."""
+    import jax
+    import torch
+
+    from flashbridge.jax_api.decode import decode_attention as jax_decode
+    from flashbridge.torch_api.decode import decode_attention
+
+    ((k, v, _),) = make_caches(b, s, copies=1)
+    q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    jq, jk, jv, jlens = (jax.dlpack.from_dlpack(t) for t in (q, k, v, lens))
+    step = jax.jit(lambda q, k, v, lens: jax_decode(q, k, v, cache_seqlens=lens))
+    return {"case": f"B{b} S{s}",
+            "torch": kernel_trace(lambda: (decode_attention(q, k, v, cache_seqlens=lens), torch.cuda.synchronize()),
+                                  label=f"torch decode B{b} S{s}"),
+            "jax": kernel_trace(lambda: jax.block_until_ready(step(jq, jk, jv, jlens)),
+                                label=f"jax decode B{b} S{s}")}
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -388,6 +412,11 @@ def main():
     print("\n".join(lines))
     payload = {"environment": environment(), "rows": rows, "verdicts": lines,
                "shape": {"hq": HQ, "hkv": HKV, "d": D, "sq": 1}}
+    if not args.no_jax:
+        try:
+            payload["traces"] = [trace_paths(1, 16384), trace_paths(1, 131072)]
+        except Exception:
+            traceback.print_exc()
     plot(rows)
     print(f"wrote {save('decode_h200', payload)}")
     if args.splits:  # saved on its own: a failure in the sweep must not lose the main table

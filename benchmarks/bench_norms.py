@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from _common import (environment, measure_copy_ceiling, print_table, save, save_figure, time_jax,
-                     time_torch)
+from _common import (environment, kernel_trace, measure_copy_ceiling, print_table, save, save_figure,
+                     time_jax, time_jax_steady, time_torch, time_torch_steady)
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ MAIN_SHAPES = [(16384, 8192), (65536, 2048)]
 SWEEP_WIDTHS = [1024, 4096, 16384]
 SWEEP_ELEMENTS = 2**27
 EPS = 1e-6
+STEADY_SETS = 4  # distinct input sets per steady-state timing (4 x 256 MiB: several times the L2)
 
 
 def _eager_rms(x, w, r=None):
@@ -92,37 +93,134 @@ def nbytes(op, rows, cols, itemsize, backward):
     return tensors * big + params
 
 
-def jax_time(op, x, w, b, r, backward):
+def to_jax(t):
+    """A JAX copy of a CUDA tensor (through DLPack; numpy when that is unavailable)."""
     import jax
     import jax.numpy as jnp
 
+    if t is None:
+        return None
+    try:
+        return jnp.array(jax.dlpack.from_dlpack(t.detach().contiguous()), copy=True)
+    except Exception:
+        return jnp.asarray(t.detach().float().cpu().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else t.dtype)
+
+
+def jax_forward(op, jb):
     from flashbridge import jax_api as fj
 
-    def conv(t):
-        return None if t is None else jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else t.dtype)
+    if op.startswith("rms"):
+        return lambda x, w, r: fj.rms_norm(x, w, eps=EPS, residual=r)
+    return lambda x, w, r: fj.layer_norm(x, w, jb, eps=EPS, residual=r)
 
-    jx, jw, jb = conv(x), conv(w), conv(b)
-    jr = conv(r) if op.endswith("+res") else None
-    rms = op.startswith("rms")
 
-    def fwd(x, w):
-        return fj.rms_norm(x, w, eps=EPS, residual=jr) if rms else fj.layer_norm(x, w, jb, eps=EPS, residual=jr)
+def jax_vjp_sets(op, sets, w, b):
+    """Per input set (x, residual, cotangents): the backward closure and its cotangents, for timing."""
+    import jax
 
+    fwd = jax_forward(op, to_jax(b))
+    jw = to_jax(w)
+    out = []
+    for x, r, grads in sets:
+        jr = to_jax(r) if op.endswith("+res") else None
+        _, vjp_fn = jax.vjp(lambda x, w: fwd(x, w, jr), to_jax(x), jw)
+        cts = tuple(to_jax(g) for g in grads)
+        out.append((vjp_fn, cts if len(cts) > 1 else cts[0]))
+    return out
+
+
+def jax_time(op, x, w, b, r, backward, grads):
+    """The JAX path, timed as a one-op jitted function called back to back (``time_jax``)."""
+    fwd = jax_forward(op, to_jax(b))
+    jr = to_jax(r) if op.endswith("+res") else None
     if not backward:
-        return time_jax(fwd, jx, jw)
-    outs, vjp_fn = jax.vjp(fwd, jx, jw)
-    # the same cotangents for every output as in torch: with a residual, (dy, dh)
-    cts = jax.tree_util.tree_map(lambda o: jnp.ones_like(o) * 0.5 + jnp.asarray(0.1, o.dtype) * jx, outs)
+        return time_jax(lambda x, w: fwd(x, w, jr), to_jax(x), to_jax(w))
+    ((vjp_fn, cts),) = jax_vjp_sets(op, [(x, r, grads)], w, b)
     return time_jax(lambda f, ct: f(ct), vjp_fn, cts)
 
 
-def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
+def torch_forward(op, w, b):
+    if op.startswith("rms"):
+        return lambda x, r: ft.rms_norm(x, w, eps=EPS, residual=r)
+    return lambda x, r: ft.layer_norm(x, w, b, eps=EPS, residual=r)
+
+
+def steady_times(op, x, w, b, r, backward, grads, g, with_jax):
+    """Both frameworks' paths timed the same way: STEADY_SETS distinct input sets back to back (a CUDA
+    graph in torch, one jitted function in JAX), no L2 flush; the fair torch-vs-JAX comparison."""
+    res_op = op.endswith("+res")
+    sets = [(x, r, grads)] + [(torch.randn_like(x) * 2 + 1, torch.randn_like(r),
+                               tuple(torch.randn(gr.shape, device="cuda", dtype=gr.dtype, generator=g) for gr in grads))
+                              for _ in range(STEADY_SETS - 1)]
+    fwd = torch_forward(op, w, b)
+    out = {}
+    try:
+        if not backward:
+            with torch.no_grad():
+                out["flashbridge-torch steady"] = time_torch_steady(fwd, [(xs, rs if res_op else None) for xs, rs, _ in sets])
+        else:
+            graphs = []
+            for xs, rs, gs in sets:
+                xs = xs.detach().requires_grad_(True)
+                w.requires_grad_(True)
+                outs = fwd(xs, rs if res_op else None)
+                graphs.append((outs if isinstance(outs, tuple) else (outs,), xs, gs))
+            out["flashbridge-torch steady"] = time_torch_steady(
+                lambda o, xs, gs: torch.autograd.grad(o, [xs, w], gs, retain_graph=True), graphs)
+            w.requires_grad_(False)
+    except Exception as exc:
+        print(f"torch steady {op}: {type(exc).__name__}: {exc}")
+    if with_jax:
+        try:
+            if not backward:
+                jfwd = jax_forward(op, to_jax(b))
+                jw = to_jax(w)
+                out["flashbridge-jax steady"] = time_jax_steady(
+                    jfwd, [(to_jax(xs), jw, to_jax(rs) if res_op else None) for xs, rs, _ in sets])
+            else:
+                out["flashbridge-jax steady"] = time_jax_steady(lambda f, ct: f(ct), jax_vjp_sets(op, sets, w, b))
+        except Exception as exc:
+            print(f"jax steady {op}: {type(exc).__name__}: {exc}")
+    return out
+
+
+def trace_paths(op, x, w, b, r, backward, grads):
+    """Kernel-by-kernel device time of the torch and the JAX path for one call (see kernel_trace)."""
+    import jax
+
+    res = r if op.endswith("+res") else None
+    if backward:  # dx and dweight in both frameworks
+        xs, ws = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        outs = torch_forward(op, ws, b)(xs, res)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch_call = lambda: (torch.autograd.grad(outs, [xs, ws], grads, retain_graph=True), torch.cuda.synchronize())  # noqa: E731
+        ((vjp_fn, cts),) = jax_vjp_sets(op, [(x, r, grads)], w, b)
+        jitted = jax.jit(lambda f, ct: f(ct))
+        jax_call = lambda: jax.block_until_ready(jitted(vjp_fn, cts))  # noqa: E731
+    else:
+        fwd = torch_forward(op, w, b)
+        torch_call = lambda: (fwd(x, res), torch.cuda.synchronize())  # noqa: E731
+        jfwd = jax_forward(op, to_jax(b))
+        jx, jw, jr = to_jax(x), to_jax(w), to_jax(res)
+        jitted = jax.jit(lambda x, w, r: jfwd(x, w, r))
+        jax_call = lambda: jax.block_until_ready(jitted(jx, jw, jr))  # noqa: E731
+    direction = "bwd" if backward else "fwd"
+    with torch.no_grad() if not backward else torch.enable_grad():
+        return {"torch": kernel_trace(torch_call, label=f"torch {op} {direction}"),
+                "jax": kernel_trace(jax_call, label=f"jax {op} {direction}")}
+
+
+def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True, steady=False, trace=None):
+    """Every provider on one shape. ``steady``: also both of our paths timed the same way (steady_times);
+    ``trace``: a list to append both paths' kernel-by-kernel device times to."""
     g = torch.Generator(device="cuda").manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g) * 2 + 1
     r = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(cols, device="cuda", dtype=dtype, generator=g) + 1
     b = torch.randn(cols, device="cuda", dtype=dtype, generator=g)
     amount = nbytes(op, rows, cols, x.element_size(), backward)
+    n_grads = 2 if op.endswith("+res") else 1
+    grads = tuple(torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g) for _ in range(n_grads))
     results = {}
     for name, (fn, weight) in providers(op, x, w, b, r).items():
         try:
@@ -132,7 +230,6 @@ def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
                 # with a residual, both outputs carry a gradient (h is the next block's residual stream)
                 outs = fn()
                 outs = outs if isinstance(outs, tuple) else (outs,)
-                grads = tuple(torch.randn_like(o) for o in outs)
                 ms = time_torch(lambda: torch.autograd.grad(outs, [x, weight], grads, retain_graph=True))
             else:
                 with torch.no_grad():
@@ -146,9 +243,17 @@ def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True):
         results[name] = ms
     if with_jax:
         try:
-            results["flashbridge-jax"] = jax_time(op, x.detach(), w, b, r, backward)
+            results["flashbridge-jax"] = jax_time(op, x.detach(), w, b, r, backward, grads)
         except Exception as exc:
             print(f"jax {op}: {type(exc).__name__}: {exc}")
+    if steady:
+        results.update(steady_times(op, x.detach(), w, b, r, backward, grads, g, with_jax))
+    if trace is not None:
+        try:
+            trace.append({"op": op, "rows": rows, "cols": cols, "direction": "bwd" if backward else "fwd",
+                          **trace_paths(op, x.detach(), w, b, r, backward, grads)})
+        except Exception as exc:
+            print(f"trace {op}: {type(exc).__name__}: {exc}")
     return {name: {"ms": ms, "tbps": amount / (ms * 1e-3) / 1e12, "of_ceiling": amount / (ms * 1e-3) / 1e12 / ceiling}
             for name, ms in results.items()}
 
@@ -235,10 +340,12 @@ def main():
         payload["tune"] = tune(ceiling)
     payload["welford_parts"] = welford_parts(ceiling)
     table = []
+    payload["traces"] = []
     for rows, cols in MAIN_SHAPES:
         for op in ("rms", "ln", "rms+res", "ln+res"):
             for backward in (False, True):
-                res = bench_shape(op, rows, cols, torch.bfloat16, backward, ceiling)
+                trace = payload["traces"] if (rows, cols) == MAIN_SHAPES[0] and op in ("rms", "ln") else None
+                res = bench_shape(op, rows, cols, torch.bfloat16, backward, ceiling, steady=True, trace=trace)
                 payload["main"].append({"op": op, "rows": rows, "cols": cols, "dtype": "bfloat16",
                                         "direction": "bwd" if backward else "fwd", "results": res})
                 for name, v in res.items():

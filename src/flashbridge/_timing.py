@@ -5,6 +5,13 @@ torch: ``triton.testing.do_bench`` (CUDA events, median). JAX: a jitted function
 does in a real training step; the median over ``reps`` such batches, divided by ``inner``. ``inner``
 (default: automatic) makes a batch last about 10 ms, so that the fixed cost of starting and synchronising
 a batch (tens of microseconds) is not charged to short calls.
+
+Comparing the two frameworks' paths, which launch the same kernels, needs one method for both:
+``time_torch_steady`` and ``time_jax_steady`` run the op over several distinct input sets back to back (a
+CUDA graph of all of them in torch; one jitted function calling the op once per set in JAX, so that no
+per-call dispatch or Python is timed), with no L2 flush in between in either. ``do_bench`` flushes the L2
+before every call, which also leaves the write-back of the call's last dirty lines to the flush: for an op
+that writes hundreds of MB that is up to the L2's 60 MB free, a few percent in its favour.
 """
 from __future__ import annotations
 
@@ -17,6 +24,43 @@ def time_torch(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
+    """Median milliseconds per call of ``fn(*args)`` for ``args`` in ``arg_sets``, all sets replayed back to
+    back from one CUDA graph (no host work, no L2 flush between calls)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as graph capture requires
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / len(arg_sets))
+    return statistics.median(samples)
+
+
+def time_jax_steady(fn, arg_sets, **kwargs) -> float:
+    """Median milliseconds per call of ``fn(*args)`` for ``args`` in ``arg_sets``, all calls inside one
+    jitted function. The sets must differ (XLA would merge identical calls into one)."""
+    def every_set(sets):
+        return [fn(*args) for args in sets]
+
+    return time_jax(every_set, list(arg_sets), **kwargs) / len(arg_sets)
 
 
 def time_jax(fn, *args, inner: int | None = None, reps: int = 15) -> float:
