@@ -149,8 +149,10 @@ def steady_times(op, x, w, b, r, backward, grads, g, with_jax):
     """Both frameworks' paths timed the same way: STEADY_SETS distinct input sets back to back (a CUDA
     graph in torch, one jitted function in JAX), no L2 flush; the fair torch-vs-JAX comparison."""
     res_op = op.endswith("+res")
-    sets = [(x, r, grads)] + [(torch.randn_like(x) * 2 + 1, torch.randn_like(r),
-                               tuple(torch.randn(gr.shape, device="cuda", dtype=gr.dtype, generator=g) for gr in grads))
+    def rand(t):  # from the benchmark's own generator: the default one is tied to graph captures
+        return torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=g)
+
+    sets = [(x, r, grads)] + [(rand(x) * 2 + 1, rand(r), tuple(rand(gr) for gr in grads))
                               for _ in range(STEADY_SETS - 1)]
     fwd = torch_forward(op, w, b)
     out = {}

@@ -555,3 +555,27 @@ def test_lse_is_not_differentiable():
     g = jax.grad(lambda a: fjc.cross_entropy(a, jnp.array([1, 2, 3]), return_lse=True)[1].sum())(
         jnp.asarray(np.random.default_rng(0).standard_normal((3, 20)), jnp.float32))
     assert not np.any(g)
+
+
+def test_jax_execute_aliases():
+    """execute(aliases=...) (the linear op's chunk gradient taking over the logits' buffer on the GPU): the
+    same results as without; an alias to a missing input or to one of another shape/dtype is refused."""
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api._runtime import execute
+
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((5, 37)), jnp.float32)
+    inputs = {"logits": logits, "labels": jnp.asarray([0, 36, -100, 3, 3]), "weight": jnp.ones(1, jnp.float32)}
+
+    def make(target):
+        return P.plan_ce_fwd_grad(5, 37, grad_dtype="float32", per_row_weight=False, ignore_index=-100,
+                                  label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, target=target)
+
+    plain = execute(make, inputs)
+    aliased = execute(make, inputs, aliases={"grad": "logits"})
+    for a, b in zip(plain, aliased):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="aliases: 'nope'"):
+        execute(make, inputs, aliases={"grad": "nope"})
+    with pytest.raises(ValueError, match="aliases: output 'grad'"):
+        execute(make, inputs, aliases={"grad": "labels"})

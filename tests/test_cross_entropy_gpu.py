@@ -190,3 +190,26 @@ def test_torch_jax_parity_on_gpu():
         jax.device_put(xj, jax.devices("gpu")[0]))
     assert np.array_equal(np.asarray(jg.astype(jnp.float32)), xt.grad.float().cpu().numpy())
     np.testing.assert_allclose(float(jl), loss.sum().item(), rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_jax_linear_cross_entropy_on_gpu():
+    """The JAX linear op on the GPU (its chunk gradient takes over the logits' buffer) against the float64
+    reference, several chunks and a tail chunk."""
+    pytest.importorskip("jax_triton")
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.cross_entropy import linear_cross_entropy as jlce
+
+    hid, w, y = _inputs(5, n=1000, h=512, v=32003)
+    ref_loss, _, ref_dh, ref_dw, _ = reference_f64(hid, w, y)
+    _, n_dh, n_dw = naive_bf16(hid, w, y)
+    dev = jax.devices("gpu")[0]
+    hj, wj = (jax.device_put(jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16), dev) for t in (hid, w))
+    yj = jax.device_put(jnp.asarray(y.cpu().numpy()), dev)
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(lambda a, b: jlce(a, b, yj, chunk_size=256), argnums=(0, 1)))(hj, wj)
+    assert abs(float(loss) - ref_loss.item()) / abs(ref_loss.item()) <= 1e-3
+    to_torch = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to("cuda")  # noqa: E731
+    assert_close_gpu(to_torch(dh), ref_dh, n_dh, name="dhidden (jax)")
+    assert_close_gpu(to_torch(dw), ref_dw, n_dw, name="dweight (jax)")

@@ -38,7 +38,9 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
             fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the capture must not fail on what other threads do meanwhile (JAX's runtime threads
+    # poll events and allocate; under the default "global" mode that invalidates the capture)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for args in arg_sets:
             fn(*args)
     graph.replay()

@@ -66,10 +66,12 @@ def _result_structs(plan: Plan):
     return tuple(jax.ShapeDtypeStruct(plan.spec(r).shape, jnp_dtype(plan.spec(r).dtype)) for r in plan.results)
 
 
-def _execute_gpu(plan: Plan, names: tuple[str, ...], *arrays):
+def _execute_gpu(plan: Plan, names: tuple[str, ...], aliases: Mapping[str, str], *arrays):
     jt = _jax_triton()
     env = dict(zip(names, arrays))
     for launch in plan.launches:
+        io_aliases = {launch.inputs.index(src): launch.outputs.index(dst) for dst, src in aliases.items()
+                      if dst in launch.outputs and src in launch.inputs}
         specs = [plan.spec(n) for n in launch.outputs]
         # jax-triton types a Python float as fp64 where Triton's own launcher uses fp32: pass np.float32
         # so both front-ends compile the same kernel (and get the same bits).
@@ -80,6 +82,7 @@ def _execute_gpu(plan: Plan, names: tuple[str, ...], *arrays):
             out_shape=[jax.ShapeDtypeStruct(s.shape, jnp_dtype(s.dtype)) for s in specs],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True,
             zeroed_outputs=tuple(i for i, s in enumerate(specs) if s.zero),
+            input_output_aliases=io_aliases or None,
             **launch.constexpr_dict())
         env.update(zip(launch.outputs, outs))
     return tuple(env[r] for r in plan.results)
@@ -158,11 +161,26 @@ def match_varying(*arrays):
     return tuple(None if a is None else _mark_varying((a,), axes)[0] for a in arrays)
 
 
-def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
-    """Run the plan ``make_plan(target)`` on ``inputs`` (name -> array) and return its results."""
+def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array], *,
+            aliases: Mapping[str, str] | None = None) -> tuple[jax.Array, ...]:
+    """Run the plan ``make_plan(target)`` on ``inputs`` (name -> array) and return its results.
+
+    ``aliases`` maps an output to an input of the same shape and dtype whose buffer it may take over on the
+    GPU (the kernel must read each element before it writes it): when the input is not needed afterwards
+    XLA writes the output in place, otherwise it copies the input first. The torch runtime's ``out=`` is
+    the explicit counterpart.
+    """
     cpu_plan = make_plan(INTERPRETER)
     names = cpu_plan.inputs
     arrays = [inputs[n] for n in names]
+    aliases = dict(aliases or {})
+    for dst, src in aliases.items():
+        if src not in names:
+            raise ValueError(f"aliases: {src!r} is not an input of the plan (inputs: {names})")
+        spec, arr = cpu_plan.spec(dst), inputs[src]
+        if tuple(spec.shape) != tuple(arr.shape) or jnp_dtype(spec.dtype) != arr.dtype:
+            raise ValueError(f"aliases: output {dst!r} {spec.dtype}{tuple(spec.shape)} cannot take over input "
+                             f"{src!r} {arr.dtype}{tuple(arr.shape)}")
     target = gpu_target()
     if target is None:
         outs = _execute_cpu(cpu_plan, names, *arrays)
@@ -172,5 +190,5 @@ def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array]) -> tuple[ja
         outs = jax.lax.platform_dependent(
             *arrays,
             cpu=functools.partial(_execute_cpu, cpu_plan, names),
-            cuda=functools.partial(_execute_gpu, gpu_plan, names))
+            cuda=functools.partial(_execute_gpu, gpu_plan, names, aliases))
     return _mark_varying(tuple(outs), _varying_axes(arrays))

@@ -73,9 +73,11 @@ def _grad_call(logits, labels, lse, lse_lo, weight, *, opts: _Opts):
 
 def _fwd_grad_call(logits, labels, weight, *, opts: _Opts):
     n_rows, vocab = logits.shape
+    # the gradient takes over the logits' buffer (as in the torch path): the linear op's chunk logits are
+    # dead after this call, so XLA holds one (C, V) buffer per chunk instead of two
     return execute(lambda target: plan_ce_fwd_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
                                                    per_row_weight=True, **opts.kwargs(), target=target),
-                   {"logits": logits, "labels": labels, "weight": weight})
+                   {"logits": logits, "labels": labels, "weight": weight}, aliases={"grad": "logits"})
 
 
 def _row_op(call, n_out: int):
