@@ -131,6 +131,43 @@ def bench_logits(quick: bool, ceiling: float) -> list[dict]:
     return rows
 
 
+def tune(ceiling: float) -> list[dict]:
+    """The logits-level kernels (forward; gradient) over tile width, warps and pipelining depth."""
+    import torch
+
+    from flashbridge.core_kernels.cross_entropy.plan import CEConfig, plan_ce_fwd, plan_ce_grad
+    from flashbridge.torch_api._runtime import execute, target_for
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(N, V, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), generator=g, device="cuda")
+    opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, target=target_for(x.device))
+    lse = torch.logsumexp(x.float(), -1)
+    rows = []
+    for block_v in (2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            for stages in (1, 2, 3):
+                cfg = CEConfig(block_v=block_v, num_warps=warps, num_stages=stages)
+                fwd = plan_ce_fwd(N, V, config=cfg, **opts)
+                grad = plan_ce_grad(N, V, grad_dtype="bfloat16", per_row_weight=False, config=cfg, **opts)
+                entry = {"block_v": block_v, "num_warps": warps, "num_stages": stages}
+                try:
+                    entry["fwd_ms"] = time_torch(lambda: execute(fwd, {"logits": x, "labels": y}))
+                    entry["grad_ms"] = time_torch(lambda: execute(grad, {"logits": x, "labels": y, "lse": lse,
+                                                                         "lse_lo": torch.zeros_like(lse),
+                                                                         "weight": torch.ones(1, device="cuda")}))
+                    entry["fwd_of_ceiling"] = N * V * 2 / (entry["fwd_ms"] * 1e-3) / 1e12 / ceiling
+                    entry["grad_of_ceiling"] = 2 * N * V * 2 / (entry["grad_ms"] * 1e-3) / 1e12 / ceiling
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                rows.append(entry)
+    print_table("cross_entropy kernels by tile (N=8192, V=128256, bf16)",
+                ["block_v", "warps", "stages", "fwd ms", "fwd / ceiling", "grad ms", "grad / ceiling"],
+                [[r["block_v"], r["num_warps"], r["num_stages"], r.get("fwd_ms", r.get("error", "-")),
+                  r.get("fwd_of_ceiling", "-"), r.get("grad_ms", "-"), r.get("grad_of_ceiling", "-")] for r in rows])
+    return rows
+
+
 def plot(linear: list[dict]) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -150,8 +187,12 @@ def plot(linear: list[dict]) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the tokens")
+    parser.add_argument("--tune", action="store_true", help="only time the logits-level kernels' tile options")
     args = parser.parse_args(argv)
     ceiling = measure_copy_ceiling()
+    if args.tune:
+        save("cross_entropy_tune", {"copy_ceiling_tbs": ceiling, "tune": tune(ceiling)})
+        return 0
     linear = bench_linear(args.quick)
     logits = bench_logits(args.quick, ceiling)
     print_table("linear cross-entropy forward+backward", ["impl", "time (ms)", "peak extra (GB)", "TFLOP/s"],

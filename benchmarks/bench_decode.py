@@ -399,9 +399,19 @@ def main():
     parser.add_argument("--splits", action="store_true")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
+    parser.add_argument("--jax-only", action="store_true",
+                        help="only the JAX rows (e.g. to compare XLA_FLAGS settings), printed, not saved")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
+        return
+    if args.jax_only:
+        import os
+        print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+        for label, b, s in ROWS:
+            for paged in (False, True):
+                ms, nbytes = jax_ours(b, s, paged=paged)
+                print(f"{label} jax {'paged64' if paged else 'NHD'}: {ms:.4f} ms {nbytes / (ms * 1e-3) / 1e12:.3f} TB/s")
         return
     print(environment())
     rows = run_rows(with_jax=not args.no_jax)

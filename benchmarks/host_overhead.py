@@ -76,6 +76,11 @@ def main():
         layers["bwd: plan runtime (execute)"] = lambda: execute(bplan, {"dy": dy, "h": x, "weight": w, "rstd": rstd})
         y = ft.rms_norm(xg, wg)
         layers["bwd: autograd.grad through the op"] = lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        layers["LayerNorm public op, no grad"] = lambda: ft.layer_norm(x, w, b)
+        bg = b.detach().requires_grad_()
+        y_ln = ft.layer_norm(xg, wg, bg)
+        layers["bwd: LayerNorm autograd.grad"] = lambda: torch.autograd.grad(y_ln, (xg, wg, bg), dy, retain_graph=True)
         for name, fn in layers.items():
             with torch.no_grad() if "grad" not in name else torch.enable_grad():
                 device_ms = time_torch(fn)
@@ -84,7 +89,30 @@ def main():
                                  tensors * x.numel() * 2 / (device_ms * 1e-3) / 1e12])
     print_table("RMSNorm forward: device time (do_bench) and host time per call",
                 ["shape", "layer", "do_bench ms", "host us/call", "TB/s"], rows_out)
+    profile_host()
     profile_training_step()
+
+
+def profile_host(rows=16384, cols=8192, calls=300):
+    """cProfile of the public LayerNorm and RMSNorm calls (no grad): where the host time goes, by function."""
+    import cProfile
+    import pstats
+
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    for name, fn in (("layer_norm", lambda: ft.layer_norm(x, w, b)), ("rms_norm", lambda: ft.rms_norm(x, w))):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"cProfile: {calls} calls of {name} {rows}x{cols} bf16 (no grad)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 def profile_training_step(rows=16384, cols=8192, steps=10):

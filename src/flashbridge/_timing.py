@@ -37,13 +37,11 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
         for args in arg_sets:
             fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the capture must not fail on what other threads do meanwhile (JAX's runtime threads
-    # poll events and allocate; under the default "global" mode that invalidates the capture)
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for args in arg_sets:
-            fn(*args)
-    graph.replay()
+    try:
+        graph = _capture(fn, arg_sets)
+    except RuntimeError:  # a first capture can fail on lazy initialisation (autograd's device thread): retry
+        torch.cuda.synchronize()
+        graph = _capture(fn, arg_sets)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
@@ -54,6 +52,19 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) / len(arg_sets))
     return statistics.median(samples)
+
+
+def _capture(fn, arg_sets):
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the capture must not fail on what other threads do meanwhile (JAX's runtime threads
+    # poll events and allocate; under the default "global" mode that invalidates the capture)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for args in arg_sets:
+            fn(*args)
+    graph.replay()
+    return graph
 
 
 def time_jax_steady(fn, arg_sets, **kwargs) -> float:

@@ -86,9 +86,11 @@ def _backward(ctx, dy, dh, dmean, drstd):
     x_dtype, res_dtype, post_dtype = ctx.dtypes
     if dy is None:
         dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device)
-    dx, dweight, dbias = _norm_bwd(dy.to(x_dtype), h, weight, bias, mean, rstd, seed,
+    # dx does not depend on the bias: without a bias gradient wanted, its column sums are skipped
+    bias_grad = bias if ctx.needs_input_grad[2] else None
+    dx, dweight, dbias = _norm_bwd(dy.to(x_dtype), h, weight, bias_grad, mean, rstd, seed,
                                    dh if has_res else None, is_rms, dropout_p)
-    return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
+    return (dx, dweight if weight is not None else None, dbias if bias_grad is not None else None,
             dx.to(res_dtype) if has_res else None, dy.to(post_dtype) if has_post_res else None,
             None, None, None, None)
 

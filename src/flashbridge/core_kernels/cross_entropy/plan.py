@@ -36,11 +36,14 @@ class CEConfig:
         loop over the vocabulary is long enough to keep loads in flight), more rows for narrow
         vocabularies; in the interpreter, enough rows for ~16K elements per tile (it pays per program).
     num_warps: default 8 for tiles of 4096+ elements, else 4.
+    num_stages: software-pipelining depth of the loop over the vocabulary (Triton's ``num_stages``).
+        Default 1.
     """
 
     block_v: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
+    num_stages: int | None = None
 
 
 DEFAULT_CONFIG = CEConfig()
@@ -201,6 +204,10 @@ def _options(ignore_index, label_smoothing, z_loss, softcap):
     return scalars, flags
 
 
+def _stages(config: CEConfig | None) -> int:
+    return (config or DEFAULT_CONFIG).num_stages or 1
+
+
 def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
     block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
     scalars, flags = _options(*options)
@@ -208,7 +215,7 @@ def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
         kernel=f"{_KERNELS}:ce_fwd_kernel", grid=(cdiv(n_rows, block_n),), inputs=(logits, "labels"),
         scalars=(("n_rows", n_rows),) + scalars, outputs=("loss", "lse", "lse_lo"),
         constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags,
-        num_warps=num_warps, num_stages=1)
+        num_warps=num_warps, num_stages=_stages(config))
 
 
 def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config) -> Launch:
@@ -220,7 +227,7 @@ def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config)
         outputs=("grad",),
         constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
                     ("PER_ROW_WEIGHT", per_row_weight)) + flags,
-        num_warps=num_warps, num_stages=1)
+        num_warps=num_warps, num_stages=_stages(config))
 
 
 def plan_ce_fwd(n_rows: int, vocab: int, *, ignore_index: int, label_smoothing: float, z_loss: float,
