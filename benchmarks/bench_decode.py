@@ -235,16 +235,20 @@ def run_rows(with_jax=True):
     return rows
 
 
-def sweep_splits():
-    """Time num_splits and tile candidates around the defaults (for plan.py's heuristics): contiguous bf16 at
-    every row, plus paged (page 64) and fp8 at B=1, S=128k."""
+SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
+
+
+def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SWEEP_TILES):
+    """Time num_splits and tile candidates around the defaults (for plan.py's heuristics); by default
+    contiguous bf16 at every row, plus paged (page 64) and fp8 at B=1, S=128k."""
     import torch
 
     from flashbridge.core_kernels.decode.plan import DecodeConfig, check_decode_args, plan_decode
     from flashbridge.torch_api._runtime import dtype_name, execute, target_for
 
-    variants = [(label, b, s, False, False) for label, b, s in ROWS]
-    variants += [("B1 S128k paged64", 1, 131072, True, False), ("B1 S128k fp8", 1, 131072, False, True)]
+    if variants is None:
+        variants = [(label, b, s, False, False) for label, b, s in ROWS]
+        variants += [("B1 S128k paged64", 1, 131072, True, False), ("B1 S128k fp8", 1, 131072, False, True)]
     out = []
     for label, b, s, paged, fp8 in variants:
         try:
@@ -261,8 +265,8 @@ def sweep_splits():
         k0, v0, extra0 = caches[0]
         shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
                                               **{n: info(t) for n, t in extra0.items()})
-        for splits in (1, 4, 8, 16, 32, 64, 128):
-            for block_n, warps, stages in ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2)):
+        for splits in splits_list:
+            for block_n, warps, stages in tiles:
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
@@ -397,6 +401,8 @@ def ptxas_report():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--splits", action="store_true")
+    parser.add_argument("--splits-b32", action="store_true",
+                        help="only the batch-32 split counts 1-4, contiguous and paged, default tile")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
@@ -404,6 +410,11 @@ def main():
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
+        return
+    if args.splits_b32:
+        sweep = sweep_splits([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)],
+                             (1, 2, 3, 4), (SWEEP_TILES[0],))
+        print(f"wrote {save('decode_splits_b32_h200', {'environment': environment(), 'splits': sweep})}")
         return
     if args.jax_only:
         import os

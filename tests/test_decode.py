@@ -834,3 +834,22 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
         ptx = parity._assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("decode_fwd_kernel"):
             assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
+
+
+def test_automatic_split_count_on_the_h200():
+    """choose_num_splits on a 132-SM GPU at the benchmark's shapes (Hq=32, Hkv=8, D=128, Sq=1): contiguous
+    caches aim at 2 programs per SM and take 1 split once the batch gives every SM a program; paged and
+    FP8 caches aim at 4 per SM (the sweep in benchmarks/results/decode_splits_h200.json)."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.decode import plan as P
+
+    h200 = Target(interpret=False, num_sms=132)
+
+    def splits(batch, span, gathered):
+        return P.choose_num_splits(batch=batch, heads_kv=8, rows=4, span=span, head_dim_qk=128, head_dim_v=128,
+                                   target=h200, gathered=gathered)
+
+    assert splits(1, 131072, False) == 33 and splits(1, 16384, False) == 33
+    assert splits(1, 131072, True) == 64
+    assert splits(32, 8192, False) == 1 and splits(32, 8192, True) == 3
+    assert splits(1, 512, False) == 2  # short caches: at least 4 key blocks of 64 per split

@@ -56,8 +56,8 @@ class DecodeConfig:
     * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
       ``merge_block_states`` states per step.
 
-    The GPU defaults are set for Hopper from the memory-bound character of decode (untimed: the session that
-    wrote them had no GPU time); the interpreter pays per program and per operation, not per element.
+    The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
+    interpreter pays per program and per operation, not per element.
     """
 
     block_n: Optional[int] = None
@@ -486,16 +486,27 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
 
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
-                      target: Target, config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16") -> int:
-    """The automatic split count: 1 when ``batch * heads_kv * row_blocks`` programs already fill the GPU
-    (``programs_per_sm`` per SM, 4 by default), else enough splits to get there, each at least
-    ``min_blocks_per_split`` key blocks of the longest possible span (the cache capacity, or the window),
-    and at most 64. Static (shapes only, never the lengths' values), so it needs no device sync and
-    traces under jit / torch.compile."""
+                      target: Target, config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16",
+                      gathered: bool = False) -> int:
+    """The automatic split count. ``base = batch * heads_kv * row_blocks`` programs exist without splits.
+
+    * Contiguous bf16/fp16 caches (``gathered=False``): 1 split once ``base`` reaches one program per SM,
+      else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32, Hkv=8, D=128 (the split
+      sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took 130 us at 32 splits
+      against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6; B=32, S=8k 246 us
+      with 1 split against 252-261 with 3-4.
+    * Paged or FP8 caches (``gathered=True``: a page-table lookup per key block, or an 8-bit V transposed
+      through shared memory) want more programs in flight: 4 per SM and 1 split only once ``base`` reaches
+      that (B=1, S=128k, paged: 133 us at 64 splits, 149 at 32; FP8: 125 against 138).
+
+    Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
+    capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
+    it needs no device sync and traces under jit / torch.compile."""
     tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype)
     base = batch * heads_kv * cdiv(rows, tiles.block_m)
-    slots = target.num_sms * (config.programs_per_sm or 4)
-    if base >= slots:
+    per_sm = config.programs_per_sm or (4 if gathered or target.interpret else 2)
+    slots = target.num_sms * per_sm
+    if base >= (slots if gathered or target.interpret else target.num_sms):
         return 1
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
@@ -515,7 +526,8 @@ def resolve_num_splits(shape: DecodeShape, options: DecodeOptions, num_splits: O
         return num_splits
     return choose_num_splits(batch=shape.batch, heads_kv=shape.heads_kv, rows=shape.seqlen_q * shape.group,
                              span=_span(shape, options), head_dim_qk=shape.head_dim_qk,
-                             head_dim_v=shape.head_dim_v, target=target, config=config, dtype=shape.dtype)
+                             head_dim_v=shape.head_dim_v, target=target, config=config, dtype=shape.dtype,
+                             gathered=shape.cache.paged or shape.cache.fp8)
 
 
 # ------------------------------------------------------------------------------------------------- plans
@@ -699,7 +711,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype)
     splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
                                                head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
-                                               config=config, dtype=shape.dtype)
+                                               config=config, dtype=shape.dtype, gathered=shared.fp8)
     oa, la = _partial_strides(1, b * sq, hq, dv)
     shared_launch = _decode_launch(
         **{**common, "cache": shared}, inputs=("q", "shared_k", "shared_v", "q", "q", "q", "q", name("k_scale"),
