@@ -851,5 +851,5 @@ def test_automatic_split_count_on_the_h200():
 
     assert splits(1, 131072, False) == 33 and splits(1, 16384, False) == 33
     assert splits(1, 131072, True) == 64
-    assert splits(32, 8192, False) == 1 and splits(32, 8192, True) == 3
+    assert splits(32, 8192, False) == 1 and splits(32, 8192, True) == 4
     assert splits(1, 512, False) == 2  # short caches: at least 4 key blocks of 64 per split

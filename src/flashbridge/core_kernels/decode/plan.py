@@ -496,8 +496,10 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
       against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6; B=32, S=8k 246 us
       with 1 split against 252-261 with 3-4.
     * Paged or FP8 caches (``gathered=True``: a page-table lookup per key block, or an 8-bit V transposed
-      through shared memory) want more programs in flight: 4 per SM and 1 split only once ``base`` reaches
-      that (B=1, S=128k, paged: 133 us at 64 splits, 149 at 32; FP8: 125 against 138).
+      through shared memory) want more programs in flight: 4 per SM, the count rounded up to a power of
+      two, and 1 split only once ``base`` reaches that (B=1, S=128k, paged: 133 us at 64 splits, 149 at
+      32; FP8: 125 against 138; B=32, S=8k, paged: 254 us at 4 splits, 279 at 3, 250 at 2, 283 at 1 --
+      ``decode_splits_b32_h200.json``).
 
     Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
@@ -510,7 +512,10 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
         return 1
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
-    return max(1, min(cdiv(slots, base), by_length, 64))
+    wanted = cdiv(slots, base)
+    if gathered and not target.interpret:
+        wanted = next_power_of_2(wanted)
+    return max(1, min(wanted, by_length, 64))
 
 
 def _span(shape: DecodeShape, options: DecodeOptions) -> int:
