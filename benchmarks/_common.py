@@ -134,7 +134,8 @@ def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
 
 
 def kernel_trace(fn, *, calls: int = 5, label: str = "") -> list[dict]:
-    """The device activity of ``fn`` (kernels, memsets, copies), per call: name, launches, microseconds.
+    """The device activity of ``fn`` (kernels, memsets, copies), per call: name, launches, microseconds;
+    and how busy the device was from each call's first kernel to its last (the rest is launch gaps).
 
     Uses torch.profiler's CUPTI activity trace, which records every CUDA launch in the process, JAX's
     included, so the two frameworks' paths can be compared kernel by kernel. ``fn`` must synchronise."""
@@ -147,13 +148,37 @@ def kernel_trace(fn, *, calls: int = 5, label: str = "") -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-    totals, counts = defaultdict(float), defaultdict(int)
+            torch.cuda.synchronize()
+    totals, counts, spans = defaultdict(float), defaultdict(int), []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name] += event.time_range.elapsed_us()
             counts[event.name] += 1
+            spans.append((event.time_range.start, event.time_range.end))
     rows = [{"name": name[:90], "launches": counts[name] / calls, "us": totals[name] / calls}
             for name in sorted(totals, key=totals.get, reverse=True)]
-    print_table(f"device activity per call {label} (total {sum(r['us'] for r in rows):.1f} us)",
+    busy, span = _busy_fraction(sorted(spans))
+    total = sum(r["us"] for r in rows)
+    print_table(f"device activity per call {label} (total {total:.1f} us; device busy {busy:.1%} of the "
+                f"time between a call's first and last kernel, {span / calls:.1f} us per call)",
                 ["kernel", "launches", "us"], [[r["name"], r["launches"], r["us"]] for r in rows])
     return rows
+
+
+def _busy_fraction(spans, idle_break_us: float = 1000.0):
+    """Busy time / elapsed time over runs of device activity; a gap longer than ``idle_break_us`` (the
+    host synchronising between calls) starts a new run and is not counted."""
+    busy = elapsed = 0.0
+    run_start = run_end = None
+    for start, end in spans:
+        if run_end is not None and start - run_end > idle_break_us:
+            elapsed += run_end - run_start
+            run_start = None
+        if run_start is None:
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+        busy += end - start
+    if run_start is not None:
+        elapsed += run_end - run_start
+    return (busy / elapsed if elapsed else 1.0), elapsed

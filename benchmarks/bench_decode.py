@@ -193,7 +193,12 @@ def trace_paths(b=1, s=16384):
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     jq, jk, jv, jlens = (jax.dlpack.from_dlpack(t) for t in (q, k, v, lens))
     step = jax.jit(lambda q, k, v, lens: jax_decode(q, k, v, cache_seqlens=lens))
+    # eight steps in one jitted function, distinct queries: the busy fraction shows XLA's launch gaps
+    qs = [jq * (1 + i / 16) for i in range(8)]
+    steps = jax.jit(lambda qs, k, v, lens: [jax_decode(q, k, v, cache_seqlens=lens) for q in qs])
     return {"case": f"B{b} S{s}",
+            "jax_x8": kernel_trace(lambda: jax.block_until_ready(steps(qs, jk, jv, jlens)),
+                                   label=f"jax decode B{b} S{s}, 8 steps in one jit"),
             "torch": kernel_trace(lambda: (decode_attention(q, k, v, cache_seqlens=lens), torch.cuda.synchronize()),
                                   label=f"torch decode B{b} S{s}"),
             "jax": kernel_trace(lambda: jax.block_until_ready(step(jq, jk, jv, jlens)),

@@ -208,6 +208,7 @@ def trace_paths(op, x, w, b, r, backward, grads):
         ((vjp_fn, cts),) = jax_vjp_sets(op, [(x, r, grads)], w, b)
         jitted = jax.jit(lambda f, ct: f(ct))
         jax_call = lambda: jax.block_until_ready(jitted(vjp_fn, cts))  # noqa: E731
+        jfwd = jw = jr = None
     else:
         fwd = torch_forward(op, w, b)
         torch_call = lambda: (fwd(x, res), torch.cuda.synchronize())  # noqa: E731
@@ -215,10 +216,20 @@ def trace_paths(op, x, w, b, r, backward, grads):
         jx, jw, jr = to_jax(x), to_jax(w), to_jax(res)
         jitted = jax.jit(lambda x, w, r: jfwd(x, w, r))
         jax_call = lambda: jax.block_until_ready(jitted(jx, jw, jr))  # noqa: E731
+    # four calls in one jitted function (as time_jax_steady runs them): the busy fraction shows the launch
+    # gaps XLA leaves between kernels; distinct inputs, or XLA would merge the calls
+    if backward:
+        sets = jax_vjp_sets(op, [(x * (1 + i / 8), r, grads) for i in range(STEADY_SETS)], w, b)
+        jitted4 = jax.jit(lambda sets: [f(ct) for f, ct in sets])
+    else:
+        sets = [(to_jax(x * (1 + i / 8)), jw, jr) for i in range(STEADY_SETS)]
+        jitted4 = jax.jit(lambda sets: [jfwd(*a) for a in sets])
+    jax_call4 = lambda: jax.block_until_ready(jitted4(sets))  # noqa: E731
     direction = "bwd" if backward else "fwd"
     with torch.no_grad() if not backward else torch.enable_grad():
         return {"torch": kernel_trace(torch_call, label=f"torch {op} {direction}"),
-                "jax": kernel_trace(jax_call, label=f"jax {op} {direction}")}
+                "jax": kernel_trace(jax_call, label=f"jax {op} {direction}"),
+                "jax_x4": kernel_trace(jax_call4, label=f"jax {op} {direction}, {STEADY_SETS} calls in one jit")}
 
 
 def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True, steady=False, trace=None):
