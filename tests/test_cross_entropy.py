@@ -126,13 +126,15 @@ def test_cross_entropy_both_frameworks(case):
     np.testing.assert_array_equal(np64(jlse), np64(lse))
 
 
-def test_multi_tile_rows_and_vocabulary(monkeypatch):
-    """Small tiles: several vocabulary blocks with a ragged last one, several rows per program, a ragged
-    last row block (the online-softmax merge and every mask are exercised)."""
+@pytest.mark.parametrize("vocab", [1000, 1024, 128])
+def test_multi_tile_rows_and_vocabulary(monkeypatch, vocab):
+    """Small tiles: several vocabulary blocks with a ragged last one (1000), whole tiles only (1024: the
+    forward's prefetch of the next tile stops at the last one), exactly one tile (128); several rows per
+    program, a ragged last row block (the online-softmax merge and every mask are exercised)."""
     monkeypatch.setattr(P, "DEFAULT_CONFIG", P.CEConfig(block_v=128, block_n=4))
-    rng = _rng("tiles")
-    x = rng.standard_normal((13, 1000)) * 4
-    y = _labels(rng, (13,), 1000)
+    rng = _rng(f"tiles{vocab}")
+    x = rng.standard_normal((13, vocab)) * 4
+    y = _labels(rng, (13,), vocab)
     g = rng.standard_normal(13)
     ref = R.cross_entropy(x, y, reduction="none", **ALL)
     ref_dx = R.cross_entropy_bwd(g, x, y, reduction="none", **ALL)
