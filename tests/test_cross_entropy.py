@@ -547,6 +547,35 @@ def test_invalid_labels_under_tracing_give_nan_not_garbage():
     assert np.all(np.isnan(g[1])) and np.all(np.isfinite(np.asarray(g)[[0, 2, 3]]))
 
 
+def test_validate_labels_false_skips_the_check():
+    """validate_labels=False (no host sync, CUDA-graph capturable): a bad label is not refused, its row gets a
+    NaN loss and NaN gradients, the other rows are unchanged; both frameworks, logits and linear ops."""
+    rng = _rng("novalidate")
+    x = rng.standard_normal((4, 50)).astype(np.float32)
+    y = np.array([0, 77, -100, 3])
+    good = np.array([0, 1, -100, 3])
+    xt = torch.tensor(x, requires_grad=True)
+    rows = ftc.cross_entropy(xt, torch.tensor(y), reduction="none", validate_labels=False)
+    rows.sum().backward()
+    want = ftc.cross_entropy(torch.tensor(x), torch.tensor(good), reduction="none")
+    assert torch.isnan(rows[1]) and torch.equal(rows[[0, 2, 3]], want[[0, 2, 3]])
+    assert torch.isnan(xt.grad[1]).all() and torch.isfinite(xt.grad[[0, 2, 3]]).all()
+    jrows = fjc.cross_entropy(jnp.asarray(x), jnp.asarray(y), reduction="none", validate_labels=False)
+    np.testing.assert_array_equal(np.asarray(jrows), rows.detach().numpy())
+    h, w = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((50, 8)).astype(np.float32)
+    lin = ftc.linear_cross_entropy(torch.tensor(h), torch.tensor(w), torch.tensor(y), reduction="none",
+                                   validate_labels=False)
+    jlin = fjc.linear_cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), reduction="none",
+                                    validate_labels=False)
+    assert torch.isnan(lin[1]) and np.isnan(np.asarray(jlin)[1])
+    loss_fn = ftc.LinearCrossEntropyLoss(reduction="none", validate_labels=False)
+    assert torch.isnan(loss_fn(torch.tensor(h), torch.tensor(w), torch.tensor(y))[1])
+    with pytest.raises(ValueError, match="labels: 1 label"):
+        ftc.cross_entropy(torch.tensor(x), torch.tensor(y))
+    with pytest.raises(ValueError, match="labels: 1 label"):
+        fjc.cross_entropy(jnp.asarray(x), jnp.asarray(y))
+
+
 def test_lse_is_not_differentiable():
     x = torch.randn(3, 20, requires_grad=True)
     _, lse = ftc.cross_entropy(x, torch.tensor([1, 2, 3]), return_lse=True)

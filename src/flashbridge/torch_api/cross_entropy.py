@@ -322,7 +322,7 @@ def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
-                  return_lse: bool = False):
+                  return_lse: bool = False, validate_labels: bool = True):
     """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
 
     One read of the logits forward (online softmax over the vocabulary, in fp32), one read and one write
@@ -339,6 +339,10 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
         reduction: "mean" (over rows whose label is not ignored; 0 with zero gradients when all are),
             "sum" or "none".
         return_lse: also return the float32 ``(...)`` log-sum-exp (not differentiable).
+        validate_labels: raise a ValueError naming ``labels`` when a label is outside ``[0, V)`` and not
+            ``ignore_index``. On a GPU the check waits for the device once per call (a host sync, which
+            also rules out CUDA-graph capture); False skips it, and such a row gets a NaN loss and NaN
+            gradients instead (as under torch.compile, where the check never runs).
 
     Returns:
         The float32 loss (a scalar, or ``(...)`` for "none"), and the lse with ``return_lse``.
@@ -357,7 +361,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     lead = tuple(labels.shape)
     x = logits.reshape(n_rows, vocab).contiguous()
     y = labels.reshape(n_rows).contiguous()
-    _validate_label_values(y, vocab, ignore_index)
+    if validate_labels:
+        _validate_label_values(y, vocab, ignore_index)
     loss_rows, lse, _ = _ce_fwd(x, y, int(ignore_index), float(label_smoothing), float(z_loss),
                                 float(logit_softcap))
     loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
@@ -367,7 +372,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                         return_lse: bool = False):
+                         return_lse: bool = False, validate_labels: bool = True):
     """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     The tokens are processed in chunks (see the module docstring for the design): the peak extra memory
@@ -379,7 +384,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         weight: ``(V, H)`` in hidden's dtype (the ``nn.Linear`` / tied-embedding layout).
         labels: ``(...)`` int32 / int64, hidden's leading shape.
         bias: optional ``(V,)`` in hidden's dtype.
-        ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse: as in
+        ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
         chunk_size: tokens per chunk; None picks it from N, H, V and the free memory
             (``core_kernels.cross_entropy.plan.choose_chunk_size``).
@@ -406,7 +411,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     w = weight.contiguous()
     y = labels.reshape(n_rows).contiguous()
     b = None if bias is None else bias.contiguous()
-    _validate_label_values(y, vocab, ignore_index)
+    if validate_labels:
+        _validate_label_values(y, vocab, ignore_index)
     grad_on = torch.is_grad_enabled()
     loss, lse, _, _, _, _ = _lce_fwd(
         h2, w, y, b, int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap), reduction,
@@ -429,17 +435,19 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                 return_lse: bool = False):
+                 return_lse: bool = False, validate_labels: bool = True):
         super().__init__()
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.logit_softcap, self.reduction, self.chunk_size, self.return_lse = (
             logit_softcap, reduction, chunk_size, return_lse)
+        self.validate_labels = validate_labels
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None):
         return linear_cross_entropy(
             hidden, weight, labels, bias=bias, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, logit_softcap=self.logit_softcap,
-            reduction=self.reduction, chunk_size=self.chunk_size, return_lse=self.return_lse)
+            reduction=self.reduction, chunk_size=self.chunk_size, return_lse=self.return_lse,
+            validate_labels=self.validate_labels)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
