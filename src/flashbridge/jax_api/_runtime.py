@@ -68,6 +68,9 @@ def _jax_triton():
     return jax_triton
 
 
+_FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib 0.11: reads the serialised call from the "opaque" attribute
+
+
 def _ffi_target() -> str | None:
     """jaxlib's typed-FFI Triton launcher (command-buffer compatible, kernel resolved once at
     initialisation), when this jaxlib registers one."""
@@ -76,7 +79,7 @@ def _ffi_target() -> str | None:
         names = list(gpu_triton._cuda_triton.registrations())
     except Exception:
         return None
-    return next((n for n in names if "triton" in n and n != "triton_kernel_call"), None)
+    return _FFI_TARGET if _FFI_TARGET in names else None
 
 
 def _launch_through_ffi(jax_triton) -> None:
