@@ -408,6 +408,9 @@ def main():
     parser.add_argument("--splits", action="store_true")
     parser.add_argument("--splits-b32", action="store_true",
                         help="only the batch-32 split counts 1-4, contiguous and paged, default tile")
+    parser.add_argument("--splits-s16k", action="store_true",
+                        help="only B=1 S=16k (its bar is the furthest off): split counts around the default "
+                             "and deeper pipelines / smaller key blocks")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
@@ -420,6 +423,11 @@ def main():
         sweep = sweep_splits([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)],
                              (1, 2, 3, 4), (SWEEP_TILES[0],))
         print(f"wrote {save('decode_splits_b32_h200', {'environment': environment(), 'splits': sweep})}")
+        return
+    if args.splits_s16k:
+        sweep = sweep_splits([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
+                             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (64, 8, 3), (32, 2, 4)))
+        print(f"wrote {save('decode_splits_s16k_h200', {'environment': environment(), 'splits': sweep})}")
         return
     if args.jax_only:
         import os
