@@ -204,6 +204,15 @@ def tune(d, causal, s=4096):
             rows.append({"kernel": "fwd", "tile": (bm, bn, w, st), "error": str(exc)[:120]})
     if out is None:
         return rows
+    for masked in (1, 2):  # the default tile with its masked segments less deeply pipelined
+        cfg = AttentionConfig(masked_num_stages=masked)
+        try:
+            plan = plan_attention_fwd(shape, options, target=target, config=cfg)
+            ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
+            rows.append({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "ms": ms,
+                         "tflops": tflops(pairs, b, H, d, ms, False)})
+        except Exception as exc:
+            rows.append({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
     bwd_cands = {"dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2),
                           (16, 128, 8, 3), (32, 32, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
                  "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),

@@ -203,9 +203,15 @@ def _vector_loads(ptx: str) -> int:
     return len(re.findall(r"ld\.global[^\n]*\.v4|cp\.async\.cg\.shared\.global[^\n]*0x10", ptx))
 
 
-def test_attention_forward_compiles_identically_and_vectorised():
+@pytest.mark.parametrize("masked_num_stages", [None, 1])
+def test_attention_forward_compiles_identically_and_vectorised(masked_num_stages):
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
     shape, options = _attn_case(causal=True)
-    ptx = _assert_same_ptx(plan_attention_fwd(shape, options, target=H200).launches[0], _attn_dtypes("bfloat16"))
+    plan = plan_attention_fwd(shape, options, target=H200,
+                              config=AttentionConfig(masked_num_stages=masked_num_stages))
+    assert plan.launches[0].constexpr_dict()["MASKED_STAGES"] == (masked_num_stages or 0)
+    ptx = _assert_same_ptx(plan.launches[0], _attn_dtypes("bfloat16"))
     # The loads of q, k and v are 16 bytes wide (and k, v go through cp.async) in both front-ends: the
     # 2.4x slower JAX attention of the H200 had 2-byte loads only.
     assert _vector_loads(ptx) > 0, "no 16-byte loads in the attention forward"

@@ -34,6 +34,10 @@ class AttentionConfig:
     * dK/dV: one program per ``dkdv_block_n`` keys, looping over queries ``dkdv_block_m`` at a time;
     * dQ: one program per ``dq_block_m`` query rows, looping over keys ``dq_block_n`` at a time.
 
+    * ``masked_num_stages``: pipelining depth of the forward's masked segments (the causal diagonal, window
+      edges, ragged tails), None = the forward's ``num_stages``. 1 removes the causal forward's register
+      spill on sm_90 (see ``fwd_kv_range``); whether that is faster is for ``bench_attention.py --tune``.
+
     The GPU defaults were chosen for Hopper (sm_90) by compiling every candidate ahead of time and keeping
     the largest tiles that neither spill registers nor exceed shared memory; timing on an H200 may move
     them. The interpreter (CPU) pays per program and per operation, not per element: it takes 64 x 64
@@ -52,6 +56,7 @@ class AttentionConfig:
     dq_block_n: Optional[int] = None
     dq_num_warps: Optional[int] = None
     dq_num_stages: Optional[int] = None
+    masked_num_stages: Optional[int] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -59,6 +64,8 @@ class AttentionConfig:
             if "block" in f.name and value is not None:
                 if value < 16 or value & (value - 1):
                     raise ValueError(f"AttentionConfig.{f.name}: must be a power of two >= 16, got {value}")
+        if self.masked_num_stages is not None and self.masked_num_stages < 1:
+            raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
 
     def tile(self, kernel: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq")."""
@@ -380,7 +387,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
         constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
                     ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_DQK", _pad(shape.head_dim_qk)),
                     ("BLOCK_DV", _pad(shape.head_dim_v)), ("HAS_SINKS", options.has_sinks),
-                    *_flags(shape, options), *_align(scalars)),
+                    *_flags(shape, options), *_align(scalars),
+                    ("MASKED_STAGES", 0 if target.interpret else (config.masked_num_stages or 0))),
         num_warps=warps,
         num_stages=stages,
     )
