@@ -51,16 +51,22 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _fold(m, s, z):
+    """Fold scores ``z`` into the per-lane online softmax: running max ``m`` and ``s = sum exp(z - m)``,
+    with one exp per element (``exp(-|z - m|)``); lanes at -inf add 0."""
+    m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.exp(tl.minimum(m, z) - m_new)
+    return m_new, tl.where(z > m, s * e + 1.0, s + e)
+
+
+@triton.jit
 def _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """Fold a whole logits tile ``x`` (as loaded) into the per-lane online softmax (m, s) and the running
-    sum of z (label smoothing)."""
+    """Fold a whole logits tile ``x`` (as loaded) into (m, s) and the running sum of z (label smoothing)."""
     z = _capped(x.to(tl.float32), softcap, HAS_SOFTCAP)
     if HAS_SMOOTH:
         zsum += z
-    m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.exp(tl.minimum(m, z) - m_new)  # exp(-|z - m|)
-    s = tl.where(z > m, s * e + 1.0, s + e)
-    return m_new, s, zsum
+    m, s = _fold(m, s, z)
+    return m, s, zsum
 
 
 @triton.jit
@@ -74,11 +80,8 @@ def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, BLOCK_V: tl
                 HAS_SOFTCAP)
     if HAS_SMOOTH:
         zsum += tl.where(col_ok, z, 0.0)
-    z = tl.where(col_ok, z, float("-inf"))
-    m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.exp(tl.minimum(m, z) - m_new)  # exp(-|z - m|); 0 for masked lanes
-    s = tl.where(z > m, s * e + 1.0, s + e)
-    return m_new, s, zsum
+    m, s = _fold(m, s, tl.where(col_ok, z, float("-inf")))
+    return m, s, zsum
 
 
 @triton.jit
