@@ -373,18 +373,6 @@ def jax_steady_table():
                       f"{amount / (ms * 1e-3) / 1e12:.3f} TB/s")
 
 
-def _absorb_first_backward_capture():
-    """In two H200 runs the first CUDA-graph capture of a backward in the process failed for every provider
-    (cudaErrorStreamCaptureInvalidated) and later ones succeeded: spend that first capture on a throwaway
-    graph. (Added after the last run; not yet seen to work.)"""
-    x = torch.randn(256, 256, device="cuda", requires_grad=True)
-    y = (x * x).sum()
-    try:
-        time_torch_steady(lambda: torch.autograd.grad(y, [x], retain_graph=True), [()], reps=2)
-    except Exception as exc:
-        print(f"throwaway backward capture: {type(exc).__name__}")
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tune", action="store_true")
@@ -401,7 +389,6 @@ def main():
     if args.tune:
         payload["tune"] = tune(ceiling)
     payload["welford_parts"] = welford_parts(ceiling)
-    _absorb_first_backward_capture()
     table = []
     payload["traces"] = []
     for rows, cols in MAIN_SHAPES:
