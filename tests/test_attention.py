@@ -674,3 +674,13 @@ def test_flax_multihead_attention_drop_in(mode):
     if mode == "plain":
         with pytest.raises(ValueError, match="mask"):
             ours(x, mask=jnp.ones((2, 1, 9, 9), bool).at[..., 0].set(False))
+
+
+def test_attention_config_rejects_bad_values():
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
+    with pytest.raises(ValueError, match="AttentionConfig.block_m"):
+        AttentionConfig(block_m=48)
+    with pytest.raises(ValueError, match="AttentionConfig.masked_num_stages"):
+        AttentionConfig(masked_num_stages=0)
+    assert AttentionConfig(masked_num_stages=1).masked_num_stages == 1

@@ -610,3 +610,11 @@ def test_jax_execute_aliases():
         execute(make, inputs, aliases={"grad": "nope"})
     with pytest.raises(ValueError, match="aliases: output 'grad'"):
         execute(make, inputs, aliases={"grad": "labels"})
+
+
+def test_ce_config_rejects_bad_values():
+    for kwargs, name in ((dict(block_v=3000), "block_v"), (dict(block_n=0), "block_n"),
+                         (dict(num_warps=6), "num_warps"), (dict(num_stages=0), "num_stages")):
+        with pytest.raises(ValueError, match=f"CEConfig.{name}"):
+            P.CEConfig(**kwargs)
+    assert P.CEConfig(block_v=2048, block_n=2, num_warps=8, num_stages=3).num_stages == 3

@@ -47,6 +47,13 @@ class CEConfig:
     num_warps: int | None = None
     num_stages: int | None = None
 
+    def __post_init__(self):
+        for name in ("block_v", "block_n", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or (name != "num_stages" and value & (value - 1))):
+                kind = "a positive int" if name == "num_stages" else "a power of two"
+                raise ValueError(f"CEConfig.{name}: must be None or {kind}, got {value}")
+
 
 DEFAULT_CONFIG = CEConfig()
 

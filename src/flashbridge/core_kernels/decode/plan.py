@@ -506,9 +506,9 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     it needs no device sync and traces under jit / torch.compile."""
     tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype)
     base = batch * heads_kv * cdiv(rows, tiles.block_m)
-    per_sm = config.programs_per_sm or (4 if gathered or target.interpret else 2)
-    slots = target.num_sms * per_sm
-    if base >= (slots if gathered or target.interpret else target.num_sms):
+    dense = not (gathered or target.interpret)  # the interpreter keeps the 4-per-SM rule (tests' split counts)
+    slots = target.num_sms * (config.programs_per_sm or (2 if dense else 4))
+    if base >= (target.num_sms if dense else slots):
         return 1
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
