@@ -150,14 +150,18 @@ def _host_alloc(spec) -> np.ndarray:
     return np.empty(spec.shape, dtype=dtype)
 
 
-def run_plan_on_host(plan: Plan, named: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
-    """Run a plan through Triton's interpreter on numpy arrays (the body of the CPU callback)."""
+def run_plan_on_host(plan: Plan, named: Mapping[str, np.ndarray],
+                     aliases: Mapping[str, str] | None = None) -> tuple[np.ndarray, ...]:
+    """Run a plan through Triton's interpreter on numpy arrays (the body of the CPU callback). An output
+    in ``aliases`` starts as a private copy of its input (see :func:`execute`)."""
+    aliases = aliases or {}
     env: dict[str, np.ndarray] = {}
     for name in plan.inputs:
         a = np.asarray(named[name])
         env[name] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.name == "bfloat16" else a)
     for spec in plan.buffers:
-        env[spec.name] = _host_alloc(spec)
+        src = aliases.get(spec.name)
+        env[spec.name] = np.array(env[src], copy=True) if src is not None else _host_alloc(spec)
     for launch in plan.launches:
         kernel = get_kernel(launch.kernel, True)
         args = ([HostArray(env[n]) for n in launch.inputs] + launch.scalar_values()
@@ -166,9 +170,9 @@ def run_plan_on_host(plan: Plan, named: Mapping[str, np.ndarray]) -> tuple[np.nd
     return tuple(env[r].astype(jnp_dtype(plan.spec(r).dtype), copy=False) for r in plan.results)
 
 
-def _execute_cpu(plan: Plan, names: tuple[str, ...], *arrays):
+def _execute_cpu(plan: Plan, names: tuple[str, ...], aliases: Mapping[str, str], *arrays):
     def callback(*host_arrays):
-        return run_plan_on_host(plan, dict(zip(names, host_arrays)))
+        return run_plan_on_host(plan, dict(zip(names, host_arrays)), aliases)
 
     return jax.pure_callback(callback, _result_structs(plan), *arrays, vmap_method="sequential")
 
@@ -214,9 +218,11 @@ def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array], *,
             aliases: Mapping[str, str] | None = None) -> tuple[jax.Array, ...]:
     """Run the plan ``make_plan(target)`` on ``inputs`` (name -> array) and return its results.
 
-    ``aliases`` maps an output to an input of the same shape and dtype whose buffer it may take over on the
-    GPU (the kernel must read each element before it writes it): when the input is not needed afterwards
-    XLA writes the output in place, otherwise it copies the input first. The torch runtime's ``out=`` is
+    ``aliases`` maps an output to an input of the same shape and dtype: the output starts with the input's
+    contents and the kernels update it (the kernel must read an element before it writes it, if it reads
+    it at all) -- logits overwritten by their gradient, a KV cache receiving new tokens. On a GPU it takes
+    over the input's buffer: when the input is not needed afterwards (or is donated) XLA updates it in
+    place, otherwise it copies the input first. On the CPU it is a copy. The torch runtime's ``out=`` is
     the explicit counterpart.
     """
     cpu_plan = make_plan(INTERPRETER)
@@ -232,12 +238,12 @@ def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array], *,
                              f"{src!r} {arr.dtype}{tuple(arr.shape)}")
     target = gpu_target()
     if target is None:
-        outs = _execute_cpu(cpu_plan, names, *arrays)
+        outs = _execute_cpu(cpu_plan, names, aliases, *arrays)
     else:
         gpu_plan = make_plan(target)
         assert gpu_plan.inputs == names and gpu_plan.results == cpu_plan.results
         outs = jax.lax.platform_dependent(
             *arrays,
-            cpu=functools.partial(_execute_cpu, cpu_plan, names),
+            cpu=functools.partial(_execute_cpu, cpu_plan, names, aliases),
             cuda=functools.partial(_execute_gpu, gpu_plan, names, aliases))
     return _mark_varying(tuple(outs), _varying_axes(arrays))

@@ -2,10 +2,10 @@
 
 ``decode_attention``, ``merge_attention_states`` and ``cascade_attention`` run their plans through the
 shared runtime (jax-triton on a GPU, Triton's interpreter in a ``pure_callback`` on the CPU); all work
-under ``jax.jit``. ``append_kv_cache`` returns the updated caches: on a GPU the kernel's outputs are
-aliased to the cache inputs (``input_output_aliases``), so under ``jax.jit(..., donate_argnums=...)`` the
-cache is updated in place, no copy; on the CPU the callback returns new arrays (a host callback cannot
-write into XLA's buffers).
+under ``jax.jit``. ``append_kv_cache`` returns the updated caches: its outputs alias the cache inputs
+(the runtime's ``aliases``, jax-triton's ``input_output_aliases``), so on a GPU under
+``jax.jit(..., donate_argnums=...)`` the cache is updated in place, no copy; on the CPU the callback
+returns new arrays (a host callback cannot write into XLA's buffers).
 
 Values inside ``cache_seqlens`` / ``block_table`` are validated when they are concrete host (CPU) arrays;
 traced or device-resident ones are not read (no device sync), and the kernels clamp lengths and page ids
@@ -13,18 +13,17 @@ so that a bad value never addresses memory outside the cache.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
 import numpy as np
 
-from ..core_kernels import INTERPRETER, HostArray, get_kernel
+from ..core_kernels import INTERPRETER
 from ..core_kernels.decode.plan import (check_append_args, check_cache_values, check_cascade_args,
                                         check_decode_args, check_merge_args, plan_append, plan_cascade,
                                         plan_decode, plan_merge)
 from ._checks import check_arrays
-from ._runtime import _jax_triton, dtype_name, execute, gpu_target, jnp_dtype, match_varying
+from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
 
@@ -52,10 +51,10 @@ def _host_values(cache_seqlens, block_table):
     return np.asarray(cache_seqlens).tolist(), None if block_table is None else np.asarray(block_table).tolist()
 
 
-def _run(make_plan, given: dict):
+def _run(make_plan, given: dict, aliases=None):
     names = make_plan(INTERPRETER).inputs
     arrays = match_varying(*[given[n] for n in names])
-    return execute(make_plan, dict(zip(names, arrays)))
+    return execute(make_plan, dict(zip(names, arrays)), aliases=aliases)
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -168,44 +167,6 @@ def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array
 
 # ----------------------------------------------------------------------------------------------- append
 
-def _append_cpu(plan, names, *arrays):
-    """The append through the interpreter on host copies of the caches (bfloat16 widened to float32)."""
-    launch = plan.launches[0]
-    structs = tuple(jax.ShapeDtypeStruct(plan.spec(r).shape, jnp_dtype(plan.spec(r).dtype)) for r in plan.results)
-
-    def callback(*host):
-        env = {}
-        for name, a in zip(names, host):
-            a = np.asarray(a)
-            wide = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
-            # the caches are written: always private copies; the rest only needs to be contiguous
-            env[name] = np.array(wide, copy=True, order="C") if name in ("k_cache", "v_cache") else \
-                np.ascontiguousarray(wide)
-        env["k_out"], env["v_out"] = env["k_cache"], env["v_cache"]
-        args = ([HostArray(env[n]) for n in launch.inputs] + launch.scalar_values()
-                + [HostArray(env[n]) for n in launch.outputs])
-        get_kernel(launch.kernel, True)[launch.grid](*args, **launch.constexpr_dict())
-        return tuple(env[r].astype(s.dtype, copy=False) for r, s in zip(plan.results, structs))
-
-    return jax.pure_callback(callback, structs, *arrays, vmap_method="sequential")
-
-
-def _append_gpu(plan, names, *arrays):
-    """One jax-triton call whose outputs alias the cache inputs (updated in place under donation)."""
-    jt = _jax_triton()
-    launch = plan.launches[0]
-    env = dict(zip(names, arrays))
-    kernel_inputs = [env[n] for n in launch.inputs]
-    aliases = {launch.inputs.index("k_cache"): 0, launch.inputs.index("v_cache"): 1}
-    scalars = [np.float32(v) if isinstance(v, float) else v for v in launch.scalar_values()]
-    specs = [plan.spec(n) for n in launch.outputs]
-    return tuple(jt.triton_call(
-        *kernel_inputs, *scalars, kernel=get_kernel(launch.kernel, False),
-        out_shape=[jax.ShapeDtypeStruct(s.shape, jnp_dtype(s.dtype)) for s in specs], grid=launch.grid,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True,
-        input_output_aliases=aliases, **launch.constexpr_dict()))
-
-
 def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, *, cache_seqlens: Array,
                     block_table: Optional[Array] = None, kv_layout: str = "NHD", k_scale: Optional[Array] = None,
                     v_scale: Optional[Array] = None) -> tuple[Array, Array]:
@@ -231,12 +192,6 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
-    cpu_plan = plan_append(shape, target=INTERPRETER)
-    names = cpu_plan.inputs
-    given = match_varying(*[arrays[n] for n in names])
-    target = gpu_target()
-    if target is None:
-        return _append_cpu(cpu_plan, names, *given)
-    return tuple(jax.lax.platform_dependent(
-        *given, cpu=functools.partial(_append_cpu, cpu_plan, names),
-        cuda=functools.partial(_append_gpu, plan_append(shape, target=target), names)))
+    # the kernel writes through its k_out / v_out outputs, which take over the caches' buffers
+    return _run(lambda target: plan_append(shape, target=target), arrays,
+                aliases={"k_out": "k_cache", "v_out": "v_cache"})

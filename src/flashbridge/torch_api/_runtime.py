@@ -66,9 +66,12 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
             out: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Allocate the plan's buffers, run its launches in order and return its results.
 
-    ``out`` names buffers the caller provides instead (contiguous, the buffer's shape and dtype), e.g. an
-    input to be overwritten in place where the kernel allows it (each element read before it is written,
-    by the same program); the result is then that tensor.
+    ``out`` names buffers the caller provides instead (the buffer's shape and dtype): the kernels update
+    them in place and the result is that tensor -- e.g. logits overwritten by their gradient (each element
+    read before it is written, by the same program) or a KV cache that receives new tokens. On a GPU the
+    kernels write through the tensor itself, which must have the layout the plan was built for
+    (contiguous unless the plan took its strides); on the CPU (interpreter) a tensor that is bfloat16 or
+    not contiguous is staged as a contiguous launch-dtype copy of its contents and copied back.
     """
     device = inputs[plan.inputs[0]].device
     interpret = device.type == "cpu"
@@ -80,13 +83,15 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
     for spec in plan.buffers:
         given = out.get(spec.name)
         if given is not None:
-            if (tuple(given.shape) != spec.shape or given.dtype != TORCH_DTYPES[spec.dtype]
-                    or not given.is_contiguous()):
-                raise ValueError(f"out[{spec.name!r}]: expected a contiguous {spec.dtype} tensor of shape "
-                                 f"{spec.shape}, got {given.dtype} {tuple(given.shape)}")
-            if given.dtype == _launch_dtype(spec.dtype, interpret):  # else (bf16 on the CPU): copied below
+            if tuple(given.shape) != spec.shape or given.dtype != TORCH_DTYPES[spec.dtype]:
+                raise ValueError(f"out[{spec.name!r}]: expected a {spec.dtype} tensor of shape {spec.shape}, "
+                                 f"got {given.dtype} {tuple(given.shape)}")
+            launch_dtype = _launch_dtype(spec.dtype, interpret)
+            if not interpret or (given.dtype == launch_dtype and given.is_contiguous()):
                 env[spec.name] = given
-                continue
+            else:  # staged with its contents, copied back below
+                env[spec.name] = given.to(launch_dtype, memory_format=torch.contiguous_format, copy=True)
+            continue
         env[spec.name] = _alloc(spec, _launch_dtype(spec.dtype, interpret), device)
     # Triton launches on the current device: switch only when the tensors live elsewhere (the switch
     # itself costs host time on every call).

@@ -13,20 +13,18 @@ give wrong numbers but never an out-of-bounds access.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..core_kernels import get_kernel
 from ..core_kernels.decode.plan import (DecodeOptions, check_append_args, check_cache_values, check_cascade_args,
                                         check_decode_args, check_merge_args, check_scales, plan_append,
                                         plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
 from ._ops import fused_op
-from ._runtime import _compile_options, dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, target_for
 
 
 def _info(t: Optional[Tensor]):
@@ -184,38 +182,23 @@ def _append_kv_cache(
     shape = check_append_args(k_cache=_info(k_cache), v_cache=_info(v_cache), k_new=_info(k_new),
                               v_new=_info(v_new), cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
                               kv_layout=kv_layout, k_scale=_info(k_scale), v_scale=_info(v_scale))
-    device = k_cache.device
-    interpret = device.type == "cpu"
-    # The kernel writes through the cache pointers. CUDA: the caches themselves (any strides with a contiguous
-    # head dim). CPU: the interpreter wants contiguous buffers and float32 in place of bfloat16, so it works
-    # on a staging copy that is copied back (CPU only; small caches).
-    targets = []
-    for cache in (k_cache, v_cache):
-        if interpret and (cache.dtype == torch.bfloat16 or not cache.is_contiguous()):
-            targets.append(cache.to(torch.float32 if cache.dtype == torch.bfloat16 else cache.dtype,
-                                    memory_format=torch.contiguous_format))
-        elif not interpret and cache.stride(-1) != 1:
-            raise ValueError(f"cache: the head dim must be contiguous (stride 1), got strides {cache.stride()}")
-        else:
-            targets.append(cache)
+    interpret = k_cache.device.type == "cpu"
+    # The kernel writes through the caches (execute's ``out``): on a GPU the caches themselves, any strides
+    # with a contiguous head dim; on the CPU contiguous staging copies (the interpreter's float32 in place
+    # of bfloat16), copied back.
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not interpret and cache.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim must be contiguous (stride 1), got strides {cache.stride()}")
+    # the interpreter's float32 copies of bf16 tokens, made here so that their strides go into the plan
     k_new, v_new = (t.float() if interpret and t.dtype == torch.bfloat16 else t for t in (k_new, v_new))
-    strides = {"k_new": (k_new.stride(0), k_new.stride(1), k_new.stride(2)),
-               "v_new": (v_new.stride(0), v_new.stride(1), v_new.stride(2)),
-               "k_cache": _cache_strides(targets[0], kv_layout), "v_cache": _cache_strides(targets[1], kv_layout)}
-    plan = plan_append(shape, target=target_for(device), strides=strides)
-    env = {"k_new": k_new, "v_new": v_new, "cache_seqlens": cache_seqlens.contiguous(),
-           "block_table": None if block_table is None else block_table.contiguous(), "k_scale": k_scale,
-           "v_scale": v_scale, "k_cache": targets[0], "v_cache": targets[1], "k_out": targets[0],
-           "v_out": targets[1]}
-    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
-    with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        for launch in plan.launches:
-            args = [env[n] for n in launch.inputs] + launch.scalar_values() + [env[n] for n in launch.outputs]
-            get_kernel(launch.kernel, interpret)[launch.grid](*args, **launch.constexpr_dict(),
-                                                             **_compile_options(launch, interpret))
-    for cache, staged in zip((k_cache, v_cache), targets):
-        if staged is not cache:
-            cache.copy_(staged)
+    strides = {n: (t.stride(0), t.stride(1), t.stride(2)) for n, t in (("k_new", k_new), ("v_new", v_new))}
+    if not interpret:
+        strides.update(k_cache=_cache_strides(k_cache, kv_layout), v_cache=_cache_strides(v_cache, kv_layout))
+    plan = plan_append(shape, target=target_for(k_cache.device), strides=strides)
+    given = {"k_new": k_new, "v_new": v_new, "cache_seqlens": cache_seqlens, "block_table": block_table,
+             "k_scale": k_scale, "v_scale": v_scale, "k_cache": k_cache, "v_cache": v_cache}
+    execute(plan, {n: given[n] if n in ("k_new", "v_new", "k_cache", "v_cache") else given[n].contiguous()
+                   for n in plan.inputs}, out={"k_out": k_cache, "v_out": v_cache})
 
 
 @_append_kv_cache.register_fake
