@@ -30,3 +30,19 @@ def torch_to_jax(t):
     if t.dtype == torch.float8_e4m3fn:
         return jnp.asarray(t.view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)
     return jnp.asarray(t.numpy())
+
+
+def score_mod_inputs(g, b: int, hq: int, *, alibi=None, sinks=False, slope_range=0.5) -> dict:
+    """Random optional score-modifier tensors of the attention and decode ops: ALiBi slopes per head
+    ("heads", ``(Hq,)``) or per sequence and head ("batch", ``(B, Hq)``) in [0.05, 0.05 + slope_range),
+    and attention sinks ``(Hq,)``; drawn from the torch generator ``g``."""
+    import torch
+
+    kw = {}
+    if alibi == "heads":
+        kw["alibi_slopes"] = torch.rand(hq, generator=g) * slope_range + 0.05
+    elif alibi == "batch":
+        kw["alibi_slopes"] = torch.rand(b, hq, generator=g) * slope_range + 0.05
+    if sinks:
+        kw["sinks"] = torch.randn(hq, generator=g)
+    return kw

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashbridge.reference import attention as ref
-from helpers import assert_close, np64, torch_to_jax
+from helpers import assert_close, np64, score_mod_inputs, torch_to_jax
 
 torch_api = pytest.importorskip("flashbridge.torch_api.attention")
 
@@ -40,12 +40,7 @@ def make_inputs(seed, *, b=2, sq=17, sk=17, hq=2, hkv=2, dqk=32, dv=None, dtype=
     else:
         shapes = ((b, sq, hq, dqk), (b, sk, hkv, dqk), (b, sk, hkv, dv))
     q, k, v = (torch.randn(s, generator=g).to(dt) for s in shapes)
-    if alibi == "heads":
-        kw["alibi_slopes"] = torch.rand(hq, generator=g) * 0.5 + 0.05
-    elif alibi == "batch":
-        kw["alibi_slopes"] = torch.rand(b, hq, generator=g) * 0.5 + 0.05
-    if sinks:
-        kw["sinks"] = torch.randn(hq, generator=g)
+    kw.update(score_mod_inputs(g, b, hq, alibi=alibi, sinks=sinks, slope_range=0.5))
     return q, k, v, kw
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashbridge.reference import decode as ref
-from helpers import assert_close, np64, torch_to_jax
+from helpers import assert_close, np64, score_mod_inputs, torch_to_jax
 from test_attention import naive_torch
 
 tapi = pytest.importorskip("flashbridge.torch_api.decode")
@@ -72,12 +72,7 @@ def make_case(seed, *, b=3, sq=1, hq=4, hkv=2, dqk=64, dv=None, lens=(0, 1, 77),
         kw["block_table"] = table
     if layout == "HND":
         caches = [c.transpose(1, 2).contiguous() for c in caches]
-    if alibi == "heads":
-        kw["alibi_slopes"] = torch.rand(hq, generator=g) * 0.3 + 0.05
-    elif alibi == "batch":
-        kw["alibi_slopes"] = torch.rand(b, hq, generator=g) * 0.3 + 0.05
-    if sinks:
-        kw["sinks"] = torch.randn(hq, generator=g)
+    kw.update(score_mod_inputs(g, b, hq, alibi=alibi, sinks=sinks, slope_range=0.3))
     return q, caches[0], caches[1], kw
 
 
