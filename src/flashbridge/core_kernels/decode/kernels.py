@@ -249,25 +249,16 @@ def decode_fwd_kernel(
     m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks, masked blocks.
-    acc, m_i, l_i = decode_kv_range(
-        acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
-        tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left,
-        window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV,
-        BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, True, HAS_LOCAL, HAS_SOFTCAP,
-        HAS_ALIBI, DOT_PRECISION, V_WORDS)
-    acc, m_i, l_i = decode_kv_range(
-        acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(full_lo, s_lo),
-        tl.minimum(full_hi, s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2,
-        diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-        stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, False,
-        HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS)
-    acc, m_i, l_i = decode_kv_range(
-        acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
-        tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left,
-        window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV,
-        BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, True, HAS_LOCAL, HAS_SOFTCAP,
-        HAS_ALIBI, DOT_PRECISION, V_WORDS)
+    # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
+    # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi).
+    bounds = (lo, full_lo, full_hi, hi)
+    for seg in tl.static_range(3):
+        acc, m_i, l_i = decode_kv_range(
+            acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
+            tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
+            slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
+            stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
+            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS)
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALES:
         out = out * tl.load(V_SCALE + kh * stride_sc).to(tl.float32)

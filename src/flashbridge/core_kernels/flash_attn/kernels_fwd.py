@@ -66,18 +66,12 @@ def attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LOCAL)
-    acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
-                                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
-                                 window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL,
-                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES)
-    acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk,
-                                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
-                                 window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False,
-                                 HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
-                                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
-                                 window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL,
-                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES)
+    bounds = (lo, full_lo, full_hi, hi)  # masked, fully visible (no mask arithmetic), masked
+    for seg in tl.static_range(3):
+        acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, bounds[seg], bounds[seg + 1], offs_m,
+                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
+                                     window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
+                                     HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES)
     out, lse = softmax_finalize(acc, m_i, l_i)
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh
