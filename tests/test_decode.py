@@ -829,6 +829,12 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
         ptx = parity._assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("decode_fwd_kernel"):
             assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
+            if cache_dtype == "float8_e4m3fn":
+                # the FP8 V tile reaches p @ V as f16 through ldmatrix.trans, not byte by byte from shared
+                # memory (load_v_tile_f16: this is what halved FP8 decode's rate per byte)
+                assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, f"{name}: byte reads of V"
+                assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, f"{name}: V not read with ldmatrix.trans"
+                assert "cvt.rn.f16x2.e4m3x2" in ptx
 
 
 def test_automatic_split_count_on_the_h200():

@@ -266,3 +266,21 @@ def _memcheck_case():
 
 if __name__ == "__main__":
     _memcheck_case()
+
+
+def test_fp8_v_cache_views():
+    """Compiled kernels read an FP8 V cache as 32-bit words: a view whose first byte is off a 4-byte boundary
+    (strides still multiples of 4) is refused with a message naming v_cache; a word-aligned view of the same
+    storage gives the plain decode's result."""
+    from flashbridge.torch_api.decode import decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    base = torch.randn(1, 256, 2, 68, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    q = torch.randn(1, 1, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    lens = torch.tensor([200], device="cuda", dtype=torch.int32)
+    k = base[..., 4:68]
+    with pytest.raises(ValueError, match="v_cache: an FP8 cache"):
+        decode_attention(q, k, base[..., 2:66], cache_seqlens=lens)
+    out = decode_attention(q, k, base[..., 4:68], cache_seqlens=lens)
+    want = decode_attention(q, k.contiguous(), base[..., 4:68].contiguous(), cache_seqlens=lens)
+    assert torch.equal(out, want)

@@ -11,8 +11,10 @@
 * The cache is addressed as pages: row ``j`` of sequence ``b`` lives in page ``block_table[b, j //
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
-* FP8 (e4m3) caches: K and V tiles are widened to q's dtype for ``tl.dot``; the per-tensor / per-kv-head
-  scales fold into the score scale (K) and the output (V), so dequantisation costs no extra pass.
+* FP8 (e4m3) caches: K tiles are widened to q's dtype for ``q @ K^T``, V tiles to float16 for ``p @ V``
+  with 16-bit queries (see :func:`load_v_tile_f16`), to float32 with float32 queries; the per-tensor /
+  per-kv-head scales fold into the score scale (K) and the output (V), so dequantisation costs no extra
+  pass.
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
   ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
   were computed without them.
@@ -46,6 +48,45 @@ APPEND_INT_SCALARS = (
 
 
 # ----------------------------------------------------------------------------------------------- caches
+
+# Four e4m3 bytes of one 32-bit word -> two f16x2 words (exact: every e4m3 value is an f16 value).
+_E4M3X4_TO_F16X4 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+
+
+@triton.jit
+def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    APPLY_MASK: tl.constexpr, V_WORDS: tl.constexpr):
+    """An FP8 V tile [N, Dv] widened to float16, for 16-bit queries (``p @ V`` then runs in f16: exact for
+    e4m3 values, and p in [0, 1] keeps more mantissa bits in f16 than in bf16; float32 queries widen V to
+    float32 instead).
+
+    V_WORDS (compiled GPU kernels; Dv and the V strides multiples of 4 bytes, the base 4-byte aligned):
+    load 32-bit words and widen them with inline PTX. With a plain ``v.to(f16)`` the compiler folds the
+    conversion into the dot operand's shared-memory read, and for V, whose dot operand is the transposed
+    tile, Hopper has no 8-bit ``ldmatrix.trans``: every thread read its bytes one at a time (192
+    ``ld.shared.b8`` per tile; FP8 decode ran at half the bf16 rate per byte). Words reach the dot as f16
+    through ``ldmatrix.trans`` like a bf16 cache (sm_90 SASS of the B=1, S=128k split kernel: 3904 -> 2968
+    instructions, bf16 2808). Triton's interpreter cannot run inline PTX: it takes the plain path."""
+    if V_WORDS:
+        W: tl.constexpr = BLOCK_DV // 4
+        offs_w = tl.arange(0, W)
+        words_row = V_row.to(tl.pointer_type(tl.uint32), bitcast=True)
+        words = load_tile(words_row[:, None] + offs_w[None, :], key_ok, offs_w * 4 < DV, APPLY_MASK,
+                          BLOCK_DV != DV)  # [N, W]: bytes 4w .. 4w+3 of each row
+        lo, hi = tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
+                                           is_pure=True, pack=1)
+        e0 = lo.to(tl.uint16).to(tl.float16, bitcast=True)
+        e1 = (lo >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        e2 = hi.to(tl.uint16).to(tl.float16, bitcast=True)
+        e3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        quad = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [N, W, i, p] holds element 4w + 2p + i
+        v = tl.reshape(tl.permute(quad, (0, 1, 3, 2)), [BLOCK_N, BLOCK_DV])
+    else:
+        v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK,
+                      BLOCK_DV != DV).to(tl.float16)
+    return v
+
 
 @triton.jit
 def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
@@ -106,7 +147,7 @@ def decode_kv_range(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_WORDS: tl.constexpr,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
@@ -123,8 +164,12 @@ def decode_kv_range(
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
         qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
                       APPLY_MASK, DOT_PRECISION)
-        v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v.to(Q.dtype.element_ty), tok[:, None], offs_k[None, :],
+        if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
+            v = load_v_tile_f16(V_row, key_ok, offs_dv, DV, BLOCK_N, BLOCK_DV, APPLY_MASK, V_WORDS)
+        else:
+            v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
+            v = v.to(Q.dtype.element_ty)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v, tok[:, None], offs_k[None, :],
                                      qk_scale, cap2, slope2, diag, length, window_left, window_right,
                                      APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     return acc, m_i, l_i
@@ -144,7 +189,7 @@ def decode_fwd_kernel(
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_WORDS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -213,7 +258,7 @@ def decode_fwd_kernel(
             tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
-            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS)
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALES:
         out = out * tl.load(V_SCALE + kh * stride_sc).to(tl.float32)

@@ -555,8 +555,13 @@ def _dot_precision(dtype: str) -> str:
 
 def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
-                   dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int) -> Launch:
+                   dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
+                   target: Target) -> Launch:
     left, right = _window_scalars(options)
+    # FP8 V read as 32-bit words (see load_v_tile_f16): compiled kernels, rows of whole words; the front-ends
+    # guarantee a 4-byte aligned base (check_fp8_v_alignment)
+    v_words = (not target.interpret and cache.fp8 and dtype != "float32" and head_dim_v % 4 == 0
+               and pow2_divisor(*v_strides, cap=4) == 4)
     qo = (*q_strides, *out_strides)
     kv = (*k_strides, *v_strides)
     return Launch(
@@ -582,7 +587,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("HAS_ALIBI", options.has_alibi), ("HAS_SINKS", has_sinks),
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
-                    ("LSE_ALIGN", pow2_divisor(*lse_strides))),
+                    ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_WORDS", v_words)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -647,7 +652,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
     kernel_inputs = tuple(n if present[n] else "q" for n in present)
     common = dict(grid=(splits, shape.heads_kv * cdiv(rows, tiles.block_m), shape.batch), seqlen_q=shape.seqlen_q,
-                  fixed_len=0, cache=cache, options=options,
+                  fixed_len=0, cache=cache, options=options, target=target,
                   q_strides=strides.get("q") or contiguous_q_strides((shape.batch, shape.seqlen_q, shape.heads_q,
                                                                       shape.head_dim_qk)),
                   k_strides=strides.get("k_cache") or cache.strides(cache.head_dim_k),
@@ -708,8 +713,8 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     plain = dataclasses.replace(options, causal=False, window_left=None, window_right=None, has_alibi=False,
                                 alibi_batched=False)
     q_strides = contiguous_q_strides((b, sq, hq, shape.head_dim_qk))
-    common = dict(cache=None, group=shape.group, head_dim_qk=shape.head_dim_qk, head_dim_v=dv, dtype=shape.dtype,
-                  has_sinks=False, alibi_stride=0)
+    common = dict(cache=None, target=target, group=shape.group, head_dim_qk=shape.head_dim_qk, head_dim_v=dv,
+                  dtype=shape.dtype, has_sinks=False, alibi_stride=0)
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group
