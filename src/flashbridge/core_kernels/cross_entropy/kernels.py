@@ -60,23 +60,27 @@ def _fold(m, s, z):
 
 
 @triton.jit
-def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, BLOCK_V: tl.constexpr,
-              HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """Fold the logits tile at column ``start`` into the per-lane online softmax (m, s) and the running sum
-    of z (label smoothing). MASKED: the tile runs past V (the last one); its missing lanes count as -inf."""
-    cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    ptrs = row_base[:, None] + cols[None, :]
-    if MASKED:
-        col_ok = (cols < V)[None, :]
-        z = _capped(tl.load(ptrs, mask=col_ok, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
-        if HAS_SMOOTH:
-            zsum += tl.where(col_ok, z, 0.0)
-        z = tl.where(col_ok, z, float("-inf"))
-    else:
-        z = _capped(tl.load(ptrs).to(tl.float32), softcap, HAS_SOFTCAP)
-        if HAS_SMOOTH:
-            zsum += z
+def _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Fold a whole logits tile ``x`` (as loaded) into (m, s) and the running sum of z (label smoothing)."""
+    z = _capped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+    if HAS_SMOOTH:
+        zsum += z
     m, s = _fold(m, s, z)
+    return m, s, zsum
+
+
+@triton.jit
+def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, BLOCK_V: tl.constexpr,
+              HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Fold the last, partial logits tile (column ``start`` to V) into (m, s, zsum); its missing lanes
+    count as -inf."""
+    cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    col_ok = (cols < V)[None, :]
+    z = _capped(tl.load(row_base[:, None] + cols[None, :], mask=col_ok, other=0.0).to(tl.float32), softcap,
+                HAS_SOFTCAP)
+    if HAS_SMOOTH:
+        zsum += tl.where(col_ok, z, 0.0)
+    m, s = _fold(m, s, tl.where(col_ok, z, float("-inf")))
     return m, s, zsum
 
 
@@ -126,12 +130,19 @@ def ce_fwd_kernel(
     s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)  # per-lane sum of exp(z - m)
     zsum = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     V_FULL: tl.constexpr = V // BLOCK_V * BLOCK_V
-    for start in range(0, V_FULL, BLOCK_V):  # whole tiles: no masks in the loop that moves the bytes
-        m, s, zsum = _lse_tile(m, s, zsum, row_base, start, softcap, V, BLOCK_V, HAS_SMOOTH, HAS_SOFTCAP,
-                               False)
+    if V_FULL > 0:
+        # whole tiles, no masks; each iteration issues the next tile's load before folding the current one,
+        # so a tile's bytes are in flight while the previous one is computed (the loop is otherwise
+        # latency-bound: one row pair per program, Triton does not pipeline plain loads). The last
+        # iteration re-reads the last tile (an L2 hit) instead of branching.
+        cols = tl.arange(0, BLOCK_V)[None, :]
+        x_next = tl.load(row_base[:, None] + cols)
+        for start in range(0, V_FULL, BLOCK_V):
+            x = x_next
+            x_next = tl.load(row_base[:, None] + (tl.minimum(start + BLOCK_V, V_FULL - BLOCK_V) + cols))
+            m, s, zsum = _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH, HAS_SOFTCAP)
     if V_FULL < V:
-        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, BLOCK_V, HAS_SMOOTH, HAS_SOFTCAP,
-                               True)
+        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, BLOCK_V, HAS_SMOOTH, HAS_SOFTCAP)
     m_row = tl.max(m, axis=1)  # [BLOCK_N]
     s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
     log_s = tl.log(tl.where(row_ok, s_row, 1.0))
