@@ -189,6 +189,11 @@ def tune(d, causal, s=4096):
     target = target_for(q.device)
     pairs = visible_pairs(s, s, causal)
     rows = []
+
+    def keep(row):  # printed as measured: a run cut short still shows what it timed
+        rows.append(row)
+        print(f"tune D={d} causal={causal}", row, flush=True)
+
     fwd_cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
                  (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 4)]
     out = lse = None
@@ -198,10 +203,10 @@ def tune(d, causal, s=4096):
             plan = plan_attention_fwd(shape, options, target=target, config=cfg)
             out, lse = execute(plan, {"q": q, "k": k, "v": v})
             ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
-            rows.append({"kernel": "fwd", "tile": (bm, bn, w, st), "ms": ms,
+            keep({"kernel": "fwd", "tile": (bm, bn, w, st), "ms": ms,
                          "tflops": tflops(pairs, b, H, d, ms, False)})
         except Exception as exc:
-            rows.append({"kernel": "fwd", "tile": (bm, bn, w, st), "error": str(exc)[:120]})
+            keep({"kernel": "fwd", "tile": (bm, bn, w, st), "error": str(exc)[:120]})
     if out is None:
         return rows
     for masked in (1, 2):  # the default tile with its masked segments less deeply pipelined
@@ -209,10 +214,10 @@ def tune(d, causal, s=4096):
         try:
             plan = plan_attention_fwd(shape, options, target=target, config=cfg)
             ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
-            rows.append({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "ms": ms,
+            keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "ms": ms,
                          "tflops": tflops(pairs, b, H, d, ms, False)})
         except Exception as exc:
-            rows.append({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
+            keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
     bwd_cands = {"dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2),
                           (16, 128, 8, 3), (32, 32, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
                  "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
@@ -228,10 +233,10 @@ def tune(d, causal, s=4096):
                 execute(plan, inputs)
                 ms = time_torch(lambda: execute(plan, inputs))
                 # the whole backward (preprocess + dkdv + dq) is timed; only this kernel's tile changes
-                rows.append({"kernel": kernel, "tile": tile, "bwd_ms": ms,
+                keep({"kernel": kernel, "tile": tile, "bwd_ms": ms,
                              "bwd_tflops": tflops(pairs, b, H, d, ms, True)})
             except Exception as exc:
-                rows.append({"kernel": kernel, "tile": tile, "error": str(exc)[:120]})
+                keep({"kernel": kernel, "tile": tile, "error": str(exc)[:120]})
     return rows
 
 
@@ -324,8 +329,7 @@ def main():
         for d in dims:
             for causal in (False, True):
                 payload["tune"].append({"d": d, "causal": causal, "rows": tune(d, causal)})
-                for r in payload["tune"][-1]["rows"]:
-                    print(d, causal, r)
+                save(out_name, payload)
     print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
                 ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)
     plot(payload["main"], out_name)

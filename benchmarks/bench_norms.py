@@ -378,7 +378,10 @@ def main():
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--jax-only", action="store_true", help="only the JAX path, steady mode, printed")
+    parser.add_argument("--steady-sets", type=int, default=STEADY_SETS,
+                        help="distinct input sets per steady timing (calls per CUDA graph / per jitted function)")
     args = parser.parse_args()
+    globals()["STEADY_SETS"] = args.steady_sets
     if args.jax_only:
         jax_steady_table()
         return

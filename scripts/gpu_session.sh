@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick bench-attention bench-decode bench-ce host-overhead
+#   bench-attention-quick bench-attention bench-decode bench-ce host-overhead jax-settings
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
 # device runner returns at most 8 files; a run cut short still returns the stages it finished).
@@ -42,6 +42,14 @@ for stage in "${stages[@]}"; do
     bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
+    # the JAX rows alone under three allocator / launch settings (the JAX-vs-torch gap of the norms)
+    jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1"; do
+                    echo "--- $setting"
+                    prealloc=false; [[ $setting == *PREALLOCATE=true* ]] && prealloc=true
+                    flags=""; [[ $setting == *CMDBUF* ]] && flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+                    XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_norms.py --jax-only
+                    XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
+                  done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

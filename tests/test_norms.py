@@ -324,6 +324,35 @@ def test_jax_jit_grad_vmap():
         np.testing.assert_allclose(np.asarray(a), r_, rtol=2e-4, atol=2e-4)
 
 
+def test_jax_backward_skips_the_gradient_of_a_bias_that_is_not_differentiated(monkeypatch):
+    """A frozen (closed-over) bias: no dbias reduction is planned, dx / dweight / dresidual are unchanged."""
+    from flashbridge.jax_api import norms as jax_norms
+
+    rng = np.random.default_rng(16)
+    x, res = (jnp.asarray(rng.standard_normal((7, 48)), jnp.float32) for _ in range(2))
+    w, b = (jnp.asarray(rng.standard_normal(48), jnp.float32) for _ in range(2))
+    planned = []
+    plan = jax_norms.plan_norm_bwd
+    monkeypatch.setattr(jax_norms, "plan_norm_bwd", lambda *a, **k: planned.append(k["bias_dtype"]) or plan(*a, **k))
+
+    def loss(x, w, b, res):
+        y, h = fj.layer_norm(x, w, b, residual=res)
+        return jnp.sum(y ** 2) + jnp.sum(jnp.sin(h))
+
+    full = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, b, res)
+    assert planned == ["float32"]
+    frozen = jax.jit(jax.grad(lambda x, w, res: loss(x, w, b, res), argnums=(0, 1, 2)))(x, w, res)
+    assert planned == ["float32", None]
+    for a, c in zip(frozen, (full[0], full[1], full[3])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    # h unused: its cotangent is a symbolic zero, the result equals the reference with dh = 0
+    gx = jax.grad(lambda x: jnp.sum(fj.layer_norm(x, w, b, residual=res)[0] ** 2))(x)
+    xs = np.asarray(x, np.float64) + np.asarray(res, np.float64)
+    y = R.layer_norm(xs, np.asarray(w, np.float64), np.asarray(b, np.float64))
+    ref = R.layer_norm_bwd(2 * y, xs, np.asarray(w, np.float64), np.asarray(b, np.float64))
+    np.testing.assert_allclose(np.asarray(gx), ref[0], rtol=2e-4, atol=2e-4)
+
+
 def test_jax_shard_map_over_data_axis():
     from jax.sharding import Mesh, PartitionSpec as P
     try:

@@ -118,24 +118,39 @@ def _fused_norm(x, weight, bias, residual, post_residual, seed, eps, is_rms, dro
 
 
 def _fused_norm_fwd(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p):
+    # symbolic_zeros: the array arguments arrive as CustomVJPPrimal(value, perturbed). A bias that is not
+    # differentiated (a frozen or closed-over parameter) is not saved, so the backward skips its dbias
+    # reduction, as the torch op does through ctx.needs_input_grad.
+    bias_needed = bias is not None and bias.perturbed
+    x, weight, bias, residual, post_residual, seed = (
+        None if a is None else a.value for a in (x, weight, bias, residual, post_residual, seed))
     out = _fwd_op(eps, is_rms, dropout_p)(x, weight, bias, residual, post_residual, seed)
     _, h, mean, rstd = out
     # Zero-size arrays carry the residuals' dtypes (custom_vjp residuals must be arrays).
     dtypes = tuple(None if a is None else jnp.zeros((0,), a.dtype) for a in (residual, post_residual))
-    return out, (x if residual is None else h, weight, bias, mean, rstd, seed, dtypes)
+    return out, (x if residual is None else h, weight, bias if bias_needed else None, mean, rstd, seed, dtypes)
+
+
+def _materialize(cotangent, like):
+    """A symbolic-zero cotangent (an output not used by the differentiated function) as zeros."""
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return cotangent
 
 
 def _fused_norm_bwd(eps, is_rms, dropout_p, saved, cotangents):
     h, weight, bias, mean, rstd, seed, (res_tag, post_tag) = saved
     dy, dh, _, _ = cotangents
     has_res = res_tag is not None
+    dy = _materialize(dy, h)
+    dh = _materialize(dh, h) if has_res else None
     dx, dweight, dbias = _bwd_op(is_rms, dropout_p, weight is not None, bias is not None)(
-        dy, h, weight, bias, mean, rstd, seed, dh if has_res else None)
+        dy, h, weight, bias, mean, rstd, seed, dh)
     return (dx, dweight, dbias, dx.astype(res_tag.dtype) if has_res else None,
             dy.astype(post_tag.dtype) if post_tag is not None else None, None)
 
 
-_fused_norm.defvjp(_fused_norm_fwd, _fused_norm_bwd)
+_fused_norm.defvjp(_fused_norm_fwd, _fused_norm_bwd, symbolic_zeros=True)
 
 
 def _norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):

@@ -75,16 +75,22 @@ class AttentionConfig:
 
 
 # (block_m, block_n, num_warps, num_stages) per kernel, by padded head dim (the larger of Dqk, Dv), for
-# Hopper. Register use measured by ptxas for bf16: fwd 255/190/213 registers, no spills.
+# Hopper. First chosen by ptxas (largest tiles without spills); where the H200 timed a tile faster, the timing
+# wins: D=128's full forward (255 registers + 16 B stack) and dK/dV (255 + 8 B full, + 40 B causal) spill a
+# little and are still the fastest candidates.
+# "fwd_masked": the forward of causal / windowed calls, whose diagonal blocks favour narrower key tiles.
+# D=128 from the H200 tile sweep (bench_attention.py --tune, S=4096, 2026-11-30): forward 128 x 128 keys
+# 467 vs 447 TFLOP/s full, but 128 x 64 ahead causal (401 vs 381); dK/dV 32 x 64, 4 warps, 3 stages
+# (359 / 304 vs 331 / 287 for 32 x 128, 8 warps); dQ 3 stages (356 / 313 vs 331 / 289 with 2).
 GPU_TILES = {
-    64: {"fwd": (128, 64, 4, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 2)},
-    128: {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 2)},
-    256: {"fwd": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (64, 32, 8, 2)},
+    64: {"fwd": (128, 64, 4, 3), "fwd_masked": (128, 64, 4, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 2)},
+    128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 64, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (128, 64, 8, 3)},
+    256: {"fwd": (64, 32, 8, 2), "fwd_masked": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (64, 32, 8, 2)},
 }
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
-    128: {"fwd": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
-    256: {"fwd": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (32, 32, 8, 2)},
+    128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
+    256: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (32, 32, 8, 2)},
 }
 INTERPRETER_TILE = (64, 64, 4, 1)
 
@@ -303,12 +309,15 @@ def _pad(d: int) -> int:
 
 
 def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig):
+    """``kernel``: "fwd", "fwd_masked" (the forward of a causal / windowed call), "dkdv" or "dq"; the
+    config's forward fields override both forward entries."""
+    given = "fwd" if kernel == "fwd_masked" else kernel
     if target.interpret:
-        return config.tile(kernel, INTERPRETER_TILE)
+        return config.tile(given, INTERPRETER_TILE)
     d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
     if shape.dtype == "float32":
-        return config.tile(kernel, GPU_TILES_FP32[128 if d <= 128 else 256][kernel])
-    return config.tile(kernel, GPU_TILES[64 if d <= 64 else 128 if d <= 128 else 256][kernel])
+        return config.tile(given, GPU_TILES_FP32[128 if d <= 128 else 256][kernel])
+    return config.tile(given, GPU_TILES[64 if d <= 64 else 128 if d <= 128 else 256][kernel])
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -373,7 +382,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
     present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
                "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
-    bm, bn, warps, stages = _tile("fwd", shape, target, config)
+    bm, bn, warps, stages = _tile("fwd_masked" if options.causal or options.has_local else "fwd",
+                                  shape, target, config)
     lse_b, lse_h = _lse_strides(shape)
     scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
