@@ -38,7 +38,15 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
             fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
     _absorb_first_backward_capture()
-    graph = _capture(fn, arg_sets)
+    for attempt in range(_CAPTURE_ATTEMPTS):
+        try:
+            graph = _capture(fn, arg_sets)
+            break
+        except Exception as exc:  # torch.AcceleratorError (cudaErrorStreamCaptureInvalidated), see below
+            if attempt == _CAPTURE_ATTEMPTS - 1:
+                raise
+            print(f"graph capture attempt {attempt + 1} failed ({type(exc).__name__}); retrying", flush=True)
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
@@ -52,6 +60,9 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
 
 
 _first_capture_done = False
+# On the H200 the first backward captures of a process failed twice in a row (the throwaway one below and the
+# first real one, whose error reports "a previous error during capture"); later captures succeeded.
+_CAPTURE_ATTEMPTS = 3
 
 
 def _absorb_first_backward_capture() -> None:
