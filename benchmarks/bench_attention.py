@@ -60,6 +60,24 @@ def _time_fwd_bwd(fn, leaves):
     return fwd_ms, bwd_ms
 
 
+_FLEX = []
+
+
+def _compiled_flex(flex_attention):
+    """One compiled flex_attention for the whole run. A new torch.compile per row recompiles the same
+    function each time until dynamo's recompile limit (8), after which it silently runs the unfused eager
+    implementation (the H200 run of 2026-11-30 timed that at 17 TFLOP/s). The backward is timed repeatedly
+    on one graph (retain_graph=True), which compiled backward graphs refuse with donated buffers."""
+    if not _FLEX:
+        import torch._dynamo
+        import torch._functorch.config
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._functorch.config.donated_buffer = False
+        _FLEX.append(torch.compile(flex_attention))
+    return _FLEX[0]
+
+
 def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
     """name -> callable returning (fwd_ms, bwd_ms); every provider gets fresh bf16 inputs."""
     dev, dt = "cuda", torch.bfloat16
@@ -101,7 +119,7 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
             return ok
 
         block_mask = create_block_mask(mask_mod, None, None, s, s, device=dev) if (causal or left >= 0) else None
-        compiled = torch.compile(flex_attention)
+        compiled = _compiled_flex(flex_attention)
         return _time_fwd_bwd(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=hq != hkv), (q, k, v))
 
     from torch.nn.attention import SDPBackend
@@ -348,14 +366,14 @@ def plot(main_rows, name="attention_h200"):
             ax = axes[row][col]
             entries = [r for r in main_rows if r["d"] == d]
             names = sorted({n for e in entries for n in e["results"]})
-            for name in names:
+            for provider in names:
                 for causal, style in ((False, "-"), (True, "--")):
-                    pts = [(e["s"], e["results"][name].get(f"{direction}_tflops")) for e in entries
-                           if e["causal"] == causal and name in e["results"]]
+                    pts = [(e["s"], e["results"][provider].get(f"{direction}_tflops")) for e in entries
+                           if e["causal"] == causal and provider in e["results"]]
                     pts = [(x, y) for x, y in pts if y is not None]
                     if pts:
-                        ax.plot(*zip(*pts), style, marker="o", label=f"{name}{' causal' if causal else ''}",
-                                linewidth=2.5 if name.startswith("flashbridge") else 1.2)
+                        ax.plot(*zip(*pts), style, marker="o", label=f"{provider}{' causal' if causal else ''}",
+                                linewidth=2.5 if provider.startswith("flashbridge") else 1.2)
             ax.set_xscale("log", base=2)
             ax.set_title(f"D={d} {direction}")
             ax.set_xlabel("sequence length (B*S = 16384, H = 16)")
