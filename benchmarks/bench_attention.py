@@ -64,17 +64,19 @@ _FLEX = []
 
 
 def _compiled_flex(flex_attention):
-    """One compiled flex_attention for the whole run. A new torch.compile per row recompiles the same
-    function each time until dynamo's recompile limit (8), after which it silently runs the unfused eager
-    implementation (the H200 run of 2026-11-30 timed that at 17 TFLOP/s). The backward is timed repeatedly
-    on one graph (retain_graph=True), which compiled backward graphs refuse with donated buffers."""
+    """One compiled flex_attention for the whole run, specialised per shape (dynamic=False). A new
+    torch.compile per row recompiles the same function each time until dynamo's recompile limit (8), after
+    which it silently runs the unfused eager implementation (timed at 17 TFLOP/s on the H200); one shared
+    compile without dynamic=False turns dynamic at the second shape and its generic kernels ran 10-20%
+    slower. The backward is timed repeatedly on one graph (retain_graph=True), which compiled backward
+    graphs refuse with donated buffers."""
     if not _FLEX:
         import torch._dynamo
         import torch._functorch.config
 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         torch._functorch.config.donated_buffer = False
-        _FLEX.append(torch.compile(flex_attention))
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
     return _FLEX[0]
 
 
