@@ -618,3 +618,22 @@ def test_ce_config_rejects_bad_values():
         with pytest.raises(ValueError, match=f"CEConfig.{name}"):
             P.CEConfig(**kwargs)
     assert P.CEConfig(block_v=2048, block_n=2, num_warps=8, num_stages=3).num_stages == 3
+
+
+def test_gpu_tiles_keep_every_sm_busy():
+    """GPU plans (built on the CPU): 2 x 2048 tiles when there are rows for two programs per SM, else one
+    4096-column row per program; given tiles are kept."""
+    from flashbridge.core_kernels import Target
+
+    gpu = Target(interpret=False, num_sms=132)
+    opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, target=gpu)
+
+    def tile(n, v, config=None):
+        (launch,) = P.plan_ce_fwd(n, v, **opts, config=config).launches
+        c = launch.constexpr_dict()
+        return c["BLOCK_N"], c["BLOCK_V"], launch.num_warps, launch.grid
+
+    assert tile(8192, 128256) == (2, 2048, 8, (4096,))
+    assert tile(256, 128256) == (1, 4096, 8, (256,))
+    assert tile(256, 1000) == (1, 1024, 4, (256,))
+    assert tile(256, 128256, P.CEConfig(block_n=2)) == (2, 2048, 8, (128,))
