@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import traceback
 
-from _common import (compile_launch_sm90, environment, print_table, save, save_figure, time_jax,
+from _common import (compile_launch_sm90, environment, kernel_trace, print_table, save, save_figure, time_jax,
                      time_torch)
 
 import numpy as np
@@ -197,6 +197,34 @@ def bench_varlen(lengths, hq, hkv, d, causal):
                                   "bwd_tflops": tflops(pairs, 1, hq, d, bwd_ms, True)}}
 
 
+def trace_paths(b, s, h, d, causal):
+    """Kernel-by-kernel device time of one forward and one backward call of both frameworks' paths
+    (``kernel_trace``): whether the JAX path's difference is the kernels or what runs around them."""
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.attention import flash_attention as jfa
+
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    jq, jk, jv, jdout = (jnp.asarray(t.detach().float().cpu().numpy(), jnp.bfloat16) for t in (q, k, v, dout))
+    fwd = jax.jit(lambda q, k, v: jfa(q, k, v, causal=causal))
+    _, vjp_fn = jax.vjp(lambda q, k, v: jfa(q, k, v, causal=causal), jq, jk, jv)
+    bwd = jax.jit(lambda fn, ct: fn(ct))
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    label = f"D{d} S{s} {'causal' if causal else 'full'}"
+    return {
+        "case": label,
+        "torch_fwd": kernel_trace(lambda: (flash_attention(qd, kd, vd, causal=causal), torch.cuda.synchronize()),
+                                  label=f"torch forward {label}"),
+        "jax_fwd": kernel_trace(lambda: jax.block_until_ready(fwd(jq, jk, jv)), label=f"jax forward {label}"),
+        "torch_bwd": kernel_trace(lambda: (torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                           torch.cuda.synchronize()), label=f"torch backward {label}"),
+        "jax_bwd": kernel_trace(lambda: jax.block_until_ready(bwd(vjp_fn, jdout)), label=f"jax backward {label}"),
+    }
+
+
 # --------------------------------------------------------------------------------------------------- tune
 
 def tune(d, causal, s=4096):
@@ -214,8 +242,11 @@ def tune(d, causal, s=4096):
         rows.append(row)
         print(f"tune D={d} causal={causal}", row, flush=True)
 
+    # the first row is the plan's default for this case (see GPU_TILES); the D=128 sweep of 2026-11-30 put
+    # 128 x 128 first (full) and 128 x 64 (causal): the added rows try their neighbours
     fwd_cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
-                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 4)]
+                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 4),
+                 (128, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 8, 3)]
     out = lse = None
     for bm, bn, w, st in fwd_cands:
         cfg = AttentionConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
@@ -239,9 +270,11 @@ def tune(d, causal, s=4096):
         except Exception as exc:
             keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
     bwd_cands = {"dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2),
-                          (16, 128, 8, 3), (32, 32, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
+                          (16, 128, 8, 3), (32, 32, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4),
+                          (64, 64, 4, 3), (32, 64, 8, 3), (16, 64, 4, 3), (32, 32, 4, 3)],
                  "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
-                        (128, 32, 4, 3), (64, 64, 4, 3), (64, 16, 8, 2), (32, 32, 8, 2)]}
+                        (128, 32, 4, 3), (64, 64, 4, 3), (64, 16, 8, 2), (32, 32, 8, 2),
+                        (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 8, 3), (128, 32, 8, 4)]}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
         for tile in cands:
@@ -345,6 +378,12 @@ def main():
             res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax)
             record(f"window {left} causal D128 S16384", payload["extra"],
                    {"kind": "window", "b": 1, "s": 16384, "h": H, "d": 128, "window": [left, 0]}, res)
+    if not args.no_jax and 128 in dims and 4096 in seqlens:
+        try:
+            payload["traces"] = [trace_paths(TOKENS // 4096, 4096, H, 128, causal) for causal in (False, True)]
+            save(out_name, payload)
+        except Exception:
+            traceback.print_exc()
     if args.tune:
         for d in dims:
             for causal in (False, True):
