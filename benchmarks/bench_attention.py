@@ -242,8 +242,8 @@ def tune(d, causal, s=4096):
         rows.append(row)
         print(f"tune D={d} causal={causal}", row, flush=True)
 
-    # the first row is the plan's default for this case (see GPU_TILES); the D=128 sweep of 2026-11-30 put
-    # 128 x 128 first (full) and 128 x 64 (causal): the added rows try their neighbours
+    # the first two rows are D=128's defaults (GPU_TILES: 128 x 64 causal, 128 x 128 full, from the sweep
+    # of 2026-11-30); the last four try their neighbours
     fwd_cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
                  (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 4),
                  (128, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 8, 3)]
