@@ -13,9 +13,11 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
 from __future__ import annotations
 
 import argparse
+import functools
 import traceback
 
 from _common import (compile_launch_sm90, environment, kernel_trace, print_table, save, save_figure, time_jax,
+                     time_jax_steady, time_torch_steady,
                      time_torch)
 
 import numpy as np
@@ -29,6 +31,9 @@ from flashbridge.torch_api.attention import flash_attention
 
 H = 16
 TOKENS = 16384  # B * S
+# Steady rows: this many distinct input sets back to back (one CUDA graph in torch, one jitted function in
+# JAX; no host time, no L2 flush) — the like-for-like torch / JAX comparison (see bench_norms.py).
+STEADY_SETS = 8
 SEQLENS = (1024, 4096, 16384)
 HEAD_DIMS = (64, 128, 256)
 
@@ -100,6 +105,18 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
         q, k, v = bshd()
         return _time_fwd_bwd(lambda: flash_attention(q, k, v, causal=causal, window_size=window), (q, k, v))
 
+    def ours_steady():
+        sets = [bshd() for _ in range(STEADY_SETS)]
+        call = functools.partial(flash_attention, causal=causal, window_size=window)
+        with torch.no_grad():
+            fwd_ms = time_torch_steady(call, sets)
+        grads = []
+        for q, k, v in sets:
+            out = call(q, k, v)
+            grads.append((out, (q, k, v), torch.randn_like(out)))
+        bwd_ms = time_torch_steady(lambda o, leaves, g: torch.autograd.grad(o, leaves, g, retain_graph=True), grads)
+        return fwd_ms, bwd_ms
+
     def sdpa(backend):
         def run():
             from torch.nn.attention import sdpa_kernel
@@ -125,7 +142,7 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
         return _time_fwd_bwd(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=hq != hkv), (q, k, v))
 
     from torch.nn.attention import SDPBackend
-    out = {"flashbridge-torch": ours, "flex (compiled)": flex}
+    out = {"flashbridge-torch": ours, "flashbridge-torch steady": ours_steady, "flex (compiled)": flex}
     if window == (-1, -1) or window[0] < 0:
         out["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
         out["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
@@ -153,7 +170,21 @@ def jax_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
             return fwd_ms, bwd_ms
         return run
 
-    out = {"flashbridge-jax": timed(lambda q, k, v: jfa(q, k, v, causal=causal, window_size=window))}
+    def steady(f):
+        def run():
+            keys = jax.random.split(jax.random.key(1), STEADY_SETS)
+            sets = [tuple(jax.random.normal(kk_, a.shape, a.dtype) for kk_, a in zip(jax.random.split(key_, 3), (q, k, v)))
+                    for key_ in keys]
+            fwd_ms = time_jax_steady(f, sets)
+            vjps = []
+            for args in sets:
+                out, vjp_fn = jax.vjp(f, *args)
+                vjps.append((vjp_fn, jnp.ones_like(out)))
+            return fwd_ms, time_jax_steady(lambda fn, ct: fn(ct), vjps)
+        return run
+
+    ours = lambda q, k, v: jfa(q, k, v, causal=causal, window_size=window)  # noqa: E731
+    out = {"flashbridge-jax": timed(ours), "flashbridge-jax steady": steady(ours)}
     if window == (-1, -1):
         out["jax.nn cudnn"] = timed(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"))
@@ -350,6 +381,10 @@ def main():
             else:
                 table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
 
+    try:  # the first backward CUDA-graph captures of a process fail on the H200 (see bench_norms.py)
+        torch_providers(1, 256, 2, 2, 64, False)["flashbridge-torch steady"]()
+    except Exception as exc:
+        print(f"throwaway steady row: {type(exc).__name__}")
     for d in dims:
         for s in seqlens:
             for causal in (False, True):
