@@ -547,6 +547,32 @@ def test_invalid_labels_under_tracing_give_nan_not_garbage():
     assert np.all(np.isnan(g[1])) and np.all(np.isfinite(np.asarray(g)[[0, 2, 3]]))
 
 
+def test_masked_and_non_finite_logits():
+    """Rows masked with -inf columns, a row of float32's lowest value everywhere (a fully masked row: loss
+    log V, as the float64 reference), a NaN logit (NaN loss for that row only); both frameworks, with and
+    without tiles that split the row."""
+    rng = _rng("masked")
+    vocab = 1000
+    x = rng.standard_normal((4, vocab)).astype(np.float32)
+    x[1, 500:] = -np.inf
+    x[2, :] = np.finfo(np.float32).min
+    x[3, 17] = np.nan
+    y = np.array([3, 499, 998, 5])
+    want = R.cross_entropy(x[:3].astype(np.float64), y[:3], reduction="none")
+    assert np.isclose(want[2], np.log(vocab))
+    for config in (None, P.CEConfig(block_v=64, block_n=2)):
+        old = P.DEFAULT_CONFIG
+        P.DEFAULT_CONFIG = config or old
+        try:
+            rows_t = ftc.cross_entropy(torch.tensor(x), torch.tensor(y), reduction="none").numpy()
+            rows_j = np.asarray(fjc.cross_entropy(jnp.asarray(x), jnp.asarray(y), reduction="none"))
+        finally:
+            P.DEFAULT_CONFIG = old
+        for rows in (rows_t, rows_j):
+            np.testing.assert_allclose(rows[:3], want, rtol=1e-5)
+            assert np.isnan(rows[3])
+
+
 def test_validate_labels_false_skips_the_check():
     """validate_labels=False (no host sync, CUDA-graph capturable): a bad label is not refused, its row gets a
     NaN loss and NaN gradients, the other rows are unchanged; both frameworks, logits and linear ops."""

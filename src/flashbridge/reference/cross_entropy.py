@@ -35,10 +35,16 @@ def _forward_rows(x, y, vocab, ignore_index, label_smoothing, z_loss, logit_soft
     _check_labels(y, vocab, ignore_index)
     z = logit_softcap * np.tanh(x / logit_softcap) if logit_softcap > 0 else x
     m = np.max(z, axis=-1, keepdims=True)
-    lse = (m + np.log(np.sum(np.exp(z - m), axis=-1, keepdims=True)))[:, 0]
+    log_s = np.log(np.sum(np.exp(z - m), axis=-1))
+    m = m[:, 0]
+    lse = m + log_s
     active = y != ignore_index
     z_y = np.take_along_axis(z, np.where(active, y, 0)[:, None], axis=-1)[:, 0]
-    loss = (1 - label_smoothing) * (lse - z_y) + label_smoothing * (lse - z.mean(axis=-1)) + z_loss * lse**2
+    # (m - z_y) + log_s rather than lse - z_y: exact when the logits' magnitude dwarfs log V (e.g. rows
+    # masked with float32's lowest value), as log_softmax computes it
+    loss = (1 - label_smoothing) * ((m - z_y) + log_s) + z_loss * lse**2
+    if label_smoothing > 0:
+        loss = loss + label_smoothing * ((m - z.mean(axis=-1)) + log_s)
     return np.where(active, loss, 0.0), lse, z, active
 
 
