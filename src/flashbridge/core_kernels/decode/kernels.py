@@ -89,6 +89,24 @@ def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def f16_query(q):
+    """A bf16 query tile as float16 for ``q @ K^T`` against an FP8 cache, and the power of two that undoes
+    its scaling: (q16, inv_scale). e4m3 widens to f16 in one instruction per pair (``F2FP.F16.E4M3``) but
+    to bf16 only through a second per-element conversion (``F2F.BF16.F16``, 64 per tile of the B=1 split
+    kernel: a quarter of what the FP8 loop issues beyond the bf16 one). bf16 -> f16 is exact over f16's
+    normal range; a tile whose largest |q| reaches 2^15 is first scaled by an exact power of two (folded
+    back into the score scale), so no element can overflow f16. Elements below 2^-14 keep f16's subnormal
+    precision (absolute error < 2^-25)."""
+    qf = q.to(tl.float32)
+    q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    exponent = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(max |q|))
+    shift = tl.maximum(exponent - 14, 0)  # max |q| * 2^-shift < 2^15
+    scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift
+    inv_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (qf * scale).to(tl.float16), inv_scale
+
+
+@triton.jit
 def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
     """(page, slot) int64 of the keys ``offs_k`` [N] (``n_start`` = offs_k[0]) of sequence ``b``.
@@ -242,6 +260,9 @@ def decode_fwd_kernel(
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     if HAS_SCALES:
         qk_scale = qk_scale * tl.load(K_SCALE + kh * stride_sc).to(tl.float32)
+    if K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16 and DQK_CHUNKS == 1:
+        q, q_inv_scale = f16_query(q)  # the dot's K operand then widens once (see f16_query)
+        qk_scale = qk_scale * q_inv_scale
     if HAS_ALIBI:
         slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)[:, None]  # [M, 1]
     else:
