@@ -51,20 +51,16 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _exp(x, FAST_EXP: tl.constexpr):
-    """exp(x). FAST_EXP (compiled GPU kernels): one ``ex2.approx.ftz`` per element. Plain ``tl.exp`` is
-    ``ex2.approx`` without ftz, which ptxas expands to five instructions (a range test, a scale before and
-    a squaring after, for results below 2^-126); flushing those to 0 cannot change a softmax sum whose
-    largest term is 1. The interpreter (no inline PTX) takes ``tl.exp``."""
-    if FAST_EXP:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.exp(x)
+def _exp(x):
+    """exp(x) as ``exp2(x * log2 e)``: Triton lowers ``tl.exp2`` to one ``ex2.approx.ftz`` per element, but
+    ``tl.exp`` to ``ex2.approx`` without ftz, which ptxas expands to five instructions (a range test, a
+    scale before and a squaring after, for results below 2^-126); flushing those to 0 cannot change a
+    softmax sum whose largest term is 1."""
+    return tl.exp2(x * 1.4426950408889634)
 
 
 @triton.jit
-def _fold(m, s, z, FAST_EXP: tl.constexpr):
+def _fold(m, s, z):
     """Fold a tile of scores ``z`` [N, C, CHUNK] into the online softmax of each chunk lane: running max
     ``m`` and ``s = sum exp(z - m)``, both [N, C]. The CHUNK elements of a lane are the ones a thread loads
     with one vector load, so the tile's max and sum per lane are in-thread reductions (no shuffles), and
@@ -73,24 +69,25 @@ def _fold(m, s, z, FAST_EXP: tl.constexpr):
     of NaN); lanes that have only seen -inf stay at (_NEG_BIG, 0); scores at float32's lowest (a common
     mask value) count as exp(0) against a lane still at _NEG_BIG, as they must when the whole row is masked."""
     m_new = tl.maximum(m, tl.max(z, axis=2))
-    return m_new, s * _exp(m - m_new, FAST_EXP) + tl.sum(_exp(z - m_new[:, :, None], FAST_EXP), axis=2)
+    # the rescale's argument clamped: a lane still at _NEG_BIG would overflow x * log2 e to -inf (the
+    # same 0, but the interpreter warns on every launch); exp(-200) is 0 in float32 either way
+    return m_new, s * _exp(tl.maximum(m - m_new, -200.0)) + tl.sum(_exp(z - m_new[:, :, None]), axis=2)
 
 
 @triton.jit
-def _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                FAST_EXP: tl.constexpr):
+def _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Fold a whole logits tile ``x`` [N, C, CHUNK] (as loaded) into (m, s) and the per-lane sum of z
     (label smoothing)."""
     z = _capped(x.to(tl.float32), softcap, HAS_SOFTCAP)
     if HAS_SMOOTH:
         zsum += tl.sum(z, axis=2)
-    m, s = _fold(m, s, z, FAST_EXP)
+    m, s = _fold(m, s, z)
     return m, s, zsum
 
 
 @triton.jit
 def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr,
-              HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_EXP: tl.constexpr):
+              HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Fold the last, partial logits tile (column ``start`` to V) into (m, s, zsum); its missing lanes
     count as -inf."""
     cols = start + _tile_cols(C, CHUNK)  # [1, C, CHUNK]
@@ -99,7 +96,7 @@ def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, C: tl.const
                 HAS_SOFTCAP)
     if HAS_SMOOTH:
         zsum += tl.sum(tl.where(col_ok, z, 0.0), axis=2)
-    m, s = _fold(m, s, tl.where(col_ok, z, float("-inf")), FAST_EXP)
+    m, s = _fold(m, s, tl.where(col_ok, z, float("-inf")))
     return m, s, zsum
 
 
@@ -144,7 +141,7 @@ def ce_fwd_kernel(
     n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
     LOSS, LSE, LSE_LO,  # outputs: float32 [n_rows] each; lse + lse_lo is the lse to ~2x float32 precision
     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_EXP: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -168,10 +165,9 @@ def ce_fwd_kernel(
         for start in range(0, V_FULL, BLOCK_V):
             x = x_next
             x_next = tl.load(tile + tl.minimum(start + BLOCK_V, V_FULL - BLOCK_V))
-            m, s, zsum = _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH, HAS_SOFTCAP, FAST_EXP)
+            m, s, zsum = _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH, HAS_SOFTCAP)
     if V_FULL < V:
-        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, C, CHUNK, HAS_SMOOTH, HAS_SOFTCAP,
-                               FAST_EXP)
+        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, C, CHUNK, HAS_SMOOTH, HAS_SOFTCAP)
     m_row = tl.max(m, axis=1)  # [BLOCK_N]
     s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
     log_s = tl.log(tl.where(row_ok, s_row, 1.0))

@@ -229,8 +229,7 @@ def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
     return Launch(
         kernel=f"{_KERNELS}:ce_fwd_kernel", grid=(cdiv(n_rows, block_n),), inputs=(logits, "labels"),
         scalars=(("n_rows", n_rows),) + scalars, outputs=("loss", "lse", "lse_lo"),
-        constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags
-        + (("FAST_EXP", not target.interpret),),
+        constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags,
         num_warps=num_warps, num_stages=_stages(config))
 
 
