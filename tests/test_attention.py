@@ -206,6 +206,9 @@ OPTION_CASES = {
     "gqa": (dict(hq=4, hkv=2, sq=63, sk=63), dict(causal=True)),
     "mqa": (dict(hq=3, hkv=1, sq=17, sk=63), dict()),
     "softcap": (dict(sq=63, sk=17), dict(softcap=0.7, softmax_scale=1.3)),
+    # a positive scale is applied inside the exponent (kernels_common.attend_block); these take the other path
+    "negative-scale": (dict(sq=63, sk=17), dict(causal=True, softmax_scale=-0.4)),
+    "zero-scale": (dict(sq=17, sk=63), dict(softmax_scale=0.0)),
     "alibi-heads": (dict(sq=17, sk=63, alibi="heads"), dict(causal=True)),
     "alibi-batch": (dict(sq=63, sk=17, alibi="batch"), dict()),
     "sinks": (dict(sq=63, sk=63, sinks=True), dict()),

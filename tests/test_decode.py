@@ -205,6 +205,7 @@ CASES = {
                                   dict(causal=False), 7),
     # score modifiers
     "softcap": (dict(hq=8, hkv=2, lens=(0, 1, 90)), dict(softcap=0.8, softmax_scale=1.3), None),
+    "negative-scale": (dict(sq=3, hq=4, hkv=2, lens=(0, 1, 70)), dict(causal=True, softmax_scale=-0.3), 2),
     "sinks": (dict(sq=3, hq=8, hkv=2, lens=(0, 1, 60), sinks=True), dict(causal=True), 1),
     "sinks-split": (dict(sq=3, hq=8, hkv=2, lens=(0, 1, 60), sinks=True), dict(causal=True), 3),
     "alibi-heads": (dict(sq=3, hq=4, hkv=2, lens=(0, 1, 80), alibi="heads"), dict(causal=True), None),
