@@ -411,6 +411,8 @@ def main():
     parser.add_argument("--splits-s16k", action="store_true",
                         help="only B=1 S=16k (its bar is the furthest off): split counts around the default "
                              "and deeper pipelines / smaller key blocks")
+    parser.add_argument("--splits-fp8", action="store_true",
+                        help="split counts x tiles (wider key tiles) for FP8 caches only")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
@@ -425,9 +427,17 @@ def main():
         print(f"wrote {save('decode_splits_b32_h200', {'environment': environment(), 'splits': sweep})}")
         return
     if args.splits_s16k:
+        # 128-key tiles halve the iterations of each split's dependent chain (load, dot, softmax, dot)
         sweep = sweep_splits([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
-                             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (64, 8, 3), (32, 2, 4)))
+                             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+                              (128, 8, 3)))
         print(f"wrote {save('decode_splits_s16k_h200', {'environment': environment(), 'splits': sweep})}")
+        return
+    if args.splits_fp8:
+        sweep = sweep_splits([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)],
+                             (1, 4, 32, 64), ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2),
+                                              (128, 8, 3)))
+        print(f"wrote {save('decode_splits_fp8_h200', {'environment': environment(), 'splits': sweep})}")
         return
     if args.jax_only:
         import os
