@@ -70,8 +70,6 @@ def bench_linear(quick: bool) -> list[dict]:
     for chunk in CHUNK_SWEEP:
         add(f"flashbridge torch chunk={chunk}", lambda: torch.autograd.grad(
             linear_cross_entropy(h, w, y, chunk_size=chunk), (h, w)))
-    add("prototype: two-level 2048 tokens x 4096 vocab (not in the library)",
-        lambda: two_level_prototype(h.detach(), w.detach(), y))
     add("eager F.cross_entropy(h @ W.T)", lambda: torch.autograd.grad(
         F.cross_entropy(h @ w.T, y), (h, w)))
     try:
@@ -104,70 +102,6 @@ def bench_linear(quick: bool) -> list[dict]:
         if "time_ms" in r:
             r["tflops"] = 6.0 * n * H * V / (r["time_ms"] * 1e-3) / 1e12
     return rows
-
-
-def two_level_prototype(h, w, y, token_chunk: int = 2048, vocab_chunk: int = 4096):
-    """Timing prototype, not in the library: the mean-reduced linear cross-entropy (no smoothing, z-loss,
-    softcap or bias) computed with liger-like memory but few dW roundings. Token chunks of ``token_chunk``
-    (one bf16 rounding of dW each, as the library's default); inside each, vocabulary slices of
-    ``vocab_chunk``: a first pass for the rows' lse, a second that recomputes each slice's logits for the
-    gradient (four GEMMs in all instead of three), with dh accumulated in float32 for the chunk. Peak extra
-    memory: dW + dh + a float32 dh chunk + one logits slice (~1.17 GB at the benchmark shape, liger 1.18).
-    The question it answers: does the fourth GEMM keep it under liger-kernel's time? Returns (loss, dh, dw)."""
-    import torch
-
-    from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd, plan_ce_grad
-    from flashbridge.torch_api._runtime import execute, target_for
-
-    n, hidden = h.shape
-    vocab = w.shape[0]
-    target = target_for(h.device)
-    opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, target=target)
-    active_all = y != -100
-    count = active_all.sum().clamp(min=1).to(torch.float32)
-    dh, dw = torch.empty_like(h), torch.empty_like(w)
-    loss = torch.zeros((), device=h.device, dtype=torch.float32)
-    for s in range(0, n, token_chunk):
-        e = min(s + token_chunk, n)
-        c = e - s
-        h_c, y_c, active = h[s:e], y[s:e], active_all[s:e]
-        lse = torch.full((c,), float("-inf"), device=h.device)
-        unlabelled = torch.full((c,), -100, dtype=y.dtype, device=h.device)
-        for v0 in range(0, vocab, vocab_chunk):
-            v1 = min(v0 + vocab_chunk, vocab)
-            logits = torch.mm(h_c, w[v0:v1].t())
-            _, lse_s, _ = execute(plan_ce_fwd(c, v1 - v0, **opts), {"logits": logits, "labels": unlabelled})
-            lse = torch.logaddexp(lse, lse_s)
-            del logits
-        # the label's logit, rounded as the GEMM rounds it (a gather of c weight rows, not c x V logits)
-        z_y = torch.bmm(h_c.unsqueeze(1), w[y_c.clamp(min=0)].unsqueeze(2)).view(c).float()
-        loss = loss + torch.where(active, lse - z_y, 0.0).sum()
-        weight_rows = torch.where(active, 1.0 / count, 0.0).to(torch.float32)
-        zeros = torch.zeros_like(lse)
-        dh_acc = torch.zeros((c, hidden), device=h.device, dtype=torch.float32)
-        for v0 in range(0, vocab, vocab_chunk):
-            v1 = min(v0 + vocab_chunk, vocab)
-            w_s = w[v0:v1]
-            logits = torch.mm(h_c, w_s.t())
-            in_slice = active & (y_c >= v0) & (y_c < v1)
-            local = torch.where(in_slice, y_c - v0, 0)
-            plan = plan_ce_grad(c, v1 - v0, grad_dtype="bfloat16" if h.dtype == torch.bfloat16 else "float32",
-                                per_row_weight=True, **opts)
-            (grad,) = execute(plan, {"logits": logits, "labels": local, "lse": lse, "lse_lo": zeros,
-                                     "weight": weight_rows}, out={"grad": logits})
-            # rows whose label lies in another slice took column 0 as their label: give its weight back
-            grad[:, 0] += torch.where(active & ~in_slice, weight_rows, 0.0).to(grad.dtype)
-            if s == 0:
-                torch.mm(grad.t(), h_c, out=dw[v0:v1])
-            else:
-                dw[v0:v1].addmm_(grad.t(), h_c)
-            try:  # bf16 x bf16 -> float32 accumulate in place (CUDA); else a float32 temporary
-                torch.addmm(dh_acc, grad, w_s, out_dtype=torch.float32, out=dh_acc)
-            except (RuntimeError, TypeError, NotImplementedError):
-                dh_acc += torch.mm(grad.float(), w_s.float())
-            del grad, logits
-        dh[s:e] = dh_acc.to(h.dtype)
-    return loss / count, dh, dw
 
 
 def bench_logits(quick: bool, ceiling: float) -> list[dict]:
