@@ -19,7 +19,8 @@ import gc
 import sys
 
 import _common  # noqa: F401  (puts src/ on sys.path)
-from _common import measure_copy_ceiling, print_table, save, save_figure, time_jax, time_torch, time_torch_steady
+from _common import (kernel_trace, measure_copy_ceiling, print_table, save, save_figure, time_jax, time_torch,
+                     time_torch_steady)
 
 N, H, V = 8192, 4096, 128256
 CHUNK_SWEEP = (256, 512, 1024)
@@ -139,6 +140,17 @@ def bench_logits(quick: bool, ceiling: float) -> list[dict]:
         except Exception as exc:
             print(f"{name}: {type(exc).__name__}: {exc}")
     del sets
+    # kernel by kernel: the forward kernel's own device time against the call's (what the call adds around it)
+    try:
+        xd = x.detach()
+        rows[0]["trace_forward"] = kernel_trace(
+            lambda: (cross_entropy(xd, y, validate_labels=False), torch.cuda.synchronize()),
+            label="cross_entropy forward, validate_labels=False")
+        rows[0]["trace_forward_backward"] = kernel_trace(
+            lambda: (torch.autograd.grad(cross_entropy(x, y, validate_labels=False), x), torch.cuda.synchronize()),
+            label="cross_entropy forward + backward, validate_labels=False")
+    except Exception as exc:
+        print(f"trace: {type(exc).__name__}: {exc}")
     for r in rows:
         r["fwd_of_ceiling"] = r["fwd_tbs"] / ceiling
         r["fwd_bwd_of_ceiling"] = r["fwd_bwd_tbs"] / ceiling
