@@ -10,8 +10,10 @@ Per row ``i`` with logits ``x`` (``V`` columns), label ``y``, smoothing ``eps``,
 
 A program owns ``BLOCK_N`` rows and walks the vocabulary in ``[BLOCK_N, BLOCK_V]`` tiles, whole tiles without
 masks and a masked last tile (rows past ``n_rows`` re-read the last row and store nothing). The forward is
-one read of the logits: an online softmax whose running maximum and sum are kept *per lane* (one exp per
-element, no cross-lane reduction inside the loop), merged across lanes once at the end; the label's logit
+one read of the logits: an online softmax whose running maximum and sum are kept *per lane*, a lane being
+the 16 bytes one thread loads at once (tiles are ``[BLOCK_N, lanes, CHUNK]``: a tile's max and sum per lane
+are in-thread reductions, one exp per element, no cross-thread reduction inside the loop), merged across
+lanes once at the end; the loss is ``(m - z_y) + log s`` (no cancellation against lse); the label's logit
 is one scalar load. The gradient kernel is one read of the logits and one write of the gradient, given
 the forward's lse and a per-row (or single) weight ``w`` (the upstream gradient, already divided by the
 token count for a mean). A label outside ``[0, V)`` that is not ``ignore_index`` is never dereferenced: its
