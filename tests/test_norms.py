@@ -351,6 +351,9 @@ def test_jax_backward_skips_the_gradient_of_a_bias_that_is_not_differentiated(mo
     y = R.layer_norm(xs, np.asarray(w, np.float64), np.asarray(b, np.float64))
     ref = R.layer_norm_bwd(2 * y, xs, np.asarray(w, np.float64), np.asarray(b, np.float64))
     np.testing.assert_allclose(np.asarray(gx), ref[0], rtol=2e-4, atol=2e-4)
+    # y unused: only h = x + residual carries a gradient
+    gx = jax.grad(lambda x: jnp.sum(jnp.sin(fj.layer_norm(x, w, b, residual=res)[1])))(x)
+    np.testing.assert_allclose(np.asarray(gx), np.cos(np.asarray(x) + np.asarray(res)), rtol=1e-5, atol=1e-6)
 
 
 def test_jax_shard_map_over_data_axis():

@@ -131,19 +131,20 @@ def _fused_norm_fwd(x, weight, bias, residual, post_residual, seed, eps, is_rms,
     return out, (x if residual is None else h, weight, bias if bias_needed else None, mean, rstd, seed, dtypes)
 
 
-def _materialize(cotangent, like):
-    """A symbolic-zero cotangent (an output not used by the differentiated function) as zeros."""
-    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
-        return jnp.zeros(like.shape, like.dtype)
-    return cotangent
+def _is_zero(cotangent) -> bool:
+    """A symbolic-zero cotangent: the output is not used by the differentiated function."""
+    return isinstance(cotangent, jax.custom_derivatives.SymbolicZero)
 
 
 def _fused_norm_bwd(eps, is_rms, dropout_p, saved, cotangents):
     h, weight, bias, mean, rstd, seed, (res_tag, post_tag) = saved
     dy, dh, _, _ = cotangents
     has_res = res_tag is not None
-    dy = _materialize(dy, h)
-    dh = _materialize(dh, h) if has_res else None
+    if _is_zero(dy):  # only h was used: the kernel needs a dy to read (the torch op does the same)
+        dy = jnp.zeros(h.shape, dy.aval.dtype)
+    # an unused h contributes nothing: no dh input, so the kernel does not read a tensor of zeros (as torch,
+    # whose unused-output gradients arrive as None)
+    dh = None if not has_res or _is_zero(dh) else dh
     dx, dweight, dbias = _bwd_op(is_rms, dropout_p, weight is not None, bias is not None)(
         dy, h, weight, bias, mean, rstd, seed, dh)
     return (dx, dweight, dbias, dx.astype(res_tag.dtype) if has_res else None,

@@ -71,7 +71,7 @@ def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> t
         block_n = min(next_power_of_2(n_rows), max(1, 16384 // block_v))
     else:
         block_n = max(1, min(16, 4096 // block_v))
-        if config.block_n is None and config.block_v is None and cdiv(n_rows, block_n) < 2 * target.num_sms:
+        if config.block_v is None and cdiv(n_rows, block_n) < 2 * target.num_sms:
             # Too few rows to give every SM two programs (e.g. the 256-token chunks of a low-memory linear
             # CE: 128 programs of 2 rows on 132 SMs): one row per program, the tile kept at 4096 columns
             # (1 x 4096 ran within 4% of 2 x 2048 at N=8192).

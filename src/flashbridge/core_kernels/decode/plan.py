@@ -558,8 +558,8 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
                    target: Target) -> Launch:
     left, right = _window_scalars(options)
-    # FP8 V read as 32-bit words (see load_v_tile_f16): compiled kernels, rows of whole words; the front-ends
-    # guarantee a 4-byte aligned base (check_fp8_v_alignment)
+    # FP8 V read as 32-bit words (see load_v_tile_f16): compiled kernels, rows of whole words; the base must
+    # be 4-byte aligned (JAX arrays are; torch_api.decode._check_v_words_base refuses a misaligned view)
     v_words = (not target.interpret and cache.fp8 and dtype != "float32" and head_dim_v % 4 == 0
                and pow2_divisor(*v_strides, cap=4) == 4)
     qo = (*q_strides, *out_strides)

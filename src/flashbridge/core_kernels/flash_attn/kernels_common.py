@@ -246,21 +246,16 @@ def softmax_init(SINKS, h, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION: tl.constexpr, scale=None):
-    """Fold one KV block into the running softmax: s2 [M, N] scores (log2 units, -inf = masked), v [N, Dv];
-    with ``scale`` (> 0) the scores are ``s2 * scale`` (see attend_block).
+def online_softmax_step(acc, m_i, l_i, s, scale, v, DOT_PRECISION: tl.constexpr):
+    """Fold one KV block into the running softmax: scores ``s * scale`` [M, N] (log2 units, -inf = masked;
+    ``scale`` > 0, or the literal 1.0 for scores already scaled, which the compiler folds away), v [N, Dv].
+    The row max is taken on ``s`` and scaled once per row; ``s * scale - max`` is one fused multiply-add.
 
     A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
     """
-    if scale is None:
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-    else:
-        m_new = tl.maximum(m_i, tl.max(s2, 1) * scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if scale is None:
-        p = tl.exp2(s2 - m_use[:, None])  # [M, N]
-    else:
-        p = tl.exp2(s2 * scale - m_use[:, None])  # one fused multiply-add
+    p = tl.exp2(s * scale - m_use[:, None])  # [M, N]
     alpha = tl.exp2(m_i - m_use)  # [M]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -317,10 +312,10 @@ def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, dia
         if APPLY_MASK:
             qk = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL),
                           qk, float("-inf"))
-        return online_softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION, qk_scale)
+        return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, DOT_PRECISION)
     s2, _ = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                        APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-    return online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION)
+    return online_softmax_step(acc, m_i, l_i, s2, 1.0, v, DOT_PRECISION)
 
 
 @triton.jit
