@@ -548,15 +548,18 @@ def test_invalid_labels_under_tracing_give_nan_not_garbage():
 
 
 def test_masked_and_non_finite_logits():
-    """Rows masked with -inf columns, a NaN logit (NaN loss for that row only); both frameworks, with and
+    """Rows masked with -inf columns, a row of float32's lowest value everywhere (a fully masked row: loss
+    log V, as the float64 reference), a NaN logit (NaN loss for that row only); both frameworks, with and
     without tiles that split the row."""
     rng = _rng("masked")
     vocab = 1000
-    x = rng.standard_normal((3, vocab)).astype(np.float32)
+    x = rng.standard_normal((4, vocab)).astype(np.float32)
     x[1, 500:] = -np.inf
-    x[2, 17] = np.nan
-    y = np.array([3, 499, 5])
-    want = R.cross_entropy(x[:2].astype(np.float64), y[:2], reduction="none")
+    x[2, :] = np.finfo(np.float32).min
+    x[3, 17] = np.nan
+    y = np.array([3, 499, 998, 5])
+    want = R.cross_entropy(x[:3].astype(np.float64), y[:3], reduction="none")
+    assert np.isclose(want[2], np.log(vocab))
     for config in (None, P.CEConfig(block_v=64, block_n=2)):
         old = P.DEFAULT_CONFIG
         P.DEFAULT_CONFIG = config or old
@@ -566,8 +569,8 @@ def test_masked_and_non_finite_logits():
         finally:
             P.DEFAULT_CONFIG = old
         for rows in (rows_t, rows_j):
-            np.testing.assert_allclose(rows[:2], want, rtol=1e-5)
-            assert np.isnan(rows[2])
+            np.testing.assert_allclose(rows[:3], want, rtol=1e-5)
+            assert np.isnan(rows[3])
 
 
 def test_validate_labels_false_skips_the_check():
@@ -641,3 +644,22 @@ def test_ce_config_rejects_bad_values():
         with pytest.raises(ValueError, match=f"CEConfig.{name}"):
             P.CEConfig(**kwargs)
     assert P.CEConfig(block_v=2048, block_n=2, num_warps=8, num_stages=3).num_stages == 3
+
+
+def test_gpu_tiles_keep_every_sm_busy():
+    """GPU plans (built on the CPU): 2 x 2048 tiles when there are rows for two programs per SM, else one
+    4096-column row per program; given tiles are kept."""
+    from flashbridge.core_kernels import Target
+
+    gpu = Target(interpret=False, num_sms=132)
+    opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, target=gpu)
+
+    def tile(n, v, config=None):
+        (launch,) = P.plan_ce_fwd(n, v, **opts, config=config).launches
+        c = launch.constexpr_dict()
+        return c["BLOCK_N"], c["BLOCK_V"], launch.num_warps, launch.grid
+
+    assert tile(8192, 128256) == (2, 2048, 8, (4096,))
+    assert tile(256, 128256) == (1, 4096, 8, (256,))
+    assert tile(256, 1000) == (1, 1024, 4, (256,))
+    assert tile(256, 128256, P.CEConfig(block_n=2)) == (2, 2048, 8, (128,))

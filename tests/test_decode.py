@@ -12,7 +12,11 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from flashbridge.core_kernels._loader import _InterpretedKernel
+from flashbridge.core_kernels.decode.kernels import f16_query
 from flashbridge.reference import decode as ref
 from helpers import assert_close, np64, score_mod_inputs, torch_to_jax
 from test_attention import naive_torch
@@ -430,6 +434,35 @@ def test_fp8_quantisation_edge_values_match_ml_dtypes():
     want = np.clip(values.numpy(), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     np.testing.assert_array_equal(kc.view(torch.uint8).numpy()[:, 2:6], want)
     assert torch.all(kc.view(torch.uint8)[:, :2] == 0) and torch.all(kc.view(torch.uint8)[:, 6:] == 0)
+
+
+@triton.jit
+def _f16_query_kernel(Q, OUT, INV):
+    offs = tl.arange(0, 16)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    q16, inv_scale = f16_query(tl.load(Q + offs))
+    tl.store(OUT + offs, q16)
+    tl.store(INV, inv_scale)
+
+
+def test_f16_query_scaling_is_exact_and_never_overflows():
+    """The bf16 query of an FP8-cache decode goes to float16 (one conversion per K pair in the dot): exact
+    below 2^15, and larger tiles scaled by an exact power of two that the kernel folds back into the score
+    scale. Run through the interpreter on float32 tiles of bf16 values (the GPU path feeds bf16)."""
+    kernel = _InterpretedKernel(_f16_query_kernel.fn)
+    g = torch.Generator().manual_seed(11)
+    for top in (0.75, 3.0e4, 40000.0, 1.0e6, 3.0e38):
+        q = (torch.randn(16, 32, generator=g) * 3).bfloat16().float()
+        q[3, 5] = -top
+        q = q.bfloat16().float()
+        out, inv = torch.empty(16, 32, dtype=torch.float16), torch.empty(1)
+        kernel[(1,)](q, out, inv)
+        assert torch.isfinite(out).all() and out.abs().max() < 2 ** 15
+        expected_inv = 1.0 if top < 2 ** 15 else 2.0 ** (int(np.floor(np.log2(top))) - 14)
+        assert inv.item() == expected_inv
+        back = out.double() * inv.item()
+        normal = (q.double().abs() / inv.item()) >= 2 ** -14
+        assert torch.equal(back[normal], q.double()[normal])
+        assert (back - q.double()).abs().max() <= 2 ** -25 * inv.item()
 
 
 # ------------------------------------------------------------------------------------ torch: integration

@@ -10,8 +10,10 @@ Per row ``i`` with logits ``x`` (``V`` columns), label ``y``, smoothing ``eps``,
 
 A program owns ``BLOCK_N`` rows and walks the vocabulary in ``[BLOCK_N, BLOCK_V]`` tiles, whole tiles without
 masks and a masked last tile (rows past ``n_rows`` re-read the last row and store nothing). The forward is
-one read of the logits: an online softmax whose running maximum and sum are kept *per lane* (one exp per
-element, no cross-lane reduction inside the loop), merged across lanes once at the end; the label's logit
+one read of the logits: an online softmax whose running maximum and sum are kept *per lane*, a lane being
+the 16 bytes one thread loads at once (tiles are ``[BLOCK_N, lanes, CHUNK]``: a tile's max and sum per lane
+are in-thread reductions, one exp per element, no cross-thread reduction inside the loop), merged across
+lanes once at the end; the loss is ``(m - z_y) + log s`` (no cancellation against lse); the label's logit
 is one scalar load. The gradient kernel is one read of the logits and one write of the gradient, given
 the forward's lse and a per-row (or single) weight ``w`` (the upstream gradient, already divided by the
 token count for a mean). A label outside ``[0, V)`` that is not ``ignore_index`` is never dereferenced: its
@@ -51,37 +53,59 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _exp(x):
+    """exp(x) as ``exp2(x * log2 e)``: Triton lowers ``tl.exp2`` to one ``ex2.approx.ftz`` per element, but
+    ``tl.exp`` to ``ex2.approx`` without ftz, which ptxas expands to five instructions (a range test, a
+    scale before and a squaring after, for results below 2^-126); flushing those to 0 cannot change a
+    softmax sum whose largest term is 1."""
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _fold(m, s, z):
-    """Fold scores ``z`` into the per-lane online softmax: running max ``m`` and ``s = sum exp(z - m)``,
-    with one exp per element (``exp(-|z - m|)``); lanes at -inf add 0."""
-    m_new = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.exp(tl.minimum(m, z) - m_new)
-    return m_new, tl.where(z > m, s * e + 1.0, s + e)
+    """Fold a tile of scores ``z`` [N, C, CHUNK] into the online softmax of each chunk lane: running max
+    ``m`` and ``s = sum exp(z - m)``, both [N, C]. The CHUNK elements of a lane are the ones a thread loads
+    with one vector load, so the tile's max and sum per lane are in-thread reductions (no shuffles), and
+    each element costs a max, a subtraction, an exp and an add (the exp's scaling included: ~5 instructions,
+    was ~10 with a state per element); the rescale is per lane. A NaN score makes its row's sum NaN (the exp
+    of NaN); lanes that have only seen -inf stay at (_NEG_BIG, 0); scores at float32's lowest (a common
+    mask value) count as exp(0) against a lane still at _NEG_BIG, as they must when the whole row is masked."""
+    m_new = tl.maximum(m, tl.max(z, axis=2))
+    # the rescale's argument clamped: a lane still at _NEG_BIG would overflow x * log2 e to -inf (the
+    # same 0, but the interpreter warns on every launch); exp(-200) is 0 in float32 either way
+    return m_new, s * _exp(tl.maximum(m - m_new, -200.0)) + tl.sum(_exp(z - m_new[:, :, None]), axis=2)
 
 
 @triton.jit
 def _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """Fold a whole logits tile ``x`` (as loaded) into (m, s) and the running sum of z (label smoothing)."""
+    """Fold a whole logits tile ``x`` [N, C, CHUNK] (as loaded) into (m, s) and the per-lane sum of z
+    (label smoothing)."""
     z = _capped(x.to(tl.float32), softcap, HAS_SOFTCAP)
     if HAS_SMOOTH:
-        zsum += z
+        zsum += tl.sum(z, axis=2)
     m, s = _fold(m, s, z)
     return m, s, zsum
 
 
 @triton.jit
-def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, BLOCK_V: tl.constexpr,
+def _lse_tile(m, s, zsum, row_base, start, softcap, V: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr,
               HAS_SMOOTH: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Fold the last, partial logits tile (column ``start`` to V) into (m, s, zsum); its missing lanes
     count as -inf."""
-    cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    col_ok = (cols < V)[None, :]
-    z = _capped(tl.load(row_base[:, None] + cols[None, :], mask=col_ok, other=0.0).to(tl.float32), softcap,
+    cols = start + _tile_cols(C, CHUNK)  # [1, C, CHUNK]
+    col_ok = cols < V
+    z = _capped(tl.load(row_base[:, None, None] + cols, mask=col_ok, other=0.0).to(tl.float32), softcap,
                 HAS_SOFTCAP)
     if HAS_SMOOTH:
-        zsum += tl.where(col_ok, z, 0.0)
+        zsum += tl.sum(tl.where(col_ok, z, 0.0), axis=2)
     m, s = _fold(m, s, tl.where(col_ok, z, float("-inf")))
     return m, s, zsum
+
+
+@triton.jit
+def _tile_cols(C: tl.constexpr, CHUNK: tl.constexpr):
+    """Column offsets [1, C, CHUNK] of a BLOCK_V = C * CHUNK tile: lane c holds columns c*CHUNK .. +CHUNK-1."""
+    return (tl.arange(0, C)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])[None, :, :]
 
 
 @triton.jit
@@ -126,23 +150,26 @@ def ce_fwd_kernel(
     row_ok = rows < n_rows
     # padding rows (past n_rows) re-read the last row: loads need no row mask; their results are not stored
     row_base = LOGITS + tl.minimum(rows, n_rows - 1).to(tl.int64) * V  # [BLOCK_N] pointers
-    m = tl.full([BLOCK_N, BLOCK_V], _NEG_BIG, tl.float32)  # per-lane running max
-    s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)  # per-lane sum of exp(z - m)
-    zsum = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    # A tile is [BLOCK_N, C, CHUNK]: CHUNK = one 16-byte vector of the logits' dtype (a thread's load), so
+    # the per-lane softmax state is [BLOCK_N, C] and its per-tile updates need no cross-thread reduction.
+    CHUNK: tl.constexpr = min(BLOCK_V, 128 // LOGITS.dtype.element_ty.primitive_bitwidth)
+    C: tl.constexpr = BLOCK_V // CHUNK
+    m = tl.full([BLOCK_N, C], _NEG_BIG, tl.float32)  # per-lane running max
+    s = tl.zeros([BLOCK_N, C], dtype=tl.float32)  # per-lane sum of exp(z - m)
+    zsum = tl.zeros([BLOCK_N, C], dtype=tl.float32)
     V_FULL: tl.constexpr = V // BLOCK_V * BLOCK_V
     if V_FULL > 0:
         # whole tiles, no masks; each iteration issues the next tile's load before folding the current one,
-        # so a tile's bytes are in flight while the previous one is computed (the loop is otherwise
-        # latency-bound: one row pair per program, Triton does not pipeline plain loads). The last
-        # iteration re-reads the last tile (an L2 hit) instead of branching.
-        cols = tl.arange(0, BLOCK_V)[None, :]
-        x_next = tl.load(row_base[:, None] + cols)
+        # so a tile's bytes are in flight while the previous one is computed (Triton does not pipeline
+        # plain loads). The last iteration re-reads the last tile (an L2 hit) instead of branching.
+        tile = row_base[:, None, None] + _tile_cols(C, CHUNK)  # [BLOCK_N, C, CHUNK] pointers
+        x_next = tl.load(tile)
         for start in range(0, V_FULL, BLOCK_V):
             x = x_next
-            x_next = tl.load(row_base[:, None] + (tl.minimum(start + BLOCK_V, V_FULL - BLOCK_V) + cols))
+            x_next = tl.load(tile + tl.minimum(start + BLOCK_V, V_FULL - BLOCK_V))
             m, s, zsum = _lse_update(m, s, zsum, x, softcap, HAS_SMOOTH, HAS_SOFTCAP)
     if V_FULL < V:
-        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, BLOCK_V, HAS_SMOOTH, HAS_SOFTCAP)
+        m, s, zsum = _lse_tile(m, s, zsum, row_base, V_FULL, softcap, V, C, CHUNK, HAS_SMOOTH, HAS_SOFTCAP)
     m_row = tl.max(m, axis=1)  # [BLOCK_N]
     s_row = tl.sum(s * tl.exp(m - m_row[:, None]), axis=1)
     log_s = tl.log(tl.where(row_ok, s_row, 1.0))
@@ -157,9 +184,11 @@ def ce_fwd_kernel(
     active = label != ignore_index
     bad = active & ((label < 0) | (label >= V))
     x_y = tl.load(row_base + label, mask=row_ok & active & (label >= 0) & (label < V), other=0.0).to(tl.float32)
-    loss = lse - _capped(x_y, softcap, HAS_SOFTCAP)
+    # (m - z_y) + log s rather than lse - z_y: no cancellation when the logits' magnitude dwarfs log V (a row
+    # masked with float32's lowest value has loss log V, as log_softmax gives)
+    loss = (m_row - _capped(x_y, softcap, HAS_SOFTCAP)) + log_s
     if HAS_SMOOTH:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - tl.sum(zsum, axis=1) / V)
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * ((m_row - tl.sum(zsum, axis=1) / V) + log_s)
     if HAS_ZLOSS:
         loss += z_loss * lse * lse
     loss = tl.where(active, loss, 0.0)

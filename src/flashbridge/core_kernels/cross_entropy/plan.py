@@ -35,8 +35,9 @@ class CEConfig:
     block_n: rows per program. Default on a GPU: ``4096 // block_v`` rows (at least 1, at most 16), so a
         tile holds 4096 elements, 8 per thread at 8 warps (H200, N=8192, V=128256, bf16, warps 8: the
         forward took 0.628 ms with 2 x 2048 tiles, 0.652 with 1 x 4096, 0.794 with 1 x 8192; the gradient
-        1.08 ms with each); in the interpreter, enough rows for ~16K elements per tile (it pays per
-        program).
+        1.08 ms with each); with too few rows for two programs per SM, one row of 4096 columns (when
+        neither block_n nor block_v is given); in the interpreter, enough rows for ~16K elements per tile
+        (it pays per program).
     num_warps: default 8 for tiles of 4096+ elements, else 4.
     num_stages: software-pipelining depth of the loop over the vocabulary (Triton's ``num_stages``).
         Default 1.
@@ -70,6 +71,11 @@ def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> t
         block_n = min(next_power_of_2(n_rows), max(1, 16384 // block_v))
     else:
         block_n = max(1, min(16, 4096 // block_v))
+        if config.block_v is None and cdiv(n_rows, block_n) < 2 * target.num_sms:
+            # Too few rows to give every SM two programs (e.g. the 256-token chunks of a low-memory linear
+            # CE: 128 programs of 2 rows on 132 SMs): one row per program, the tile kept at 4096 columns
+            # (1 x 4096 ran within 4% of 2 x 2048 at N=8192).
+            block_n, block_v = 1, min(next_power_of_2(vocab), 4096)
     num_warps = config.num_warps or (8 if block_n * block_v >= 4096 else 4)
     return block_n, block_v, num_warps
 

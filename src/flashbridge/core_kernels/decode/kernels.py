@@ -89,6 +89,24 @@ def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def f16_query(q):
+    """A bf16 query tile as float16 for ``q @ K^T`` against an FP8 cache, and the power of two that undoes
+    its scaling: (q16, inv_scale). e4m3 widens to f16 in one instruction per pair (``F2FP.F16.E4M3``) but
+    to bf16 only through a second per-element conversion (``F2F.BF16.F16``, 64 per tile of the B=1 split
+    kernel: a quarter of what the FP8 loop issues beyond the bf16 one). bf16 -> f16 is exact over f16's
+    normal range; a tile whose largest |q| reaches 2^15 is first scaled by an exact power of two (folded
+    back into the score scale), so no element can overflow f16. Elements below 2^-14 keep f16's subnormal
+    precision (absolute error < 2^-25)."""
+    qf = q.to(tl.float32)
+    q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    exponent = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(max |q|))
+    shift = tl.maximum(exponent - 14, 0)  # max |q| * 2^-shift < 2^15
+    scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift
+    inv_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (qf * scale).to(tl.float16), inv_scale
+
+
+@triton.jit
 def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
     """(page, slot) int64 of the keys ``offs_k`` [N] (``n_start`` = offs_k[0]) of sequence ``b``.
@@ -147,7 +165,7 @@ def decode_kv_range(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_WORDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_WORDS: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
@@ -171,7 +189,7 @@ def decode_kv_range(
             v = v.to(Q.dtype.element_ty)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v, tok[:, None], offs_k[None, :],
                                      qk_scale, cap2, slope2, diag, length, window_left, window_right,
-                                     APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                                     APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE)
     return acc, m_i, l_i
 
 
@@ -190,6 +208,7 @@ def decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_WORDS: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -242,6 +261,9 @@ def decode_fwd_kernel(
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     if HAS_SCALES:
         qk_scale = qk_scale * tl.load(K_SCALE + kh * stride_sc).to(tl.float32)
+    if K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16 and DQK_CHUNKS == 1:
+        q, q_inv_scale = f16_query(q)  # the dot's K operand then widens once (see f16_query)
+        qk_scale = qk_scale * q_inv_scale
     if HAS_ALIBI:
         slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)[:, None]  # [M, 1]
     else:
@@ -258,7 +280,7 @@ def decode_fwd_kernel(
             tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
-            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS)
+            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS, POSITIVE_SCALE)
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALES:
         out = out * tl.load(V_SCALE + kh * stride_sc).to(tl.float32)

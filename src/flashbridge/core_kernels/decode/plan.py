@@ -587,7 +587,8 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("HAS_ALIBI", options.has_alibi), ("HAS_SINKS", has_sinks),
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
-                    ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_WORDS", v_words)),
+                    ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_WORDS", v_words),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, kv_block_range, load_tile, lse_log2,
-                             q_block_range, query_block, score_grad, score_mods, score_params, seq_range)
+                             q_block_range, query_block, recompute_p, score_grad, score_params, seq_range)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -98,9 +98,9 @@ def _dkdv_q_range(
             lse = tl.load(L_base + offs_m)
             delta = tl.load(D_base + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
-        s2_t, t_t = score_mods(qk_t, offs_m[None, :], offs_n[:, None], qk_scale, cap2, slope2, diag, len_k,
-                               window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-        p_t = tl.exp2(s2_t - lse_log2(lse)[None, :])  # [N, M]
+        p_t, t_t = recompute_p(qk_t, lse_log2(lse)[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
+                               slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
+                               HAS_ALIBI)  # [N, M]
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
         ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
@@ -206,9 +206,8 @@ def _dq_kv_range(
         v = load_tile(V_base + tl.cast(n_start, tl.int64) * stride_vs + offs_c[:, None] * stride_vs
                       + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-        s2, t = score_mods(qk, offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag, len_k,
-                           window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-        p = tl.exp2(s2 - lse2[:, None])
+        p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
+                           len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
         ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)

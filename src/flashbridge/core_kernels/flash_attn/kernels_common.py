@@ -210,6 +210,24 @@ def score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_
     return s2, t
 
 
+@triton.jit
+def recompute_p(qk, lse2, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr):
+    """The backward's probabilities ``p = exp2(mods(qk) - lse2)`` (lse2 broadcast to qk, +inf for rows that
+    saw nothing) and the softcap's tanh term. Plain scores (no softcap, no ALiBi): the scale goes into the
+    exponent's fused multiply-add and the mask zeroes p, one instruction per score less than scaling first
+    (valid for any sign of the scale: no row max is involved)."""
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s2, t = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                           APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        return tl.exp2(s2 - lse2), t
+    p = tl.exp2(qk * qk_scale - lse2)
+    if APPLY_MASK:
+        p = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL), p, 0.0)
+    return p, qk
+
+
 # ---------------------------------------------------------------------------------------- online softmax
 
 @triton.jit
@@ -228,14 +246,16 @@ def softmax_init(SINKS, h, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION: tl.constexpr):
-    """Fold one KV block into the running softmax: s2 [M, N] scores (log2 units, -inf = masked), v [N, Dv].
+def online_softmax_step(acc, m_i, l_i, s, scale, v, DOT_PRECISION: tl.constexpr):
+    """Fold one KV block into the running softmax: scores ``s * scale`` [M, N] (log2 units, -inf = masked;
+    ``scale`` > 0, or the literal 1.0 for scores already scaled, which the compiler folds away), v [N, Dv].
+    The row max is taken on ``s`` and scaled once per row; ``s * scale - max`` is one fused multiply-add.
 
     A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
     """
-    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s2 - m_use[:, None])  # [M, N]
+    p = tl.exp2(s * scale - m_use[:, None])  # [M, N]
     alpha = tl.exp2(m_i - m_use)  # [M]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -280,12 +300,22 @@ def softmax_finalize(acc, m_i, l_i):
 @triton.jit
 def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
                  window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> fold ``v`` [N, Dv] into the
-    running (acc, m_i, l_i). Shared by every forward iteration strategy (dense ranges, paged decode)."""
+    running (acc, m_i, l_i). Shared by every forward iteration strategy (dense ranges, paged decode).
+
+    POSITIVE_SCALE (softmax_scale > 0, known when planning) without softcap or ALiBi: the scores stay raw,
+    masked as they are (a positive scale commutes with the mask and the row max), and the scale is applied
+    inside the exponent, ``exp2(qk * scale - max)``: one fused multiply-add per score instead of a multiply
+    and a subtraction."""
+    if POSITIVE_SCALE and not (HAS_SOFTCAP or HAS_ALIBI):
+        if APPLY_MASK:
+            qk = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL),
+                          qk, float("-inf"))
+        return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, DOT_PRECISION)
     s2, _ = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                        APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-    return online_softmax_step(acc, m_i, l_i, s2, v, DOT_PRECISION)
+    return online_softmax_step(acc, m_i, l_i, s2, 1.0, v, DOT_PRECISION)
 
 
 @triton.jit
@@ -293,7 +323,7 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
                  stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """One KV block of the forward: load K, V rows ``n_start + offs_n``, score, fold into (acc, m_i, l_i).
 
     ``K_base`` / ``V_base`` point at key row 0 of this (sequence, kv head); ``offs_n`` is ``arange(BLOCK_N)``.
@@ -309,7 +339,7 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
     return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
                         seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION)
+                        DOT_PRECISION, POSITIVE_SCALE)
 
 
 @triton.jit
@@ -318,7 +348,7 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED_STAGES: tl.constexpr = 0):
+                 MASKED_STAGES: tl.constexpr = 0, POSITIVE_SCALE: tl.constexpr = False):
     """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order.
 
     MASKED_STAGES > 0: a masked segment (the causal diagonal, window edges, a ragged tail: a few blocks)
@@ -331,13 +361,15 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
             acc, m_i, l_i = fwd_kv_block(
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                POSITIVE_SCALE)
     else:
         for blk in range(blk_lo, blk_hi):
             acc, m_i, l_i = fwd_kv_block(
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                POSITIVE_SCALE)
     return acc, m_i, l_i
 
 

@@ -398,7 +398,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_DQK", _pad(shape.head_dim_qk)),
                     ("BLOCK_DV", _pad(shape.head_dim_v)), ("HAS_SINKS", options.has_sinks),
                     *_flags(shape, options), *_align(scalars),
-                    ("MASKED_STAGES", 0 if target.interpret else (config.masked_num_stages or 0))),
+                    ("MASKED_STAGES", 0 if target.interpret else (config.masked_num_stages or 0)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0)),
         num_warps=warps,
         num_stages=stages,
     )
