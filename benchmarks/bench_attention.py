@@ -7,6 +7,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py              # main grid, GQA / varlen / window rows, plot
     python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the issue's bar)
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
+    python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -258,6 +259,31 @@ def trace_paths(b, s, h, d, causal):
 
 # --------------------------------------------------------------------------------------------------- tune
 
+# (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults: D=128's lists hold the
+# neighbours of the sweep of 2026-11-30's bests; D=64 and D=256 (never timed before) the tiles that compile
+# for sm_90 without spills (``--ptxas``), smaller for D=256 where a 128-wide K/V tile does not fit
+TUNE_CANDIDATES = {
+    64: {"fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3),
+                 (64, 128, 4, 3), (128, 64, 4, 4)],
+         "dkdv": [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3),
+                  (64, 64, 8, 2)],
+         "dq": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3)]},
+    128: {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
+                  (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 4),
+                  (128, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 8, 3)],
+          "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2),
+                   (16, 128, 8, 3), (32, 32, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4),
+                   (64, 64, 4, 3), (32, 64, 8, 3), (16, 64, 4, 3), (32, 32, 4, 3)],
+          "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
+                 (128, 32, 4, 3), (64, 64, 4, 3), (64, 16, 8, 2), (32, 32, 8, 2),
+                 (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 8, 3), (128, 32, 8, 4)]},
+    256: {"fwd": [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
+                  (128, 64, 8, 3)],
+          "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2)],
+          "dq": [(64, 16, 8, 2), (32, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)]},
+}
+
+
 def tune(d, causal, s=4096):
     """Time the three main kernels for block-size candidates (plan + runtime directly, no autograd)."""
     b = TOKENS // s
@@ -273,11 +299,10 @@ def tune(d, causal, s=4096):
         rows.append(row)
         print(f"tune D={d} causal={causal}", row, flush=True)
 
-    # the first two rows are D=128's defaults (GPU_TILES: 128 x 64 causal, 128 x 128 full, from the sweep
-    # of 2026-11-30); the last four try their neighbours
-    fwd_cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3),
-                 (128, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 4),
-                 (128, 64, 8, 4), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 8, 3)]
+    tiles = GPU_TILES[d]
+    cands = TUNE_CANDIDATES[d]
+    # the plan's defaults first (full and masked forward), then the candidates around them
+    fwd_cands = list(dict.fromkeys([tiles["fwd_masked" if causal else "fwd"], *cands["fwd"]]))
     out = lse = None
     for bm, bn, w, st in fwd_cands:
         cfg = AttentionConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
@@ -300,12 +325,7 @@ def tune(d, causal, s=4096):
                          "tflops": tflops(pairs, b, H, d, ms, False)})
         except Exception as exc:
             keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
-    bwd_cands = {"dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2),
-                          (16, 128, 8, 3), (32, 32, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4),
-                          (64, 64, 4, 3), (32, 64, 8, 3), (16, 64, 4, 3), (32, 32, 4, 3)],
-                 "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 8, 2),
-                        (128, 32, 4, 3), (64, 64, 4, 3), (64, 16, 8, 2), (32, 32, 8, 2),
-                        (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 8, 3), (128, 32, 8, 4)]}
+    bwd_cands = {kernel: list(dict.fromkeys([tiles[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
         for tile in cands:
@@ -357,6 +377,7 @@ def main():
     parser.add_argument("--dims", help="comma-separated head dims (default: all); the results file is then "
                                        "named after them, so a long matrix can be split across runs")
     parser.add_argument("--no-extra", action="store_true", help="skip the GQA / varlen / window rows")
+    parser.add_argument("--tune-only", action="store_true", help="only the --tune rows (no main grid)")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -385,6 +406,9 @@ def main():
         torch_providers(1, 256, 2, 2, 64, False)["flashbridge-torch steady"]()
     except Exception as exc:
         print(f"throwaway steady row: {type(exc).__name__}")
+    if args.tune_only:
+        args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True
+        out_name = out_name.replace("attention_", "attention_tune_")
     for d in dims:
         for s in seqlens:
             for causal in (False, True):
@@ -426,7 +450,8 @@ def main():
                 save(out_name, payload)
     print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
                 ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)
-    plot(payload["main"], out_name)
+    if payload["main"]:
+        plot(payload["main"], out_name)
     print(f"wrote {save(out_name, payload)}")
 
 
