@@ -596,10 +596,14 @@ def test_validate_labels_false_skips_the_check():
     assert torch.isnan(lin[1]) and np.isnan(np.asarray(jlin)[1])
     loss_fn = ftc.LinearCrossEntropyLoss(reduction="none", validate_labels=False)
     assert torch.isnan(loss_fn(torch.tensor(h), torch.tensor(w), torch.tensor(y))[1])
-    with pytest.raises(ValueError, match="labels: 1 label"):
-        ftc.cross_entropy(torch.tensor(x), torch.tensor(y))
-    with pytest.raises(ValueError, match="labels: 1 label"):
-        fjc.cross_entropy(jnp.asarray(x), jnp.asarray(y))
+    # the default (None) checks CPU labels, as True does everywhere
+    for validate in (None, True):
+        with pytest.raises(ValueError, match="labels: 1 label"):
+            ftc.cross_entropy(torch.tensor(x), torch.tensor(y), validate_labels=validate)
+        with pytest.raises(ValueError, match="labels: 1 label"):
+            fjc.cross_entropy(jnp.asarray(x), jnp.asarray(y), validate_labels=validate)
+        with pytest.raises(ValueError, match="labels: 1 label"):
+            fjc.cross_entropy(jnp.asarray(x), y, validate_labels=validate)
 
 
 def test_lse_is_not_differentiable():

@@ -213,3 +213,37 @@ def test_jax_linear_cross_entropy_on_gpu():
     to_torch = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to("cuda")  # noqa: E731
     assert_close_gpu(to_torch(dh), ref_dh, n_dh, name="dhidden (jax)")
     assert_close_gpu(to_torch(dw), ref_dw, n_dw, name="dweight (jax)")
+
+
+@pytest.mark.gpu
+def test_gpu_labels_checked_only_when_asked():
+    """On a GPU the default (validate_labels=None) does not read the labels back (no host sync): a label
+    outside [0, V) gives its row a NaN loss, the other rows are untouched; True still raises. Both
+    frameworks."""
+    from flashbridge.torch_api.cross_entropy import cross_entropy as tce
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4, 1000, generator=g, device="cuda").to(torch.bfloat16)
+    y = torch.tensor([3, 1000, -100, 999], device="cuda")
+    good = torch.tensor([3, 0, -100, 999], device="cuda")
+    rows = tce(x, y, reduction="none")
+    want = tce(x, good, reduction="none")
+    assert torch.isnan(rows[1]) and torch.equal(rows[[0, 2, 3]], want[[0, 2, 3]])
+    with pytest.raises(ValueError, match="labels: 1 label"):
+        tce(x, y, validate_labels=True)
+    try:
+        import jax_triton  # noqa: F401  (the JAX path's launcher)
+    except ImportError:
+        return
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.cross_entropy import cross_entropy as jce
+
+    gpu = jax.devices("gpu")[0]
+    xj = jax.device_put(jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16), gpu)
+    yj = jax.device_put(jnp.asarray(y.cpu().numpy()), gpu)
+    jrows = np.asarray(jce(xj, yj, reduction="none"))
+    assert np.isnan(jrows[1]) and np.array_equal(jrows[[0, 2, 3]], want[[0, 2, 3]].cpu().numpy())
+    with pytest.raises(ValueError, match="labels: 1 label"):
+        jce(xj, yj, validate_labels=True)

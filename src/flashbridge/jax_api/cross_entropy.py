@@ -279,9 +279,12 @@ def _shape_dtype(a):
     return None if a is None else (tuple(a.shape), dtype_name(a.dtype))
 
 
-def _validate_label_values(labels, vocab: int, ignore_index: int) -> None:
-    """Raise on labels outside [0, V) other than ignore_index when the labels are concrete (not traced)."""
-    if isinstance(labels, jax.core.Tracer):
+def _validate_label_values(labels, vocab: int, ignore_index: int, validate: Optional[bool]) -> None:
+    """Raise on labels outside [0, V) other than ignore_index when the labels are concrete (not traced).
+    ``validate`` None checks host / CPU labels only: reading a GPU array back waits for the device."""
+    if validate is False or isinstance(labels, jax.core.Tracer):
+        return
+    if validate is None and isinstance(labels, jax.Array) and any(d.platform != "cpu" for d in labels.devices()):
         return
     y = np.asarray(labels)
     bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
@@ -303,7 +306,7 @@ def _auto_chunk(n_rows: int, h: int, vocab: int, dtype: str) -> int:
 
 def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
-                  return_lse: bool = False, validate_labels: bool = True):
+                  return_lse: bool = False, validate_labels: Optional[bool] = None):
     """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
 
     Args:
@@ -316,10 +319,10 @@ def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, lab
         reduction: "mean" (over non-ignored rows; 0 with zero gradients when all are ignored), "sum",
             "none".
         return_lse: also return the float32 ``(...)`` log-sum-exp (a constant for autodiff).
-        validate_labels: raise a ValueError naming ``labels`` when concrete labels (outside ``jit``) hold
-            a value outside ``[0, V)`` other than ``ignore_index`` (reading them from a device waits for
-            it); False skips the check. Traced labels are never checked: such a row gets a NaN loss and
-            NaN gradients.
+        validate_labels: True raises a ValueError naming ``labels`` when concrete labels (outside
+            ``jit``) hold a value outside ``[0, V)`` other than ``ignore_index`` (reading them from a GPU
+            waits for it); None (default) checks NumPy / CPU labels only; False never checks. Unchecked
+            and traced labels are never refused: such a row gets a NaN loss and NaN gradients.
 
     Returns:
         The float32 loss (scalar, or ``(...)`` for "none"), and the lse with ``return_lse``.
@@ -333,8 +336,7 @@ def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, lab
     n_rows, vocab = check_cross_entropy_args(
         logits=_shape_dtype(logits), labels=_shape_dtype(labels), ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction)
-    if validate_labels:
-        _validate_label_values(labels, vocab, ignore_index)
+    _validate_label_values(labels, vocab, ignore_index, validate_labels)
     lead = tuple(labels.shape)
     opts = _Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap))
     x, y = match_varying(logits.reshape(n_rows, vocab), labels.reshape(n_rows))
@@ -345,14 +347,13 @@ def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, lab
 
 
 def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_smoothing, z_loss,
-               logit_softcap, reduction, chunk_size, return_lse, validate_labels=True):
+               logit_softcap, reduction, chunk_size, return_lse, validate_labels=None):
     check_arrays(hidden=hidden, weight=weight, labels=labels, bias=bias)
     n_rows, h, vocab = check_linear_cross_entropy_args(
         hidden=_shape_dtype(hidden), weight=_shape_dtype(weight), labels=_shape_dtype(labels),
         bias=_shape_dtype(bias), ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
         logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size, weight_transposed=transposed)
-    if validate_labels:
-        _validate_label_values(labels, vocab, ignore_index)
+    _validate_label_values(labels, vocab, ignore_index, validate_labels)
     lead = tuple(labels.shape)
     chunk = min(int(chunk_size), n_rows) if chunk_size else _auto_chunk(n_rows, h, vocab, dtype_name(hidden.dtype))
     cfg = _LinearCfg(_Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)),
@@ -366,7 +367,7 @@ def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_
 def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: Optional[Array] = None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                         return_lse: bool = False, validate_labels: bool = True):
+                         return_lse: bool = False, validate_labels: Optional[bool] = None):
     """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     Args:
@@ -416,7 +417,7 @@ def linear_cross_entropy_from_layer(layer, hidden: Array, labels: Array, **optio
     if "bias" in options:
         raise TypeError("bias: linear_cross_entropy_from_layer takes the bias from the layer")
     defaults = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, reduction="mean",
-                    chunk_size=None, return_lse=False, validate_labels=True)
+                    chunk_size=None, return_lse=False, validate_labels=None)
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"{sorted(unknown)[0]}: not an option of linear_cross_entropy")

@@ -298,10 +298,11 @@ def _shape_dtype(t: Optional[Tensor]):
     return None if t is None else (tuple(t.shape), dtype_name(t.dtype))
 
 
-def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise on labels outside [0, V) that are not ignore_index (eager only: one sync of a boolean on a GPU;
-    under torch.compile the kernels give such rows a NaN loss instead)."""
-    if torch.compiler.is_compiling():
+def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int, validate: Optional[bool]) -> None:
+    """Raise on labels outside [0, V) that are not ignore_index. ``validate`` None checks CPU labels only:
+    on a GPU the check reads a boolean back (a host sync per call, no CUDA-graph capture), so there it runs
+    only when asked; unchecked rows get a NaN loss from the kernels. Never under torch.compile."""
+    if validate is False or (validate is None and labels.device.type != "cpu") or torch.compiler.is_compiling():
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
@@ -324,7 +325,7 @@ def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
-                  return_lse: bool = False, validate_labels: bool = True):
+                  return_lse: bool = False, validate_labels: Optional[bool] = None):
     """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
 
     One read of the logits forward (online softmax over the vocabulary, in fp32), one read and one write
@@ -341,10 +342,11 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
         reduction: "mean" (over rows whose label is not ignored; 0 with zero gradients when all are),
             "sum" or "none".
         return_lse: also return the float32 ``(...)`` log-sum-exp (not differentiable).
-        validate_labels: raise a ValueError naming ``labels`` when a label is outside ``[0, V)`` and not
-            ``ignore_index``. On a GPU the check waits for the device once per call (a host sync, which
-            also rules out CUDA-graph capture); False skips it, and such a row gets a NaN loss and NaN
-            gradients instead (as under torch.compile, where the check never runs).
+        validate_labels: True raises a ValueError naming ``labels`` when a label is outside ``[0, V)``
+            and not ``ignore_index``; False never checks, and such a row gets a NaN loss and NaN gradients
+            instead (as under torch.compile, where the check never runs). None (default): check labels on
+            the CPU; on a GPU the check would wait for the device every call (a host sync, which also rules
+            out CUDA-graph capture), so there it runs only with True.
 
     Returns:
         The float32 loss (a scalar, or ``(...)`` for "none"), and the lse with ``return_lse``.
@@ -363,8 +365,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     lead = tuple(labels.shape)
     x = logits.reshape(n_rows, vocab).contiguous()
     y = labels.reshape(n_rows).contiguous()
-    if validate_labels:
-        _validate_label_values(y, vocab, ignore_index)
+    _validate_label_values(y, vocab, ignore_index, validate_labels)
     loss_rows, lse, _ = _ce_fwd(x, y, int(ignore_index), float(label_smoothing), float(z_loss),
                                 float(logit_softcap))
     loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
@@ -374,7 +375,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                         return_lse: bool = False, validate_labels: bool = True):
+                         return_lse: bool = False, validate_labels: Optional[bool] = None):
     """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     The tokens are processed in chunks (see the module docstring for the design): the peak extra memory
@@ -413,8 +414,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     w = weight.contiguous()
     y = labels.reshape(n_rows).contiguous()
     b = None if bias is None else bias.contiguous()
-    if validate_labels:
-        _validate_label_values(y, vocab, ignore_index)
+    _validate_label_values(y, vocab, ignore_index, validate_labels)
     grad_on = torch.is_grad_enabled()
     loss, lse, _, _, _, _ = _lce_fwd(
         h2, w, y, b, int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap), reduction,
@@ -437,7 +437,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                 return_lse: bool = False, validate_labels: bool = True):
+                 return_lse: bool = False, validate_labels: Optional[bool] = None):
         super().__init__()
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.logit_softcap, self.reduction, self.chunk_size, self.return_lse = (

@@ -35,12 +35,11 @@ class AttentionConfig:
     * dQ: one program per ``dq_block_m`` query rows, looping over keys ``dq_block_n`` at a time.
 
     * ``masked_num_stages``: pipelining depth of the forward's masked segments (the causal diagonal, window
-      edges, ragged tails), None = the forward's ``num_stages``. 1 removes the causal forward's register
-      spill on sm_90 (see ``fwd_kv_range``); whether that is faster is for ``bench_attention.py --tune``.
+      edges, ragged tails), None = the default of :data:`GPU_MASKED_STAGES`, else the forward's
+      ``num_stages``.
 
-    The GPU defaults were chosen for Hopper (sm_90) by compiling every candidate ahead of time and keeping
-    the largest tiles that neither spill registers nor exceed shared memory; timing on an H200 may move
-    them. The interpreter (CPU) pays per program and per operation, not per element: it takes 64 x 64
+    The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
+    (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per operation, not per element: it takes 64 x 64
     tiles everywhere and no pipelining. Block sizes must be powers of two >= 16 (``tl.dot``'s minimum).
     """
 
@@ -76,17 +75,26 @@ class AttentionConfig:
 
 # (block_m, block_n, num_warps, num_stages) per kernel, by padded head dim (the larger of Dqk, Dv), for
 # Hopper. First chosen by ptxas (largest tiles without spills); where the H200 timed a tile faster, the timing
-# wins: D=128's full forward (255 registers + 16 B stack) and dK/dV (255 + 8 B full, + 40 B causal) spill a
-# little and are still the fastest candidates.
-# "fwd_masked": the forward of causal / windowed calls, whose diagonal blocks favour narrower key tiles.
-# D=128 from the H200 tile sweep (bench_attention.py --tune, S=4096, 2026-11-30): forward 128 x 128 keys
-# 467 vs 447 TFLOP/s full, but 128 x 64 ahead causal (401 vs 381); dK/dV 32 x 64, 4 warps, 3 stages
-# (359 / 304 vs 331 / 287 for 32 x 128, 8 warps); dQ 3 stages (356 / 313 vs 331 / 289 with 2).
+# wins. "fwd_masked": the forward of causal / windowed calls, whose diagonal blocks may favour other tiles.
+# From the H200 sweep of 2026-11-30 (bench_attention.py --tune-only, S=4096, B*S=16384, H=16, bf16; TFLOP/s
+# full / causal, the previous default in brackets; the backward figures time the whole backward with one
+# kernel's tile changed):
+#   D=64:  forward 128 x 64, 8 warps 440 (414) full, 64 x 64, 4 warps 357 (336) causal; dK/dV 64 x 64, 4 warps,
+#          3 stages 349 / 225 (283 / 202); dQ 64 x 64, 4 warps, 3 stages 291 / 252 (285 / 202)
+#   D=128: forward 128 x 128 causal too 407 (399); dK/dV 64 x 128, 8 warps, 3 stages 375 / 326 (365 / 324);
+#          dQ 4 stages 375 / 330 (359 / 323)
+#   D=256: forward 128 x 64, 8 warps, 2 stages 434 / 395 (169 / 153: the first table had it at 64 x 32);
+#          dK/dV 32 x 32, 4 warps 141 / 131 (102 / 98); dQ 128 x 32 125 / 122 (102 / 98)
 GPU_TILES = {
-    64: {"fwd": (128, 64, 4, 3), "fwd_masked": (128, 64, 4, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 2)},
-    128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 64, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (128, 64, 8, 3)},
-    256: {"fwd": (64, 32, 8, 2), "fwd_masked": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (64, 32, 8, 2)},
+    64: {"fwd": (128, 64, 8, 3), "fwd_masked": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)},
+    128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 128, 8, 3), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 4)},
+    256: {"fwd": (128, 64, 8, 2), "fwd_masked": (128, 64, 8, 2), "dkdv": (32, 32, 4, 2), "dq": (128, 32, 8, 2)},
 }
+# Pipelining depth of the masked segments per forward entry where the H200 timed it faster than the entry's
+# num_stages (AttentionConfig.masked_num_stages overrides it): D=128's full forward 503 vs 475 TFLOP/s at
+# S=4096 with 2 (491 with 1), although at that length no masked segment runs: the shallower second loop
+# changes how the compiler lays out the main one (same sweep as above).
+GPU_MASKED_STAGES = {128: {"fwd": 2}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
@@ -320,6 +328,18 @@ def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig
     return config.tile(given, GPU_TILES[64 if d <= 64 else 128 if d <= 128 else 256][kernel])
 
 
+def _masked_stages(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig) -> int:
+    """The forward's ``MASKED_STAGES`` constexpr: 0 = the forward's num_stages (and always in the interpreter)."""
+    if target.interpret:
+        return 0
+    if config.masked_num_stages is not None:
+        return config.masked_num_stages
+    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
+    if shape.dtype == "float32":
+        return 0
+    return GPU_MASKED_STAGES.get(64 if d <= 64 else 128 if d <= 128 else 256, {}).get(kernel, 0)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(batch, row, head) element strides of a contiguous dense ``(B, S, H, D)`` or packed ``(T, H, D)``
     tensor; the batch stride of a packed tensor is 0 (rows are addressed through cu_seqlens)."""
@@ -382,8 +402,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
     present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
                "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
-    bm, bn, warps, stages = _tile("fwd_masked" if options.causal or options.has_local else "fwd",
-                                  shape, target, config)
+    fwd_entry = "fwd_masked" if options.causal or options.has_local else "fwd"
+    bm, bn, warps, stages = _tile(fwd_entry, shape, target, config)
     lse_b, lse_h = _lse_strides(shape)
     scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
@@ -398,7 +418,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_DQK", _pad(shape.head_dim_qk)),
                     ("BLOCK_DV", _pad(shape.head_dim_v)), ("HAS_SINKS", options.has_sinks),
                     *_flags(shape, options), *_align(scalars),
-                    ("MASKED_STAGES", 0 if target.interpret else (config.masked_num_stages or 0)),
+                    ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0)),
         num_warps=warps,
         num_stages=stages,
