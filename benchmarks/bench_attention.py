@@ -54,6 +54,18 @@ def tflops(pairs, b, h, d, ms, backward):
     return flops / (ms * 1e-3) / 1e12
 
 
+@functools.lru_cache(maxsize=None)
+def _generator():
+    """A CUDA generator of the benchmark's own: a failed CUDA-graph capture (the throwaway rows below) leaves
+    torch's default CUDA generator registered with the dead graph, and every later ``torch.randn(device=
+    "cuda")`` then fails ("Offset increment outside graph capture")."""
+    return torch.Generator(device="cuda").manual_seed(0)
+
+
+def randn(*shape, dtype=torch.bfloat16, requires_grad=False):
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=_generator()).requires_grad_(requires_grad)
+
+
 # ---------------------------------------------------------------------------------------------- providers
 
 def _time_fwd_bwd(fn, leaves):
@@ -61,7 +73,7 @@ def _time_fwd_bwd(fn, leaves):
     with torch.no_grad():
         fwd_ms = time_torch(fn)
     out = fn()
-    dout = torch.randn_like(out)
+    dout = randn(*out.shape, dtype=out.dtype)
     bwd_ms = time_torch(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
     return fwd_ms, bwd_ms
 
@@ -91,15 +103,15 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
     dev, dt = "cuda", torch.bfloat16
 
     def bshd():
-        q = torch.randn(b, s, hq, d, device=dev, dtype=dt, requires_grad=True)
-        k = torch.randn(b, s, hkv, d, device=dev, dtype=dt, requires_grad=True)
-        v = torch.randn(b, s, hkv, d, device=dev, dtype=dt, requires_grad=True)
+        q = randn(b, s, hq, d, requires_grad=True)
+        k = randn(b, s, hkv, d, requires_grad=True)
+        v = randn(b, s, hkv, d, requires_grad=True)
         return q, k, v
 
     def bhsd():
-        q = torch.randn(b, hq, s, d, device=dev, dtype=dt, requires_grad=True)
-        k = torch.randn(b, hkv, s, d, device=dev, dtype=dt, requires_grad=True)
-        v = torch.randn(b, hkv, s, d, device=dev, dtype=dt, requires_grad=True)
+        q = randn(b, hq, s, d, requires_grad=True)
+        k = randn(b, hkv, s, d, requires_grad=True)
+        v = randn(b, hkv, s, d, requires_grad=True)
         return q, k, v
 
     def ours():
@@ -114,7 +126,7 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
         grads = []
         for q, k, v in sets:
             out = call(q, k, v)
-            grads.append((out, (q, k, v), torch.randn_like(out)))
+            grads.append((out, (q, k, v), randn(*out.shape, dtype=out.dtype)))
         bwd_ms = time_torch_steady(lambda o, leaves, g: torch.autograd.grad(o, leaves, g, retain_graph=True), grads)
         return fwd_ms, bwd_ms
 
@@ -217,9 +229,9 @@ def bench_varlen(lengths, hq, hkv, d, causal):
     """Packed ragged batch: ours (torch) only; TFLOP/s from the exact visible pairs of every sequence."""
     total = sum(lengths)
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(total, hq, d, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(total, hkv, d, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(total, hkv, d, device=dev, dtype=dt, requires_grad=True)
+    q = randn(total, hq, d, requires_grad=True)
+    k = randn(total, hkv, d, requires_grad=True)
+    v = randn(total, hkv, d, requires_grad=True)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=dev)
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), causal=causal)
     fwd_ms, bwd_ms = _time_fwd_bwd(lambda: flash_attention(q, k, v, **kw), (q, k, v))
@@ -237,9 +249,9 @@ def trace_paths(b, s, h, d, causal):
 
     from flashbridge.jax_api.attention import flash_attention as jfa
 
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (randn(b, s, h, d, requires_grad=True) for _ in range(3))
     out = flash_attention(q, k, v, causal=causal)
-    dout = torch.randn_like(out)
+    dout = randn(*out.shape, dtype=out.dtype)
     jq, jk, jv, jdout = (jnp.asarray(t.detach().float().cpu().numpy(), jnp.bfloat16) for t in (q, k, v, dout))
     fwd = jax.jit(lambda q, k, v: jfa(q, k, v, causal=causal))
     _, vjp_fn = jax.vjp(lambda q, k, v: jfa(q, k, v, causal=causal), jq, jk, jv)
@@ -288,7 +300,7 @@ def tune(d, causal, s=4096):
     """Time the three main kernels for block-size candidates (plan + runtime directly, no autograd)."""
     b = TOKENS // s
     dev, dt = "cuda", torch.bfloat16
-    q, k, v, dout = (torch.randn(b, s, H, d, device=dev, dtype=dt) for _ in range(4))
+    q, k, v, dout = (randn(b, s, H, d) for _ in range(4))
     info = ((b, s, H, d), "bfloat16")
     shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
     target = target_for(q.device)
