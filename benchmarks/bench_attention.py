@@ -100,7 +100,6 @@ def _compiled_flex(flex_attention):
 
 def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
     """name -> callable returning (fwd_ms, bwd_ms); every provider gets fresh bf16 inputs."""
-    dev, dt = "cuda", torch.bfloat16
 
     def bshd():
         q = randn(b, s, hq, d, requires_grad=True)
@@ -150,7 +149,7 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
                 ok = ok & (qi - ki <= left)
             return ok
 
-        block_mask = create_block_mask(mask_mod, None, None, s, s, device=dev) if (causal or left >= 0) else None
+        block_mask = create_block_mask(mask_mod, None, None, s, s, device="cuda") if (causal or left >= 0) else None
         compiled = _compiled_flex(flex_attention)
         return _time_fwd_bwd(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=hq != hkv), (q, k, v))
 
@@ -228,11 +227,10 @@ def bench(b, s, hq, hkv, d, causal, window=(-1, -1), with_jax=True):
 def bench_varlen(lengths, hq, hkv, d, causal):
     """Packed ragged batch: ours (torch) only; TFLOP/s from the exact visible pairs of every sequence."""
     total = sum(lengths)
-    dev, dt = "cuda", torch.bfloat16
     q = randn(total, hq, d, requires_grad=True)
     k = randn(total, hkv, d, requires_grad=True)
     v = randn(total, hkv, d, requires_grad=True)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=dev)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), causal=causal)
     fwd_ms, bwd_ms = _time_fwd_bwd(lambda: flash_attention(q, k, v, **kw), (q, k, v))
     pairs = sum(visible_pairs(n, n, causal) for n in lengths)
@@ -274,6 +272,7 @@ def trace_paths(b, s, h, d, causal):
 # (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults: D=128's lists hold the
 # neighbours of the sweep of 2026-11-30's bests; D=64 and D=256 (never timed before) the tiles that compile
 # for sm_90 without spills (``--ptxas``), smaller for D=256 where a 128-wide K/V tile does not fit
+HEAD_GROUPS = (1, 4, 8, 16, 64)  # AttentionConfig.head_group values --tune times with the default tiles
 TUNE_CANDIDATES = {
     64: {"fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3),
                  (64, 128, 4, 3), (128, 64, 4, 4)],
@@ -296,10 +295,38 @@ TUNE_CANDIDATES = {
 }
 
 
+def time_head_groups(b, s, hq, hkv, d, causal, groups=None):
+    """Forward and whole-backward times of the default tiles for each program order (AttentionConfig.head_group,
+    see block_schedule: the longest causal blocks of G heads first)."""
+    q, dout = randn(b, s, hq, d), randn(b, s, hq, d)
+    k, v = randn(b, s, hkv, d), randn(b, s, hkv, d)
+    info_q, info_kv = ((b, s, hq, d), "bfloat16"), ((b, s, hkv, d), "bfloat16")
+    shape, options = check_attention_args(q=info_q, k=info_kv, v=info_kv, causal=causal)
+    target = target_for(q.device)
+    pairs = visible_pairs(s, s, causal)
+    rows = []
+    for group in groups or HEAD_GROUPS:
+        label = {"case": f"B{b} S{s} H{hq}/{hkv} D{d} {'causal' if causal else 'full'}", "head_group": group}
+        try:
+            cfg = AttentionConfig(head_group=group)
+            plan = plan_attention_fwd(shape, options, target=target, config=cfg)
+            out, lse = execute(plan, {"q": q, "k": k, "v": v})
+            fwd_ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
+            bplan = plan_attention_bwd(shape, options, target=target, config=cfg)
+            inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+            bwd_ms = time_torch(lambda: execute(bplan, inputs))
+            row = {"kernel": "order", **label, "ms": fwd_ms, "tflops": tflops(pairs, b, hq, d, fwd_ms, False),
+                   "bwd_ms": bwd_ms, "bwd_tflops": tflops(pairs, b, hq, d, bwd_ms, True)}
+        except Exception as exc:
+            row = {"kernel": "order", **label, "error": str(exc)[:120]}
+        print("order", row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def tune(d, causal, s=4096):
     """Time the three main kernels for block-size candidates (plan + runtime directly, no autograd)."""
     b = TOKENS // s
-    dev, dt = "cuda", torch.bfloat16
     q, k, v, dout = (randn(b, s, H, d) for _ in range(4))
     info = ((b, s, H, d), "bfloat16")
     shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
@@ -337,6 +364,7 @@ def tune(d, causal, s=4096):
                          "tflops": tflops(pairs, b, H, d, ms, False)})
         except Exception as exc:
             keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
+    rows += time_head_groups(b, s, H, H, d, causal)
     bwd_cands = {kernel: list(dict.fromkeys([tiles[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
@@ -461,6 +489,10 @@ def main():
             for causal in (False, True):
                 payload["tune"].append({"d": d, "causal": causal, "rows": tune(d, causal)})
                 save(out_name, payload)
+        if 128 in dims:  # GQA's dK/dV programs loop over the group: the longest causal ones are GROUP x longer
+            payload["tune"].append({"d": 128, "causal": True, "gqa": [32, 8],
+                                    "rows": time_head_groups(4, 4096, 32, 8, 128, True)})
+            save(out_name, payload)
     print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
                 ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)
     if payload["main"]:
