@@ -8,6 +8,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the issue's bar)
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
     python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
+    python benchmarks/bench_attention.py --order-only  # only the program orders (AttentionConfig.head_group)
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -418,6 +419,9 @@ def main():
                                        "named after them, so a long matrix can be split across runs")
     parser.add_argument("--no-extra", action="store_true", help="skip the GQA / varlen / window rows")
     parser.add_argument("--tune-only", action="store_true", help="only the --tune rows (no main grid)")
+    parser.add_argument("--order-only", action="store_true",
+                        help="only the program-order rows (AttentionConfig.head_group) at D=128, S=4096: MHA full "
+                             "and causal, GQA 32/8 causal")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -442,6 +446,12 @@ def main():
             else:
                 table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
 
+    if args.order_only:
+        rows = [r for causal, hkv in ((False, H), (True, H)) for r in time_head_groups(TOKENS // 4096, 4096, H, hkv,
+                                                                                       128, causal)]
+        rows += time_head_groups(4, 4096, 32, 8, 128, True)
+        print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
+        return
     if args.tune_only:
         args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True
         out_name = out_name.replace("attention_", "attention_tune_")
