@@ -124,7 +124,7 @@ def _grad_tile(LOGITS, GRAD, offs, start, row_ok, label, lse, lse_lo, coef, on_l
         z = softcap * th
     else:
         z = x
-    p = tl.exp((z - lse[:, None]) - lse_lo[:, None])
+    p = _exp((z - lse[:, None]) - lse_lo[:, None])  # exp2 with ftz: see _exp
     g = coef[:, None] * p - off_label[:, None]
     g = tl.where(cols[None, :] == label[:, None], g - on_label[:, None], g)
     if HAS_SOFTCAP:
