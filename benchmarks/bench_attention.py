@@ -57,9 +57,8 @@ def tflops(pairs, b, h, d, ms, backward):
 
 @functools.lru_cache(maxsize=None)
 def _generator():
-    """A CUDA generator of the benchmark's own: a failed CUDA-graph capture (the throwaway rows below) leaves
-    torch's default CUDA generator registered with the dead graph, and every later ``torch.randn(device=
-    "cuda")`` then fails ("Offset increment outside graph capture")."""
+    """A CUDA generator of the benchmark's own: the throwaway capture of ``_timing`` leaves torch's default
+    CUDA generator unusable (see ``_absorb_first_backward_capture``)."""
     return torch.Generator(device="cuda").manual_seed(0)
 
 
@@ -186,8 +185,8 @@ def jax_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
     def steady(f):
         def run():
             keys = jax.random.split(jax.random.key(1), STEADY_SETS)
-            sets = [tuple(jax.random.normal(kk_, a.shape, a.dtype) for kk_, a in zip(jax.random.split(key_, 3), (q, k, v)))
-                    for key_ in keys]
+            sets = [tuple(jax.random.normal(sub, a.shape, a.dtype)
+                          for sub, a in zip(jax.random.split(key, 3), (q, k, v))) for key in keys]
             fwd_ms = time_jax_steady(f, sets)
             vjps = []
             for args in sets:
@@ -270,10 +269,10 @@ def trace_paths(b, s, h, d, causal):
 
 # --------------------------------------------------------------------------------------------------- tune
 
-# (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults: D=128's lists hold the
-# neighbours of the sweep of 2026-11-30's bests; D=64 and D=256 (never timed before) the tiles that compile
-# for sm_90 without spills (``--ptxas``), smaller for D=256 where a 128-wide K/V tile does not fit
 HEAD_GROUPS = (1, 4, 8, 16, 64)  # AttentionConfig.head_group values --tune times with the default tiles
+# (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
+# sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
+# 128-wide K/V tile exceeds shared memory
 TUNE_CANDIDATES = {
     64: {"fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3),
                  (64, 128, 4, 3), (128, 64, 4, 4)],
@@ -447,15 +446,14 @@ def main():
                 table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
 
     if args.order_only:
-        rows = [r for causal, hkv in ((False, H), (True, H)) for r in time_head_groups(TOKENS // 4096, 4096, H, hkv,
-                                                                                       128, causal)]
+        rows = [r for causal in (False, True) for r in time_head_groups(TOKENS // 4096, 4096, H, H, 128, causal)]
         rows += time_head_groups(4, 4096, 32, 8, 128, True)
         print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
         return
     if args.tune_only:
         args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True
         out_name = out_name.replace("attention_", "attention_tune_")
-    if not args.tune_only:  # the first backward CUDA-graph captures of a process fail on the H200 (see bench_norms.py)
+    else:  # the first backward CUDA-graph captures of a process fail on the H200 (see _timing.py)
         try:
             torch_providers(1, 256, 2, 2, 64, False)["flashbridge-torch steady"]()
         except Exception as exc:

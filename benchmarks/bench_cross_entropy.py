@@ -105,72 +105,6 @@ def bench_linear(quick: bool) -> list[dict]:
     return rows
 
 
-def vocab_sliced_gemms(h, w, vc: int = 4096):
-    """The GEMM and memory schedule of a vocabulary-sliced linear cross-entropy (not a loss: the softmax
-    steps are left out, see --prototype), to time it before building it.
-
-    Pass 1 (log-sum-exp): logits of each slice of ``vc`` vocabulary rows, ``h @ W[s].T`` (N x vc). Pass 2 (grads):
-    the slice's logits again (turned into dlogits in place by a kernel), ``dW[s] = dl.T @ h`` written
-    straight into dW (fp32 accumulation inside one GEMM: no rounding across slices) and ``dh_acc += dl @
-    W[s]`` into a float32 accumulator (one cuBLAS call with ``out_dtype=float32``). Every workspace (the
-    float32 dh accumulator, the logits slice) lives in dW's last rows, not yet written; those rows' own
-    slices are done last: their dh contribution first, then, once dh is final, their logits once more for
-    dW, with the logits in a small separate buffer. Peak beyond the inputs: dW + dh + that buffer."""
-    import torch
-
-    n, hd = h.shape
-    v = w.shape[0]
-    dw = torch.empty_like(w)
-    flat = dw.view(-1)
-    acc_elems = 2 * n * hd  # float32 [n, hd] in bf16 elements
-    ws_rows = -(-(acc_elems + n * vc) // hd)
-    tail0 = max(0, (v - ws_rows) // vc * vc)  # slices [0, tail0) are written directly
-    ws = flat[tail0 * hd:]
-    acc = ws[:acc_elems].view(torch.float32).view(n, hd)
-    xbuf = ws[acc_elems:acc_elems + n * vc]
-    acc.zero_()
-    ht = h.detach()
-    for v0 in range(0, v, vc):  # pass 1
-        v1 = min(v, v0 + vc)
-        torch.mm(ht, w[v0:v1].t(), out=xbuf[:n * (v1 - v0)].view(n, v1 - v0))
-    for v0 in range(0, v, vc):  # pass 2
-        v1 = min(v, v0 + vc)
-        x = xbuf[:n * (v1 - v0)].view(n, v1 - v0)
-        torch.mm(ht, w[v0:v1].t(), out=x)
-        if v0 < tail0:
-            torch.mm(x.t(), ht, out=dw[v0:v1])
-        torch.addmm(acc, x, w[v0:v1], out_dtype=torch.float32, out=acc)
-    dh = acc.to(h.dtype)
-    small = torch.empty(n * 1024, dtype=h.dtype, device=h.device)
-    for v0 in range(tail0, v, 1024):  # the tail's dW, logits recomputed into a small buffer
-        v1 = min(v, v0 + 1024)
-        x = small[:n * (v1 - v0)].view(n, v1 - v0)
-        torch.mm(ht, w[v0:v1].t(), out=x)
-        torch.mm(x.t(), ht, out=dw[v0:v1])
-    return dh, dw
-
-
-def bench_prototype() -> list[dict]:
-    """Time and peak memory of :func:`vocab_sliced_gemms` at the benchmark shape, for a few slice widths."""
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(N, H, generator=g, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(V, H, generator=g, device="cuda") * H**-0.5 * 2).to(torch.bfloat16)
-    rows = []
-    for vc in (2048, 4096, 8192):
-        try:
-            vocab_sliced_gemms(h, w, vc)
-            mem = _peak_extra_torch(lambda: vocab_sliced_gemms(h, w, vc))
-            ms = time_torch(lambda: vocab_sliced_gemms(h, w, vc))
-            rows.append({"impl": f"vocab-sliced GEMM schedule, slices of {vc}", "time_ms": ms,
-                         "peak_extra_gb": mem / 1e9, "gemm_tflops": 8.0 * N * H * V / (ms * 1e-3) / 1e12})
-        except Exception as exc:
-            rows.append({"impl": f"vocab-sliced GEMM schedule, slices of {vc}", "error": f"{type(exc).__name__}: {exc}"})
-        print(rows[-1], flush=True)
-    return rows
-
-
 def bench_logits(quick: bool, ceiling: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -282,17 +216,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the tokens")
     parser.add_argument("--tune", action="store_true", help="only time the logits-level kernels' tile options")
-    parser.add_argument("--prototype", action="store_true",
-                        help="only time the vocabulary-sliced GEMM schedule (vocab_sliced_gemms) beside the "
-                             "linear rows")
     args = parser.parse_args(argv)
-    if args.prototype:
-        rows = bench_prototype() + bench_linear(False)
-        print_table("vocabulary-sliced GEMM schedule (no softmax) beside the linear cross-entropy rows",
-                    ["impl", "time (ms)", "peak extra (GB)"],
-                    [[r["impl"], r.get("time_ms", r.get("error", "-")), r.get("peak_extra_gb", "-")] for r in rows])
-        save("cross_entropy_prototype", {"rows": rows})
-        return 0
     ceiling = measure_copy_ceiling()
     if args.tune:
         save("cross_entropy_tune", {"copy_ceiling_tbs": ceiling, "tune": tune(ceiling)})

@@ -241,6 +241,19 @@ def run_rows(with_jax=True):
 
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
+# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages) tiles, help)
+FOCUSED_SWEEPS = {
+    "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
+            (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
+    # 128-key tiles halve the iterations of each split's dependent chain (load, dot, softmax, dot)
+    "s16k": ([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
+             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)),
+             "only B=1 S=16k (its bar is the furthest off): split counts around the default and deeper "
+             "pipelines / smaller key blocks"),
+    "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
+            ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
+            "split counts x tiles (wider key tiles) for FP8 caches only"),
+}
 
 
 def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SWEEP_TILES):
@@ -406,13 +419,8 @@ def ptxas_report():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--splits", action="store_true")
-    parser.add_argument("--splits-b32", action="store_true",
-                        help="only the batch-32 split counts 1-4, contiguous and paged, default tile")
-    parser.add_argument("--splits-s16k", action="store_true",
-                        help="only B=1 S=16k (its bar is the furthest off): split counts around the default "
-                             "and deeper pipelines / smaller key blocks")
-    parser.add_argument("--splits-fp8", action="store_true",
-                        help="split counts x tiles (wider key tiles) for FP8 caches only")
+    for name, (_, _, _, help_text) in FOCUSED_SWEEPS.items():
+        parser.add_argument(f"--splits-{name}", action="store_true", help=help_text)
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
@@ -421,31 +429,19 @@ def main():
     if args.ptxas:
         ptxas_report()
         return
-    if args.splits_b32:
-        sweep = sweep_splits([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)],
-                             (1, 2, 3, 4), (SWEEP_TILES[0],))
-        print(f"wrote {save('decode_splits_b32_h200', {'environment': environment(), 'splits': sweep})}")
-        return
-    if args.splits_s16k:
-        # 128-key tiles halve the iterations of each split's dependent chain (load, dot, softmax, dot)
-        sweep = sweep_splits([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
-                             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2),
-                              (128, 8, 3)))
-        print(f"wrote {save('decode_splits_s16k_h200', {'environment': environment(), 'splits': sweep})}")
-        return
-    if args.splits_fp8:
-        sweep = sweep_splits([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)],
-                             (1, 4, 32, 64), ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2),
-                                              (128, 8, 3)))
-        print(f"wrote {save('decode_splits_fp8_h200', {'environment': environment(), 'splits': sweep})}")
-        return
+    for name, (variants, splits_list, tiles, _) in FOCUSED_SWEEPS.items():
+        if getattr(args, f"splits_{name}"):
+            sweep = sweep_splits(variants, splits_list, tiles)
+            print(f"wrote {save(f'decode_splits_{name}_h200', {'environment': environment(), 'splits': sweep})}")
+            return
     if args.jax_only:
         import os
         print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
         for label, b, s in ROWS:
             for paged in (False, True):
                 ms, nbytes = jax_ours(b, s, paged=paged)
-                print(f"{label} jax {'paged64' if paged else 'NHD'}: {ms:.4f} ms {nbytes / (ms * 1e-3) / 1e12:.3f} TB/s")
+                print(f"{label} jax {'paged64' if paged else 'NHD'}: {ms:.4f} ms "
+                      f"{nbytes / (ms * 1e-3) / 1e12:.3f} TB/s")
         return
     print(environment())
     rows = run_rows(with_jax=not args.no_jax)

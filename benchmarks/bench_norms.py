@@ -105,7 +105,8 @@ def to_jax(t):
     try:
         return jnp.array(jax.dlpack.from_dlpack(t.detach().contiguous()), copy=True)
     except Exception:
-        return jnp.asarray(t.detach().float().cpu().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else t.dtype)
+        dtype = jnp.bfloat16 if t.dtype == torch.bfloat16 else t.dtype
+        return jnp.asarray(t.detach().float().cpu().numpy()).astype(dtype)
 
 
 def jax_forward(op, jb):
@@ -206,7 +207,8 @@ def trace_paths(op, x, w, b, r, backward, grads):
         xs, ws = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
         outs = torch_forward(op, ws, b)(xs, res)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        torch_call = lambda: (torch.autograd.grad(outs, [xs, ws], grads, retain_graph=True), torch.cuda.synchronize())  # noqa: E731
+        torch_call = lambda: (torch.autograd.grad(outs, [xs, ws], grads, retain_graph=True),  # noqa: E731
+                              torch.cuda.synchronize())
         ((vjp_fn, cts),) = jax_vjp_sets(op, [(x, r, grads)], w, b)
         jitted = jax.jit(lambda f, ct: f(ct))
         jax_call = lambda: jax.block_until_ready(jitted(vjp_fn, cts))  # noqa: E731
@@ -218,33 +220,40 @@ def trace_paths(op, x, w, b, r, backward, grads):
         jx, jw, jr = to_jax(x), to_jax(w), to_jax(res)
         jitted = jax.jit(lambda x, w, r: jfwd(x, w, r))
         jax_call = lambda: jax.block_until_ready(jitted(jx, jw, jr))  # noqa: E731
-    # four calls in one jitted function (as time_jax_steady runs them): the busy fraction shows the launch
-    # gaps XLA leaves between kernels; distinct inputs, or XLA would merge the calls
+    # STEADY_SETS calls in one jitted function (as time_jax_steady runs them): the busy fraction shows the
+    # launch gaps XLA leaves between kernels; distinct inputs, or XLA would merge the calls
     if backward:
         sets = jax_vjp_sets(op, [(x * (1 + i / 8), r, grads) for i in range(STEADY_SETS)], w, b)
-        jitted4 = jax.jit(lambda sets: [f(ct) for f, ct in sets])
+        jitted_sets = jax.jit(lambda sets: [f(ct) for f, ct in sets])
     else:
         sets = [(to_jax(x * (1 + i / 8)), jw, jr) for i in range(STEADY_SETS)]
-        jitted4 = jax.jit(lambda sets: [jfwd(*a) for a in sets])
-    jax_call4 = lambda: jax.block_until_ready(jitted4(sets))  # noqa: E731
+        jitted_sets = jax.jit(lambda sets: [jfwd(*a) for a in sets])
+    jax_call_sets = lambda: jax.block_until_ready(jitted_sets(sets))  # noqa: E731
     direction = "bwd" if backward else "fwd"
     with torch.no_grad() if not backward else torch.enable_grad():
         return {"torch": kernel_trace(torch_call, label=f"torch {op} {direction}"),
                 "jax": kernel_trace(jax_call, label=f"jax {op} {direction}"),
-                "jax_x4": kernel_trace(jax_call4, label=f"jax {op} {direction}, {STEADY_SETS} calls in one jit")}
+                "jax_sets": kernel_trace(jax_call_sets, label=f"jax {op} {direction}, {STEADY_SETS} calls in one jit")}
 
 
-def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True, steady=False, trace=None):
-    """Every provider on one shape. ``steady``: also both of our paths timed the same way (steady_times);
-    ``trace``: a list to append both paths' kernel-by-kernel device times to."""
+def shape_inputs(op, rows, cols, dtype):
+    """(generator, x, residual, weight, bias, output gradients) of one benchmark shape: the gradients of y,
+    and with a residual also of h (the next block's residual stream), from the shape's own generator."""
     g = torch.Generator(device="cuda").manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g) * 2 + 1
     r = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(cols, device="cuda", dtype=dtype, generator=g) + 1
     b = torch.randn(cols, device="cuda", dtype=dtype, generator=g)
-    amount = nbytes(op, rows, cols, x.element_size(), backward)
     n_grads = 2 if op.endswith("+res") else 1
     grads = tuple(torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g) for _ in range(n_grads))
+    return g, x, r, w, b, grads
+
+
+def bench_shape(op, rows, cols, dtype, backward, ceiling, with_jax=True, steady=False, trace=None):
+    """Every provider on one shape. ``steady``: also both of our paths timed the same way (steady_times);
+    ``trace``: a list to append both paths' kernel-by-kernel device times to."""
+    g, x, r, w, b, grads = shape_inputs(op, rows, cols, dtype)
+    amount = nbytes(op, rows, cols, x.element_size(), backward)
     results = {}
     for name, (fn, weight) in providers(op, x, w, b, r).items():
         try:
@@ -359,14 +368,9 @@ def jax_steady_table():
     for rows, cols in MAIN_SHAPES:
         for op in ("rms", "ln", "rms+res", "ln+res"):
             for backward in (False, True):
-                g = torch.Generator(device="cuda").manual_seed(rows + cols)
-                x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g) * 2 + 1
-                r = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
-                w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=g) + 1
-                b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=g)
-                grads = tuple(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
-                              for _ in range(2 if op.endswith("+res") else 1))
-                ms = steady_times(op, x, w, b, r, backward, grads, g, True, with_torch=False).get("flashbridge-jax steady")
+                g, x, r, w, b, grads = shape_inputs(op, rows, cols, torch.bfloat16)
+                ms = steady_times(op, x, w, b, r, backward, grads, g, True, with_torch=False).get(
+                    "flashbridge-jax steady")
                 amount = nbytes(op, rows, cols, 2, backward)
                 if ms is None:
                     print(f"{op} {rows}x{cols}: failed")
@@ -383,7 +387,8 @@ def main():
     parser.add_argument("--steady-sets", type=int, default=STEADY_SETS,
                         help="distinct input sets per steady timing (calls per CUDA graph / per jitted function)")
     args = parser.parse_args()
-    globals()["STEADY_SETS"] = args.steady_sets
+    global STEADY_SETS
+    STEADY_SETS = args.steady_sets
     if args.jax_only:
         jax_steady_table()
         return

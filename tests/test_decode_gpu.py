@@ -264,9 +264,6 @@ def _memcheck_case():
     print("jax decode / append, ragged + paged: ok")
 
 
-if __name__ == "__main__":
-    _memcheck_case()
-
 
 def test_fp8_v_cache_views():
     """Compiled kernels read an FP8 V cache as 32-bit words: a view whose first byte is off a 4-byte boundary
@@ -284,3 +281,7 @@ def test_fp8_v_cache_views():
     out = decode_attention(q, k, base[..., 4:68], cache_seqlens=lens)
     want = decode_attention(q, k.contiguous(), base[..., 4:68].contiguous(), cache_seqlens=lens)
     assert torch.equal(out, want)
+
+
+if __name__ == "__main__":
+    _memcheck_case()

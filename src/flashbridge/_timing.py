@@ -58,7 +58,11 @@ def _absorb_first_backward_capture() -> None:
     """On the H200 the first CUDA-graph captures of a backward in a process fail
     (cudaErrorStreamCaptureInvalidated) and later ones succeed: spend the first one on a throwaway graph,
     once per process. That was enough for the cross-entropy benchmark; in the norm benchmark the first
-    backward row still failed every capture (three retries included), so it spends a throwaway row too."""
+    backward row still failed every capture (three retries included), so it spends a throwaway row too.
+
+    A failed capture leaves torch's default CUDA generator registered with the dead graph: every later
+    ``torch.randn(device="cuda")`` without a ``generator=`` fails ("Offset increment outside graph
+    capture"). Callers of the steady timings draw their inputs from generators of their own."""
     global _first_capture_done
     if _first_capture_done:
         return

@@ -495,8 +495,8 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
       sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took 130 us at 32 splits
       against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6; B=32, S=8k 246 us
       with 1 split against 252-261 with 3-4.
-    * Paged or FP8 caches (``gathered=True``: a page-table lookup per key block, or an 8-bit V transposed
-      through shared memory) want more programs in flight: 4 per SM, the count rounded up to a power of
+    * Paged or FP8 caches (``gathered=True``: a page-table lookup per key block, or the FP8 conversions
+      in every iteration) want more programs in flight: 4 per SM, the count rounded up to a power of
       two, and 1 split only once ``base`` reaches that (B=1, S=128k, paged: 133 us at 64 splits, 149 at
       32; FP8: 125 against 138; B=32, S=8k, paged: 254 us at 4 splits, 279 at 3, 250 at 2, 283 at 1 --
       ``decode_splits_b32_h200.json``).

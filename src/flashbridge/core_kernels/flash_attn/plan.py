@@ -43,8 +43,9 @@ class AttentionConfig:
       1 until an H200 sweep says otherwise (``bench_attention.py --tune`` times 1, 4, 8, 16 and 64).
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
-    (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per operation, not per element: it takes 64 x 64
-    tiles everywhere and no pipelining. Block sizes must be powers of two >= 16 (``tl.dot``'s minimum).
+    (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
+    operation, not per element: it takes 64 x 64 tiles everywhere and no pipelining. Block sizes must be
+    powers of two >= 16 (``tl.dot``'s minimum).
     """
 
     block_m: Optional[int] = None
@@ -99,8 +100,8 @@ GPU_TILES = {
 }
 # Pipelining depth of the masked segments per forward entry where the H200 timed it faster than the entry's
 # num_stages (AttentionConfig.masked_num_stages overrides it): D=128's full forward 503 vs 475 TFLOP/s at
-# S=4096 with 2 (491 with 1), although at that length no masked segment runs: the shallower second loop
-# changes how the compiler lays out the main one (same sweep as above).
+# S=4096 with 2 (491 with 1), although at that length no masked segment runs: with 3 the kernel as a whole
+# spills 16 bytes (sm_90, Triton 3.6), with 2 it does not (same sweep as above).
 GPU_MASKED_STAGES = {128: {"fwd": 2}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
@@ -323,16 +324,23 @@ def _pad(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
+def _gpu_key(shape: AttnShape) -> tuple[dict, int]:
+    """The GPU tile table for the call's dtype and its key: the padded head dim (the larger of Dqk, Dv)
+    rounded up to a table entry."""
+    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
+    if shape.dtype == "float32":
+        return GPU_TILES_FP32, 128 if d <= 128 else 256
+    return GPU_TILES, 64 if d <= 64 else 128 if d <= 128 else 256
+
+
 def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig):
     """``kernel``: "fwd", "fwd_masked" (the forward of a causal / windowed call), "dkdv" or "dq"; the
     config's forward fields override both forward entries."""
     given = "fwd" if kernel == "fwd_masked" else kernel
     if target.interpret:
         return config.tile(given, INTERPRETER_TILE)
-    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
-    if shape.dtype == "float32":
-        return config.tile(given, GPU_TILES_FP32[128 if d <= 128 else 256][kernel])
-    return config.tile(given, GPU_TILES[64 if d <= 64 else 128 if d <= 128 else 256][kernel])
+    table, key = _gpu_key(shape)
+    return config.tile(given, table[key][kernel])
 
 
 def _head_group(config: AttentionConfig) -> int:
@@ -346,10 +354,8 @@ def _masked_stages(kernel: str, shape: AttnShape, target: Target, config: Attent
         return 0
     if config.masked_num_stages is not None:
         return config.masked_num_stages
-    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
-    if shape.dtype == "float32":
-        return 0
-    return GPU_MASKED_STAGES.get(64 if d <= 64 else 128 if d <= 128 else 256, {}).get(kernel, 0)
+    table, key = _gpu_key(shape)
+    return GPU_MASKED_STAGES.get(key, {}).get(kernel, 0) if table is GPU_TILES else 0
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
