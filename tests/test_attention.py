@@ -682,3 +682,4 @@ def test_attention_config_rejects_bad_values():
     with pytest.raises(ValueError, match="AttentionConfig.masked_num_stages"):
         AttentionConfig(masked_num_stages=0)
     assert AttentionConfig(masked_num_stages=1).masked_num_stages == 1
+
