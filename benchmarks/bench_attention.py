@@ -8,6 +8,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the issue's bar)
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
     python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
+    python benchmarks/bench_attention.py --order-only  # only the program orders (AttentionConfig.head_group)
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -268,6 +269,7 @@ def trace_paths(b, s, h, d, causal):
 
 # --------------------------------------------------------------------------------------------------- tune
 
+HEAD_GROUPS = (1, 4, 8, 16, 64)  # AttentionConfig.head_group values --tune times with the default tiles
 # (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
 # sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
 # 128-wide K/V tile exceeds shared memory
@@ -291,6 +293,35 @@ TUNE_CANDIDATES = {
           "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2)],
           "dq": [(64, 16, 8, 2), (32, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)]},
 }
+
+
+def time_head_groups(b, s, hq, hkv, d, causal, groups=None):
+    """Forward and whole-backward times of the default tiles for each program order (AttentionConfig.head_group,
+    see block_schedule: the longest causal blocks of G heads first)."""
+    q, dout = randn(b, s, hq, d), randn(b, s, hq, d)
+    k, v = randn(b, s, hkv, d), randn(b, s, hkv, d)
+    info_q, info_kv = ((b, s, hq, d), "bfloat16"), ((b, s, hkv, d), "bfloat16")
+    shape, options = check_attention_args(q=info_q, k=info_kv, v=info_kv, causal=causal)
+    target = target_for(q.device)
+    pairs = visible_pairs(s, s, causal)
+    rows = []
+    for group in groups or HEAD_GROUPS:
+        label = {"case": f"B{b} S{s} H{hq}/{hkv} D{d} {'causal' if causal else 'full'}", "head_group": group}
+        try:
+            cfg = AttentionConfig(head_group=group)
+            plan = plan_attention_fwd(shape, options, target=target, config=cfg)
+            out, lse = execute(plan, {"q": q, "k": k, "v": v})
+            fwd_ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
+            bplan = plan_attention_bwd(shape, options, target=target, config=cfg)
+            inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+            bwd_ms = time_torch(lambda: execute(bplan, inputs))
+            row = {"kernel": "order", **label, "ms": fwd_ms, "tflops": tflops(pairs, b, hq, d, fwd_ms, False),
+                   "bwd_ms": bwd_ms, "bwd_tflops": tflops(pairs, b, hq, d, bwd_ms, True)}
+        except Exception as exc:
+            row = {"kernel": "order", **label, "error": str(exc)[:120]}
+        print("order", row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def tune(d, causal, s=4096):
@@ -333,6 +364,7 @@ def tune(d, causal, s=4096):
                          "tflops": tflops(pairs, b, H, d, ms, False)})
         except Exception as exc:
             keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
+    rows += time_head_groups(b, s, H, H, d, causal)
     bwd_cands = {kernel: list(dict.fromkeys([tiles[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
@@ -386,6 +418,9 @@ def main():
                                        "named after them, so a long matrix can be split across runs")
     parser.add_argument("--no-extra", action="store_true", help="skip the GQA / varlen / window rows")
     parser.add_argument("--tune-only", action="store_true", help="only the --tune rows (no main grid)")
+    parser.add_argument("--order-only", action="store_true",
+                        help="only the program-order rows (AttentionConfig.head_group) at D=128, S=4096: MHA full "
+                             "and causal, GQA 32/8 causal")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -410,6 +445,11 @@ def main():
             else:
                 table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
 
+    if args.order_only:
+        rows = [r for causal in (False, True) for r in time_head_groups(TOKENS // 4096, 4096, H, H, 128, causal)]
+        rows += time_head_groups(4, 4096, 32, 8, 128, True)
+        print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
+        return
     if args.tune_only:
         args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True
         out_name = out_name.replace("attention_", "attention_tune_")
@@ -457,6 +497,10 @@ def main():
             for causal in (False, True):
                 payload["tune"].append({"d": d, "causal": causal, "rows": tune(d, causal)})
                 save(out_name, payload)
+        if 128 in dims:  # GQA's dK/dV programs loop over the group: the longest causal ones are GROUP x longer
+            payload["tune"].append({"d": 128, "causal": True, "gqa": [32, 8],
+                                    "rows": time_head_groups(4, 4096, 32, 8, 128, True)})
+            save(out_name, payload)
     print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
                 ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)
     if payload["main"]:

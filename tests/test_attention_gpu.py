@@ -111,6 +111,30 @@ def test_gpu_torch_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("head_group", [8, 64])
+def test_gpu_head_group_order_is_bitwise_identical(head_group):
+    """AttentionConfig.head_group (program order, block_schedule) on the GPU: forward and backward bitwise
+    equal to the grid order, GQA causal at a size where the order spans many waves of programs."""
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+    from flashbridge.torch_api._runtime import execute, target_for
+
+    q, k, v, _ = _inputs(4, b=2, sq=2048, hq=16, hkv=4)
+    dout = torch.randn_like(q)
+    shape, options = check_attention_args(q=(tuple(q.shape), "bfloat16"), k=(tuple(k.shape), "bfloat16"),
+                                          v=(tuple(v.shape), "bfloat16"), causal=True)
+    target = target_for(q.device)
+
+    def run(config):
+        out, lse = execute(plan_attention_fwd(shape, options, target=target, config=config), {"q": q, "k": k, "v": v})
+        grads = execute(plan_attention_bwd(shape, options, target=target, config=config),
+                        {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+        return (out, lse, *grads)
+
+    for got, want in zip(run(AttentionConfig(head_group=head_group)), run(AttentionConfig())):
+        assert torch.equal(got, want)
+
+
 def test_gpu_torch_compile_inductor():
     from flashbridge.torch_api.attention import flash_attention
     q, k, v, _ = _inputs(2, sq=1024, hq=8)

@@ -17,8 +17,9 @@ Both main kernels walk their loop axis in the same three segments as the forward
 import triton
 import triton.language as tl
 
-from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, kv_block_range, load_tile, lse_log2,
-                             q_block_range, query_block, recompute_p, score_grad, score_params, seq_range)
+from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, kv_block_range,
+                             load_tile, lse_log2, q_block_range, query_block, recompute_p, score_grad, score_params,
+                             seq_range)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -119,7 +120,7 @@ def attn_bwd_dkdv_kernel(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -130,9 +131,7 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    pid_n = tl.program_id(0)
-    kh = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
@@ -225,7 +224,7 @@ def attn_bwd_dq_kernel(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -236,7 +235,7 @@ def attn_bwd_dq_kernel(
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
     h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN)
+        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
 

@@ -42,15 +42,36 @@ def seq_range(CU, b, max_len, total, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def block_schedule(HEAD_GROUP: tl.constexpr):
+    """(rank, head, batch) of this program on a (blocks, heads, batch) grid; rank 0 is the block that
+    runs first. The GPU starts programs in grid order (axis 0 fastest). HEAD_GROUP = 1: that order, all
+    blocks of one head before the next head. HEAD_GROUP = G > 1: (head, batch) pairs are taken G at a time
+    and within a group rank 0 of every pair starts first, then rank 1, ...: when rank 0 is the longest
+    program (causal), the long programs of the last heads no longer start at the very end of the grid and
+    run on alone (longest-first scheduling), while a group's G heads still share their K / V in L2."""
+    if HEAD_GROUP <= 1:
+        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_ranks = tl.num_programs(0)
+    n_heads = tl.num_programs(1)
+    n_pairs = n_heads * tl.num_programs(2)
+    linear = (tl.program_id(2) * n_heads + tl.program_id(1)) * n_ranks + tl.program_id(0)
+    first = linear // (HEAD_GROUP * n_ranks) * HEAD_GROUP
+    size = tl.minimum(n_pairs - first, HEAD_GROUP)
+    r = linear - first * n_ranks
+    pair = first + r % size
+    return r // size, pair % n_heads, pair // n_heads
+
+
+@triton.jit
 def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                IS_VARLEN: tl.constexpr):
+                IS_VARLEN: tl.constexpr, HEAD_GROUP: tl.constexpr):
     """Coordinates of a query-block program on a (query blocks, heads, batch) grid: the heaviest causal
-    blocks (the last rows) run first, so the tail of the grid is made of short programs.
+    blocks (the last rows) run first (see :func:`block_schedule`), so the tail of the grid is made of short
+    programs.
 
     Returns (h, b, kh, q_start, len_q, k_start, len_k, m_start); the caller returns when m_start >= len_q."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    rank, h, b = block_schedule(HEAD_GROUP)
+    pid_m = tl.num_programs(0) - 1 - rank
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     return h, b, h // GROUP, q_start, len_q, k_start, len_k, pid_m * BLOCK_M

@@ -4,7 +4,8 @@
 ``BLOCK_M`` query rows of one (sequence, query head) per program. The KV axis is walked in three segments
 (see :func:`kv_block_range`): masked blocks before the fully visible ones, the fully visible blocks
 without any mask arithmetic, masked blocks after (the causal diagonal, a ragged tail). Grid:
-``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``; GQA maps query head h to kv head ``h // GROUP``.
+``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``, its order set by ``HEAD_GROUP`` (see :func:`block_schedule`);
+GQA maps query head h to kv head ``h // GROUP``.
 """
 import triton
 import triton.language as tl
@@ -31,7 +32,7 @@ def attn_fwd_kernel(
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -41,7 +42,7 @@ def attn_fwd_kernel(
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
     h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN)
+        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
 

@@ -37,6 +37,10 @@ class AttentionConfig:
     * ``masked_num_stages``: pipelining depth of the forward's masked segments (the causal diagonal, window
       edges, ragged tails), None = the default of :data:`GPU_MASKED_STAGES`, else the forward's
       ``num_stages``.
+    * ``head_group``: the order in which the programs of the forward, dK/dV and dQ kernels start (see
+      ``block_schedule`` in kernels_common.py): 1 = grid order, every block of a head before the next head;
+      G > 1 = the longest causal blocks of G (head, sequence) pairs first, then the next-longest, ... None =
+      1 until an H200 sweep says otherwise (``bench_attention.py --tune`` times 1, 4, 8, 16 and 64).
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -57,6 +61,7 @@ class AttentionConfig:
     dq_num_warps: Optional[int] = None
     dq_num_stages: Optional[int] = None
     masked_num_stages: Optional[int] = None
+    head_group: Optional[int] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -66,6 +71,8 @@ class AttentionConfig:
                     raise ValueError(f"AttentionConfig.{f.name}: must be a power of two >= 16, got {value}")
         if self.masked_num_stages is not None and self.masked_num_stages < 1:
             raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
+        if self.head_group is not None and self.head_group < 1:
+            raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
 
     def tile(self, kernel: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq")."""
@@ -336,6 +343,11 @@ def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig
     return config.tile(given, table[key][kernel])
 
 
+def _head_group(config: AttentionConfig) -> int:
+    """The main kernels' ``HEAD_GROUP`` constexpr (program order, see ``block_schedule``): 1 unless set."""
+    return config.head_group or 1
+
+
 def _masked_stages(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig) -> int:
     """The forward's ``MASKED_STAGES`` constexpr: 0 = the forward's num_stages (and always in the interpreter)."""
     if target.interpret:
@@ -425,7 +437,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("BLOCK_DV", _pad(shape.head_dim_v)), ("HAS_SINKS", options.has_sinks),
                     *_flags(shape, options), *_align(scalars),
                     ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("HEAD_GROUP", _head_group(config))),
         num_warps=warps,
         num_stages=stages,
     )
@@ -493,7 +505,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             scalars=dkdv_scalars,
             outputs=("dk", "dv"),
             constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                        *flags, *_align(dkdv_scalars)),
+                        *flags, *_align(dkdv_scalars), ("HEAD_GROUP", _head_group(config))),
             num_warps=kv_warps, num_stages=kv_stages),
         Launch(
             kernel=f"{_BWD}:attn_bwd_dq_kernel",
@@ -502,7 +514,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             scalars=dq_scalars,
             outputs=("dq",),
             constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                        *flags, *_align(dq_scalars)),
+                        *flags, *_align(dq_scalars), ("HEAD_GROUP", _head_group(config))),
             num_warps=q_warps, num_stages=q_stages),
     ]
     buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("dq", shape.q_shape(), shape.dtype),
