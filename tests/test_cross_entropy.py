@@ -667,3 +667,29 @@ def test_gpu_tiles_keep_every_sm_busy():
     assert tile(256, 128256) == (1, 4096, 8, (256,))
     assert tile(256, 1000) == (1, 1024, 4, (256,))
     assert tile(256, 128256, P.CEConfig(block_n=2)) == (2, 2048, 8, (128,))
+
+
+@pytest.mark.parametrize("n_rows,hidden,vocab,width", [(8192, 4096, 128256, 4096), (7, 8, 1000, 256),
+                                                       (130, 32, 1000, 256), (5, 64, 300, 512)])
+def test_vocab_slices_cover_the_vocabulary_without_overwriting_dw(n_rows, hidden, vocab, width):
+    """Pass 2's slices (torch): every column once, in order; a slice's logits buffer never overlaps a dW row
+    written so far or by that slice, whether it lives in dW's last rows or in its own small buffer."""
+    from flashbridge.torch_api.cross_entropy import SMALL_SLICE_BYTES, _vocab_slices
+
+    dw = torch.empty((vocab, hidden), dtype=torch.bfloat16, device="meta")
+    h = torch.empty((n_rows, hidden), dtype=torch.bfloat16, device="meta")
+    flat = dw.view(-1)
+    expect = in_dw = 0
+    for c0, c1, buf in _vocab_slices(n_rows, vocab, width, dw, h):
+        assert c0 == expect and c0 < c1 <= vocab and c1 - c0 <= width
+        assert buf.numel() >= n_rows * (c1 - c0)
+        if buf.untyped_storage().nbytes() == flat.untyped_storage().nbytes():  # inside dW
+            first_row = buf.storage_offset() // hidden
+            assert first_row >= c1, (c0, c1, first_row)
+            in_dw += 1
+        else:
+            assert buf.numel() * buf.element_size() <= max(SMALL_SLICE_BYTES, n_rows * width * 2)
+        expect = c1
+    assert expect == vocab
+    if vocab == 128256:  # the benchmark shape: 29 slices of 4096 in dW's last 8192 rows, the rest in 16 MiB
+        assert in_dw == 29

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core_kernels.cross_entropy.plan import (
-    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
+    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
     plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, gpu_target, match_varying
@@ -63,11 +63,17 @@ def _fwd_call(logits, labels, *, opts: _Opts):
                    {"logits": logits, "labels": labels})
 
 
-def _grad_call(logits, labels, lse, lse_lo, weight, *, opts: _Opts):
+def _grad_call(logits, labels, lse, lse_lo, weight, *, opts: _Opts, col0: int = 0, vocab_all=None,
+               in_place: bool = False):
+    """The logits' gradient; ``logits`` may be columns ``col0 ..`` of a ``vocab_all``-wide vocabulary (lse and
+    labels of the whole rows). ``in_place``: the gradient takes over the logits' buffer, as in
+    :func:`_fwd_grad_call` (for logits that are dead after the call; XLA would copy live ones first)."""
     n_rows, vocab = logits.shape
     (grad,) = execute(lambda target: plan_ce_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
-                                                  per_row_weight=True, **opts.kwargs(), target=target),
-                      {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weight})
+                                                  per_row_weight=True, **opts.kwargs(), target=target,
+                                                  col0=col0, vocab_all=vocab_all),
+                      {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weight},
+                      aliases={"grad": "logits"} if in_place else None)
     return grad
 
 
@@ -99,14 +105,14 @@ def _fwd_op(opts: _Opts):
 
 
 @functools.lru_cache(maxsize=None)
-def _grad_op(opts: _Opts):
-    op = _row_op(lambda *a: (_grad_call(*a, opts=opts),), 1)
+def _grad_op(opts: _Opts, col0: int = 0, vocab_all=None, in_place: bool = False):
+    op = _row_op(lambda *a: (_grad_call(*a, opts=opts, col0=col0, vocab_all=vocab_all, in_place=in_place),), 1)
     return lambda *a: op(*a)[0]
 
 
 @functools.lru_cache(maxsize=None)
 def _fwd_grad_op(opts: _Opts):
-    return _row_op(functools.partial(_fwd_grad_call, opts=opts), 3)
+    return _row_op(functools.partial(_fwd_grad_call, opts=opts), 4)
 
 
 def _label_cotangent(labels):
@@ -142,7 +148,8 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 class _LinearCfg:
     opts: _Opts
     reduction: str
-    chunk: int
+    chunk: int  # pass 1's tokens per chunk
+    slice_cols: int  # pass 2's vocabulary columns per slice
     transposed: bool  # weight is (H, V) (a Flax nnx.Linear kernel) instead of (V, H)
 
 
@@ -158,19 +165,6 @@ def _dot(a, b, contract_a: int, contract_b: int):
 def _chunk_logits(h_c, weight, bias, transposed):
     x = _dot(h_c, weight, 1, 0 if transposed else 1)  # (C, V)
     return x if bias is None else x + bias
-
-
-def _accumulate(grad, h_c, weight, carry, transposed):
-    """(dW, db) carry -> updated, and dh_c: dh_c = grad @ W, dW += grad.T @ h_c, db += colsum(grad) in fp32."""
-    dw, db = carry
-    dh_c = _dot(grad, weight, 1, 1 if transposed else 0)
-    if transposed:
-        dw = dw + _dot(h_c, grad, 0, 0)  # (H, V)
-    else:
-        dw = dw + _dot(grad, h_c, 0, 0)  # (V, H)
-    if db is not None:
-        db = db + jnp.sum(grad, axis=0, dtype=F32)
-    return (dw, db), dh_c
 
 
 def _scan_chunks(step, carry, row_arrays, chunk: int):
@@ -208,36 +202,61 @@ def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
     return loss_rows, lse, lse_lo
 
 
-def _zero_grads(weight, bias):
-    return jnp.zeros_like(weight), (None if bias is None else jnp.zeros(bias.shape, F32))
+def _pass1(hidden, weight, labels, bias, row_weights, cfg: _LinearCfg, lse=None, lse_lo=None):
+    """Token chunks over the whole vocabulary: the logits, (forward, when ``lse`` is None) the loss, lse and
+    lse_lo, their gradient (over the logits' buffer) and ``dh[chunk] = dlogits @ W`` in one GEMM.
+    Returns (loss_rows, lse, lse_lo, dh) in the forward, else (dh,)."""
+    forward = lse is None
+
+    def step(carry, rows):
+        h_c, y_c, w_c, *saved = rows
+        logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
+        if forward:
+            loss_c, lse_c, grad, lo_c = _fwd_grad_op(cfg.opts)(logits, y_c, w_c)
+            outs = (loss_c, lse_c, lo_c)
+        else:
+            grad, outs = _grad_op(cfg.opts, in_place=True)(logits, y_c, *saved, w_c), ()
+        return carry, (*outs, _dot(grad, weight, 1, 1 if cfg.transposed else 0))
+
+    rows = (hidden, labels, row_weights) + (() if forward else (lse, lse_lo))
+    return _scan_chunks(step, None, rows, cfg.chunk)[1]
+
+
+def _pass2(hidden, weight, labels, bias, row_weights, lse, lse_lo, cfg: _LinearCfg):
+    """Vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse and
+    ``dW[slice] = dlogits.T @ h`` (one GEMM: dW is rounded once), ``db[slice] = colsum(dlogits)``; the
+    slices are written into dW in place (a chain of dynamic-update-slices XLA keeps in one buffer)."""
+    vocab = weight.shape[1] if cfg.transposed else weight.shape[0]
+    dw = jnp.zeros_like(weight)
+    db = None if bias is None else jnp.zeros(bias.shape, F32)
+    for c0 in range(0, vocab, cfg.slice_cols):  # static slices: the kernel takes the column offset as a scalar
+        c1 = min(c0 + cfg.slice_cols, vocab)
+        w_s = weight[:, c0:c1] if cfg.transposed else weight[c0:c1]
+        logits = _chunk_logits(hidden, w_s, None if bias is None else bias[c0:c1], cfg.transposed)
+        grad = _grad_op(cfg.opts, c0, vocab, True)(logits, labels, lse, lse_lo, row_weights)
+        if cfg.transposed:
+            dw = jax.lax.dynamic_update_slice(dw, _dot(hidden, grad, 0, 0), (0, c0))  # (H, slice)
+        else:
+            dw = jax.lax.dynamic_update_slice(dw, _dot(grad, hidden, 0, 0), (c0, 0))  # (slice, H)
+        if db is not None:
+            db = jax.lax.dynamic_update_slice(db, jnp.sum(grad, axis=0, dtype=F32), (c0,))
+    return dw, db
 
 
 def _lce_forward_with_grads(hidden, weight, labels, bias, cfg: _LinearCfg):
+    """Loss and the gradients for an upstream gradient of 1 ("mean" / "sum"), in two passes that each finish
+    a gradient in one GEMM (see the torch path's ``_two_pass_grads``)."""
     n_active = jnp.sum(labels != cfg.opts.ignore_index)
     scale = (1.0 / jnp.maximum(n_active, 1).astype(F32)) if cfg.reduction == "mean" else jnp.ones((), F32)
-
-    def step(carry, rows):
-        h_c, y_c = rows
-        logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
-        w = jnp.broadcast_to(scale, y_c.shape)
-        loss_c, lse_c, grad = _fwd_grad_op(cfg.opts)(logits, y_c, w)
-        carry, dh_c = _accumulate(grad, h_c, weight, carry, cfg.transposed)
-        return carry, (loss_c, lse_c, dh_c)
-
-    (dw, db), (loss_rows, lse, dh) = _scan_chunks(step, _zero_grads(weight, bias), (hidden, labels), cfg.chunk)
+    w = jnp.broadcast_to(scale, labels.shape)
+    loss_rows, lse, lse_lo, dh = _pass1(hidden, weight, labels, bias, w, cfg)
+    dw, db = _pass2(hidden, weight, labels, bias, w, lse, lse_lo, cfg)
     return loss_rows, lse, dh, dw, db
 
 
 def _lce_recompute_grads(hidden, weight, labels, bias, lse, lse_lo, dloss, cfg: _LinearCfg):
-    def step(carry, rows):
-        h_c, y_c, lse_c, lo_c, g_c = rows
-        logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
-        grad = _grad_op(cfg.opts)(logits, y_c, lse_c, lo_c, g_c)
-        carry, dh_c = _accumulate(grad, h_c, weight, carry, cfg.transposed)
-        return carry, (dh_c,)
-
-    (dw, db), (dh,) = _scan_chunks(step, _zero_grads(weight, bias), (hidden, labels, lse, lse_lo, dloss),
-                                   cfg.chunk)
+    (dh,) = _pass1(hidden, weight, labels, bias, dloss, cfg, lse, lse_lo)
+    dw, db = _pass2(hidden, weight, labels, bias, dloss, lse, lse_lo, cfg)
     return dh, dw, db
 
 
@@ -292,16 +311,17 @@ def _validate_label_values(labels, vocab: int, ignore_index: int, validate: Opti
         raise ValueError(bad_label_message(int(bad.sum()), int(y[bad][0]), vocab, ignore_index))
 
 
-def _auto_chunk(n_rows: int, h: int, vocab: int, dtype: str) -> int:
-    free = None
-    if gpu_target() is not None:
-        try:
-            stats = jax.local_devices(backend="gpu")[0].memory_stats() or {}
-            if "bytes_limit" in stats:
-                free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        except Exception:  # memory_stats is best effort: fall back to the weight-sized budget
-            free = None
-    return choose_chunk_size(n_rows, h, vocab, dtype, free_bytes=free)
+def _pass1_chunk(n_rows: int, hidden_dim: int) -> int:
+    """Pass 1's tokens per chunk when not given: its logits (over which the gradient is written) take at most
+    a sixteenth of the weight's size, at least 64 tokens (XLA cannot place them in dW's storage as the torch
+    path does: at N=8192, H=4096, V=128256 that is 256 tokens, 64 MB)."""
+    return min(n_rows, max(64, hidden_dim // 16 // 64 * 64))  # rows * V <= V * H / 16
+
+
+def _slice_cols() -> int:
+    """Pass 2's vocabulary columns per slice: 4096 on a GPU (N x 4096 logits GEMMs at full speed), 256 in the
+    interpreter so that tests cross several slices."""
+    return 4096 if gpu_target() is not None else 256
 
 
 def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, label_smoothing: float = 0.0,
@@ -355,9 +375,9 @@ def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_
         logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size, weight_transposed=transposed)
     _validate_label_values(labels, vocab, ignore_index, validate_labels)
     lead = tuple(labels.shape)
-    chunk = min(int(chunk_size), n_rows) if chunk_size else _auto_chunk(n_rows, h, vocab, dtype_name(hidden.dtype))
+    chunk = min(int(chunk_size), n_rows) if chunk_size else _pass1_chunk(n_rows, h)
     cfg = _LinearCfg(_Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)),
-                     reduction, chunk, bool(transposed))
+                     reduction, chunk, _slice_cols(), bool(transposed))
     h2, w, y, b = match_varying(hidden.reshape(n_rows, h), weight, labels.reshape(n_rows), bias)
     loss, lse = _lce(h2, w, y, b, cfg)
     loss = loss.reshape(lead) if reduction == "none" else loss

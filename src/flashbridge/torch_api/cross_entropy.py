@@ -4,27 +4,24 @@ kernels and autograd; ``torch.compile(fullgraph=True)`` clean.
 
 Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
 
-* Tokens are cut into chunks of ``C`` rows. Per chunk: ``logits = h_c @ W.T (+ b)`` with the framework's
-  GEMM (cuBLAS, input dtype, fp32 accumulation), then our Triton kernels: the lse / loss pass (one read,
-  online softmax, fp32) and the gradient pass (second read, ``dlogits`` written over the logits in
-  place), then ``dh_c = dlogits @ W`` into its slice of ``dh``, ``dW += dlogits.T @ h_c`` (cuBLAS with
-  beta=1) and ``db += colsum(dlogits)`` in fp32.
+* Two passes, each finishing a gradient in one GEMM (:func:`_two_pass_grads`). Pass 1, token chunks over
+  the whole vocabulary: ``logits = h_c @ W.T (+ b)`` (the framework's GEMM, input dtype, fp32
+  accumulation), then our Triton kernels: the lse / loss pass (one read, online softmax, fp32) and the
+  gradient pass (``dlogits`` written over the logits in place), then ``dh_c = dlogits @ W``. Pass 2,
+  vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse (the
+  kernel takes the slice's column offset), ``dW[slice] = dlogits.T @ h`` and ``db[slice] = colsum``.
 * Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
   and something requires grad: the backward only multiplies them, in place, by the upstream scalar and
-  hands them to autograd (no copy; see ``_lce_backward``). Three GEMMs in all, eager's FLOP count. With
-  reduction="none" the per-token upstream gradients are unknown in the forward, so the forward keeps only
-  the fp32 lse and the backward recomputes the logits chunk by chunk (four GEMMs).
-* Memory: the returned gradients plus one chunk's logits (overwritten by their gradient, in the JAX path
-  through an input/output alias), ``C * V`` elements. ``C`` is chosen by :func:`choose_chunk_size`
-  (shared with the JAX path; budget ``2 * C * V`` <= the weight's size): at N=8192, H=4096, V=128256 in
-  bf16, 4 chunks of 2048 tokens; measured on an H200: 1.64 GB peak extra (torch; JAX 1.71), eager 6.30,
-  liger-kernel's 256-token chunks 1.18. Smaller chunks save memory but each adds a dW read-modify-write
-  and a bf16 rounding of dW (256 tokens: 1.18 GB, 59 ms instead of 42, and 3.8x the naive dW error in a
-  CPU simulation at this shape's statistics).
+  hands them to autograd (no copy; see ``_lce_backward``). With reduction="none" the per-token upstream
+  gradients are unknown in the forward, so the forward keeps only the fp32 lse and the backward runs the
+  two passes. Four GEMMs in all (eager: three): the logits are computed twice.
+* Memory: the returned gradients and one small buffer. Pass 1's chunk logits live in dW's storage (dW is
+  only written in pass 2; chunks of up to H tokens fit there), pass 2's slice logits in dW's last rows
+  until the slices reach them, then in a 16 MiB buffer. At N=8192, H=4096, V=128256 in bf16: 2 chunks of
+  4096 tokens, 4096-column slices; predicted ~1.14 GB peak extra (dW + dh + 16 MiB; liger-kernel 1.18).
 * Accuracy: lse, loss and the reduction in fp32; the logits are rounded once to the input dtype (as in
-  eager); ``dW`` is rounded to the weight's dtype once per chunk (eager rounds once in all). A float32
-  ``dW`` accumulator would remove that but costs two more weights of memory; a handful of chunks keeps
-  the error within twice eager's. Deterministic: a fixed chunk order, no atomics.
+  eager); dh and dW are each one GEMM with fp32 accumulation, rounded once to their dtype (as eager does).
+  Deterministic: a fixed order, no atomics.
 * Labels: a label outside ``[0, V)`` other than ``ignore_index`` raises a ValueError before any launch
   (one device-to-host sync of a boolean); under ``torch.compile`` the check is skipped and such a row
   gets a NaN loss (and NaN gradients), never an out-of-bounds read.
@@ -117,28 +114,124 @@ def _chunk_size(n_rows: int, hidden: Tensor, vocab: int, chunk_size: int) -> int
     return choose_chunk_size(n_rows, hidden.shape[1], vocab, dtype_name(hidden.dtype), free_bytes=free)
 
 
-def _chunk_logits(h_c: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return torch.mm(h_c, weight.t()) if bias is None else torch.addmm(bias, h_c, weight.t())
+def _logits_into(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Optional[Tensor]) -> Tensor:
+    """``h @ weight.T (+ bias)`` into ``buf`` (a flat buffer of at least that many elements) or a new tensor."""
+    out = None if buf is None else buf[:h.shape[0] * weight.shape[0]].view(h.shape[0], weight.shape[0])
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
 
 
-def _accumulate(grad: Tensor, h_c: Tensor, weight: Tensor, start: int, stop: int, dh: Tensor, dw: Tensor,
-                db: Optional[Tensor]) -> None:
-    """dh[start:stop] = grad @ W; dW += grad.T @ h_c (plain store for the first chunk); db += colsum(grad)."""
-    if dh.numel():
-        torch.mm(grad, weight, out=dh[start:stop])
-    if dw.numel():
-        if start == 0:
-            torch.mm(grad.t(), h_c, out=dw)
+def _slice_cols(hidden: Tensor) -> int:
+    """Vocabulary columns per pass-2 slice: N x 4096 logits keep cuBLAS at full speed on a GPU; the
+    interpreter takes narrow slices so that tests cross several of them."""
+    return 4096 if hidden.device.type == "cuda" else 256
+
+
+SMALL_SLICE_BYTES = 16 * 2**20  # the pass-2 logits buffer for the slices that dW's tail rows cannot host
+
+
+def _vocab_slices(n_rows: int, vocab: int, width: int, dw: Tensor, hidden: Tensor):
+    """Yield (c0, c1, buffer) for pass 2: slices of ``width`` columns whose ``n_rows x width`` logits live in
+    dW's last rows (not yet written: slices are written in order) while they fit there, then narrower
+    slices in one small buffer of their own for the rest."""
+    hd = hidden.shape[1]
+    flat = dw.view(-1) if dw.numel() else None
+    tail_rows = -(-n_rows * width // hd)
+    c0 = 0
+    if flat is not None and tail_rows < vocab:
+        tail = flat[(vocab - tail_rows) * hd:]
+        while c0 + width <= vocab - tail_rows:
+            yield c0, c0 + width, tail
+            c0 += width
+    if c0 < vocab:
+        small = max(1, min(width, SMALL_SLICE_BYTES // (n_rows * hidden.element_size())))
+        if flat is None:
+            small = width
+        buf = hidden.new_empty((n_rows * small,))
+        while c0 < vocab:
+            yield c0, min(c0 + small, vocab), buf
+            c0 += small
+
+
+def _two_pass_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, options: dict,
+                    chunk: int, weights: Tensor, per_row: bool, dh: Tensor, dw: Tensor, db: Optional[Tensor],
+                    lse: Optional[Tensor] = None, lse_lo: Optional[Tensor] = None):
+    """The gradients of ``sum_i w_i * loss_i`` (``weights``: float32 (N,) when ``per_row``, else (1,)) into
+    the given buffers (empty = not wanted), in two passes that each finish a gradient in one GEMM:
+
+    1. token chunks of ``chunk`` rows over the whole vocabulary: the logits, the loss and lse (when ``lse``
+       is None, i.e. in the forward), their gradient in place and ``dh[chunk] = dlogits @ W``. The chunk's
+       logits live in dW's storage (dW is not written before pass 2) when they fit there.
+    2. vocabulary slices over all tokens: the slice's logits again, their gradient in place (from pass 1's
+       lse) and ``dW[slice] = dlogits.T @ h``, ``db[slice] = colsum(dlogits)``; see :func:`_vocab_slices`.
+
+    No gradient is rounded more than once (the GEMMs accumulate in fp32), at the cost of the logits GEMM
+    twice (four GEMMs in all); the peak beyond the returned gradients is one small slice buffer.
+    Returns (loss_rows, lse, lse_lo) when computing the forward, else None."""
+    n_rows = hidden.shape[0]
+    vocab = weight.shape[0]
+    target = target_for(hidden.device)
+    dtype = dtype_name(hidden.dtype)
+    forward = lse is None
+    if forward:
+        loss_rows = hidden.new_empty((n_rows,), dtype=torch.float32)
+        lse = hidden.new_empty((n_rows,), dtype=torch.float32)
+        lse_lo = hidden.new_empty((n_rows,), dtype=torch.float32)
+    scratch = dw.view(-1) if dw.numel() else None
+    want_dh = dh.numel() > 0
+    for start, stop in chunk_bounds(n_rows, chunk):  # pass 1
+        rows = stop - start
+        if not (forward or want_dh):
+            break
+        h_c = hidden[start:stop]
+        logits = _logits_into(h_c, weight, bias, scratch if scratch is not None and rows * vocab <= scratch.numel()
+                              else None)
+        named = {"logits": logits, "labels": labels[start:stop]}
+        w_c = weights[start:stop] if per_row else weights
+        if forward and want_dh:
+            plan = plan_ce_fwd_grad(rows, vocab, grad_dtype=dtype, per_row_weight=per_row, **options, target=target)
+            loss_rows[start:stop], lse[start:stop], grad, lse_lo[start:stop] = execute(
+                plan, {**named, "weight": w_c}, out={"grad": logits})
+        elif forward:
+            loss_rows[start:stop], lse[start:stop], lse_lo[start:stop] = execute(
+                plan_ce_fwd(rows, vocab, **options, target=target), named)
         else:
-            dw.addmm_(grad.t(), h_c)
-    if db is not None:
-        db += grad.sum(dim=0, dtype=torch.float32)
+            plan = plan_ce_grad(rows, vocab, grad_dtype=dtype, per_row_weight=per_row, **options, target=target)
+            (grad,) = execute(plan, {**named, "lse": lse[start:stop], "lse_lo": lse_lo[start:stop], "weight": w_c},
+                              out={"grad": logits})
+        if want_dh:
+            torch.mm(grad, weight, out=dh[start:stop])
+        del logits, named
+    if dw.numel() or db is not None:  # pass 2
+        for c0, c1, buf in _vocab_slices(n_rows, vocab, _slice_cols(hidden), dw, hidden):
+            logits = _logits_into(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], buf)
+            plan = plan_ce_grad(n_rows, c1 - c0, grad_dtype=dtype, per_row_weight=per_row, **options,
+                                target=target, col0=c0, vocab_all=vocab)
+            (grad,) = execute(plan, {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo,
+                                     "weight": weights}, out={"grad": logits})
+            if dw.numel():
+                torch.mm(grad.t(), hidden, out=dw[c0:c1])
+            if db is not None:
+                db[c0:c1] = grad.sum(dim=0, dtype=torch.float32)
+            del logits, grad
+    return (loss_rows, lse, lse_lo) if forward else None
+
+
+def _pass1_chunk(n_rows: int, hidden: Tensor, weight: Tensor, chunk_size: int, in_dw: bool) -> int:
+    """Pass 1's tokens per chunk: ``chunk_size`` when given; else, when dW is computed, as many rows as dW's
+    storage holds logits for (its size: no memory of their own); else :func:`_chunk_size`'s budget."""
+    if chunk_size > 0:
+        return min(chunk_size, n_rows)
+    if in_dw:
+        return max(1, min(n_rows, weight.shape[1]))
+    return _chunk_size(n_rows, hidden, weight.shape[0], chunk_size)
 
 
 def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
     dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty((0,))
     dw = torch.empty_like(weight) if grad_weight else weight.new_empty((0,))
-    db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias else None
+    db = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias else None
     return dh, dw, db
 
 
@@ -150,42 +243,19 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     """hidden (N, H), weight (V, H), labels (N,) -> (loss, lse, lse_lo, dh, dw, db).
 
     loss: float32 scalar ("mean" / "sum") or (N,) ("none"); lse, lse_lo float32 (N,) (plan_ce_fwd). With reduction "mean" /
-    "sum", dh / dw / db are the gradients for an upstream gradient of 1, computed chunk by chunk during
-    the forward, for the grad_* flags that are set; the others (and all three for "none") are empty.
+    "sum", dh / dw / db are the gradients for an upstream gradient of 1, computed during the forward
+    (:func:`_two_pass_grads`), for the grad_* flags that are set; the others (and all three for "none") are empty.
     """
     n_rows, _ = hidden.shape
-    vocab = weight.shape[0]
     options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
-    target = target_for(hidden.device)
-    dtype = dtype_name(hidden.dtype)
     fused = reduction != "none" and (grad_hidden or grad_weight or grad_bias)
-    chunk = _chunk_size(n_rows, hidden, vocab, chunk_size)
-    loss_rows = hidden.new_empty((n_rows,), dtype=torch.float32)
-    lse = hidden.new_empty((n_rows,), dtype=torch.float32)
-    lse_lo = torch.zeros_like(lse)  # only the recomputing backward ("none") reads it
     dh, dw, db = _grad_buffers(hidden, weight, bias, fused and grad_hidden, fused and grad_weight,
                                fused and grad_bias)
     count = _token_count(labels, ignore_index) if reduction == "mean" else None
-    if fused:
-        scale = ((1.0 / count).reshape(1) if count is not None
-                 else torch.ones(1, dtype=torch.float32, device=hidden.device))
-    for start, stop in chunk_bounds(n_rows, chunk):
-        h_c = hidden[start:stop]
-        logits = _chunk_logits(h_c, weight, bias)
-        named = {"logits": logits, "labels": labels[start:stop]}
-        if fused:
-            plan = plan_ce_fwd_grad(stop - start, vocab, grad_dtype=dtype, per_row_weight=False, **options,
-                                    target=target)
-            # the gradient overwrites the chunk's logits (the gradient kernel reads each tile before writing it)
-            loss_c, lse_c, grad = execute(plan, {**named, "weight": scale}, out={"grad": logits})
-            del logits, named
-            _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
-            del grad
-        else:
-            loss_c, lse_c, lse_lo[start:stop] = execute(plan_ce_fwd(stop - start, vocab, **options, target=target),
-                                                        named)
-        loss_rows[start:stop] = loss_c
-        lse[start:stop] = lse_c
+    scale = ((1.0 / count).reshape(1) if count is not None
+             else torch.ones(1, dtype=torch.float32, device=hidden.device))
+    chunk = _pass1_chunk(n_rows, hidden, weight, chunk_size, dw.numel() > 0)
+    loss_rows, lse, lse_lo = _two_pass_grads(hidden, weight, bias, labels, options, chunk, scale, False, dh, dw, db)
     loss = _reduce(loss_rows, labels, ignore_index, reduction, (n_rows,), count)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
     return loss, lse, lse_lo, dh, dw, db_out
@@ -209,25 +279,13 @@ def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
              lse_lo: Tensor, dloss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
              chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
              ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,)) by recomputing the logits chunk by chunk
-    from the forward's lse: returns (dh, dw, db), empty where the flag is not set."""
+    """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,)) by recomputing the logits from the forward's
+    lse (:func:`_two_pass_grads`): returns (dh, dw, db), empty where the flag is not set."""
     n_rows, _ = hidden.shape
-    vocab = weight.shape[0]
     options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
-    target = target_for(hidden.device)
-    chunk = _chunk_size(n_rows, hidden, vocab, chunk_size)
     dh, dw, db = _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
-    for start, stop in chunk_bounds(n_rows, chunk):
-        h_c = hidden[start:stop]
-        logits = _chunk_logits(h_c, weight, bias)
-        plan = plan_ce_grad(stop - start, vocab, grad_dtype=dtype_name(hidden.dtype), per_row_weight=True,
-                            **options, target=target)
-        (grad,) = execute(plan, {"logits": logits, "labels": labels[start:stop], "lse": lse[start:stop],
-                                 "lse_lo": lse_lo[start:stop], "weight": dloss[start:stop]},
-                          out={"grad": logits})  # in place, as in the forward
-        del logits
-        _accumulate(grad, h_c, weight, start, stop, dh, dw, db)
-        del grad
+    chunk = _pass1_chunk(n_rows, hidden, weight, chunk_size, dw.numel() > 0)
+    _two_pass_grads(hidden, weight, bias, labels, options, chunk, dloss, True, dh, dw, db, lse, lse_lo)
     return dh, dw, db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
 
 

@@ -124,7 +124,7 @@ def _grad_tile(LOGITS, GRAD, offs, start, row_ok, label, lse, lse_lo, coef, on_l
         z = softcap * th
     else:
         z = x
-    p = tl.exp((z - lse[:, None]) - lse_lo[:, None])
+    p = _exp((z - lse[:, None]) - lse_lo[:, None])  # exp2 with ftz: see _exp
     g = coef[:, None] * p - off_label[:, None]
     g = tl.where(cols[None, :] == label[:, None], g - on_label[:, None], g)
     if HAS_SOFTCAP:
@@ -198,14 +198,16 @@ def ce_fwd_kernel(
     tl.store(LSE_LO + rows, lse_lo, mask=row_ok)
 
 
-@triton.jit(do_not_specialize_on_alignment=("n_rows", "ignore_index"))
+@triton.jit(do_not_specialize_on_alignment=("n_rows", "ignore_index", "col0"))
 def ce_grad_kernel(
     LOGITS, LABELS, LSE, LSE_LO, WEIGHT,  # [n_rows, V], [n_rows], f32 [n_rows] x2, f32 [n_rows] or [1]
-    n_rows, ignore_index, label_smoothing, z_loss, softcap,  # runtime scalars
+    n_rows, ignore_index, label_smoothing, z_loss, softcap, col0,  # runtime scalars
     GRAD,  # output: [n_rows, V], the gradient of sum_i w_i * loss_i with respect to the logits
-    V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PER_ROW_WEIGHT: tl.constexpr,
-    HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    V: tl.constexpr, V_ALL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    PER_ROW_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
+    """LOGITS may be a slice of the vocabulary: columns ``col0 .. col0 + V`` of ``V_ALL`` (the lse and the
+    labels are the whole rows'; a label outside the slice adds no one-hot term here)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < n_rows
@@ -213,7 +215,7 @@ def ce_grad_kernel(
     offs = tl.minimum(rows, n_rows - 1).to(tl.int64) * V  # [BLOCK_N]
     label = tl.load(LABELS + rows, mask=row_ok, other=ignore_index)
     active = label != ignore_index
-    bad = active & ((label < 0) | (label >= V))
+    bad = active & ((label < 0) | (label >= V_ALL))
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
     lse_lo = tl.load(LSE_LO + rows, mask=row_ok, other=0.0)
     if PER_ROW_WEIGHT:
@@ -229,7 +231,8 @@ def ce_grad_kernel(
     off_label = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_SMOOTH:
         on_label = w * (1.0 - label_smoothing)
-        off_label = w * (label_smoothing / V)
+        off_label = w * (label_smoothing / V_ALL)
+    label = label - col0  # the label's column in this slice (outside [0, V): not in the slice)
     V_FULL: tl.constexpr = V // BLOCK_V * BLOCK_V
     for start in range(0, V_FULL, BLOCK_V):  # whole tiles: only the (uniform) row predicate on the stores
         _grad_tile(LOGITS, GRAD, offs, start, row_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,

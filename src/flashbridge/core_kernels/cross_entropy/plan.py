@@ -233,14 +233,15 @@ def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
         num_warps=num_warps, num_stages=_stages(config))
 
 
-def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config) -> Launch:
+def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config, col0=0, vocab_all=None) -> Launch:
     block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
     scalars, flags = _options(*options)
     return Launch(
         kernel=f"{_KERNELS}:ce_grad_kernel", grid=(cdiv(n_rows, block_n),),
-        inputs=(logits, "labels", "lse", "lse_lo", "weight"), scalars=(("n_rows", n_rows),) + scalars,
+        inputs=(logits, "labels", "lse", "lse_lo", "weight"),
+        scalars=(("n_rows", n_rows),) + scalars + (("col0", int(col0)),),
         outputs=("grad",),
-        constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
+        constexprs=(("V", vocab), ("V_ALL", vocab_all or vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
                     ("PER_ROW_WEIGHT", per_row_weight)) + flags,
         num_warps=num_warps, num_stages=_stages(config))
 
@@ -260,22 +261,28 @@ def plan_ce_fwd(n_rows: int, vocab: int, *, ignore_index: int, label_smoothing: 
 
 def plan_ce_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
                  label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
-                 config: CEConfig | None = None) -> Plan:
+                 config: CEConfig | None = None, col0: int = 0, vocab_all: int | None = None) -> Plan:
     """Plan inputs: logits, labels, lse, lse_lo (float32 ``(n_rows,)``, from the forward), weight
-    (float32, ``(n_rows,)`` when ``per_row_weight`` else ``(1,)``). Result: grad ``(n_rows, V)`` in ``grad_dtype``."""
+    (float32, ``(n_rows,)`` when ``per_row_weight`` else ``(1,)``). Result: grad ``(n_rows, V)`` in ``grad_dtype``.
+
+    ``logits`` may hold a slice of the vocabulary: columns ``col0 .. col0 + vocab`` of ``vocab_all`` (lse and
+    labels of the whole rows)."""
     assert grad_dtype in FLOAT_DTYPES
+    assert vocab_all is None or 0 <= col0 and col0 + vocab <= vocab_all
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
     return Plan(inputs=("logits", "labels", "lse", "lse_lo", "weight"),
                 buffers=(Spec("grad", (n_rows, vocab), grad_dtype),),
-                launches=(_grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config),),
+                launches=(_grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config, col0,
+                                       vocab_all),),
                 results=("grad",))
 
 
 def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
                      label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
                      config: CEConfig | None = None) -> Plan:
-    """Plan inputs: logits, labels, weight. Results: loss, lse (float32 ``(n_rows,)``) and grad
-    ``(n_rows, V)``: the forward and the gradient in one plan (two launches, the logits read twice)."""
+    """Plan inputs: logits, labels, weight. Results: loss, lse (float32 ``(n_rows,)``), grad ``(n_rows, V)``
+    and lse_lo (see :func:`plan_ce_fwd`): the forward and the gradient in one plan (two launches, the logits
+    read twice)."""
     assert grad_dtype in FLOAT_DTYPES
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
     return Plan(inputs=("logits", "labels", "weight"),
@@ -283,4 +290,4 @@ def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight
                          Spec("lse_lo", (n_rows,), "float32"), Spec("grad", (n_rows, vocab), grad_dtype)),
                 launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),
                           _grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config)),
-                results=("loss", "lse", "grad"))
+                results=("loss", "lse", "grad", "lse_lo"))
