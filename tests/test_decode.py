@@ -873,18 +873,27 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
 
 def test_automatic_split_count_on_the_h200():
     """choose_num_splits on a 132-SM GPU at the benchmark's shapes (Hq=32, Hkv=8, D=128, Sq=1): contiguous
-    caches aim at 2 programs per SM and take 1 split once the batch gives every SM a program; paged and
-    FP8 caches aim at 4 per SM (the sweep in benchmarks/results/decode_splits_h200.json)."""
+    caches aim at 2 programs per SM and take 1 split once the batch gives every SM a program; paged caches
+    aim at 4 per SM (the sweeps in benchmarks/results/decode_splits_h200.json, decode_splits_b32_h200.json);
+    contiguous FP8 caches (128-key tiles) at 2 per SM rounded down to a power of two, paged FP8 caches with
+    64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json)."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
 
     h200 = Target(interpret=False, num_sms=132)
 
-    def splits(batch, span, gathered):
+    def splits(batch, span, paged=False, fp8=False, page_size=64):
         return P.choose_num_splits(batch=batch, heads_kv=8, rows=4, span=span, head_dim_qk=128, head_dim_v=128,
-                                   target=h200, gathered=gathered)
+                                   target=h200, paged=paged, page_size=page_size, fp8=fp8)
 
-    assert splits(1, 131072, False) == 33 and splits(1, 16384, False) == 33
-    assert splits(1, 131072, True) == 64
-    assert splits(32, 8192, False) == 1 and splits(32, 8192, True) == 4
-    assert splits(1, 512, False) == 2  # short caches: at least 4 key blocks of 64 per split
+    def block_n(fp8, page_size=None, dtype="bfloat16", head_dim=128):
+        return P.decode_tiles(4, head_dim, head_dim, h200, dtype=dtype, fp8_cache=fp8, page_size=page_size).block_n
+
+    assert splits(1, 131072) == 33 and splits(1, 16384) == 33
+    assert splits(1, 131072, paged=True) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
+    assert splits(1, 131072, fp8=True) == 32 and splits(1, 16384, fp8=True) == 32
+    assert splits(32, 8192) == 1 and splits(32, 8192, paged=True) == 4 and splits(32, 8192, fp8=True) == 1
+    assert block_n(False) == 64 and block_n(True) == 128 and block_n(True, page_size=256) == 128
+    assert block_n(True, page_size=64) == 64 and block_n(True, dtype="float32") == 32
+    assert block_n(True, head_dim=256) == 32  # wide heads keep their narrower tile
+    assert splits(1, 512) == 2  # short caches: at least 4 key blocks of 64 per split
