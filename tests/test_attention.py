@@ -686,6 +686,27 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(head_group=0)
 
 
+def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
+    """The program order of every main kernel (forward, dK/dV, dQ): longest-first over 4 heads for causal
+    attention on a GPU (the H200 order sweep), grid order for full attention and on the interpreter, and an
+    explicit AttentionConfig.head_group wins."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+
+    info = ((2, 256, 4, 128), "bfloat16")
+
+    def groups(causal, target, config=AttentionConfig()):
+        shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
+        plans = (plan_attention_fwd(shape, options, target=target, config=config),
+                 plan_attention_bwd(shape, options, target=target, config=config))
+        return {dict(launch.constexprs).get("HEAD_GROUP") for plan in plans for launch in plan.launches} - {None}
+
+    gpu, cpu = Target(interpret=False, num_sms=132), Target(interpret=True, num_sms=4)
+    assert groups(True, gpu) == {4} and groups(False, gpu) == {1} and groups(True, cpu) == {1}
+    assert groups(True, gpu, AttentionConfig(head_group=1)) == {1}
+
+
 @pytest.mark.parametrize("case", [
     dict(b=2, sq=130, sk=130, hq=6, hkv=2, causal=True),
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),

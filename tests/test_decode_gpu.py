@@ -218,11 +218,13 @@ def test_gpu_torch_compile_and_cuda_graph():
 
 
 def _memcheck_case():
-    """Ragged lengths, paged caches with shuffled tables, every op, torch and JAX (for compute-sanitizer)."""
+    """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
+    JAX (for compute-sanitizer)."""
     from flashbridge.torch_api import decode as tapi
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),
+                 dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
                  dict(hq=16, hkv=1, dqk=576, dv=512, dtype="bfloat16", lens=(5, 0, 333)),
                  dict(sq=5, hq=4, hkv=4, dqk=72, dv=40, dtype="float16", lens=(3, 1, 0, 200), page_size=32,
                       sinks=True, alibi="batch")):

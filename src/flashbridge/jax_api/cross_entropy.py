@@ -3,10 +3,11 @@ that never holds the ``(N, V)`` logits, plus :func:`linear_cross_entropy_from_la
 ``nnx.Linear`` head or a tied ``nnx.Embed``.
 
 The same kernels and the same design as ``flashbridge.torch_api.cross_entropy`` (whose docstring explains
-the trade-off): token chunks walked by ``lax.scan`` (plus one tail chunk), the chunk's logits from
-``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST`` for float32),
-lse / loss / dlogits from our kernels, ``dh`` / ``dW`` / ``db`` from two more matmuls per chunk, ``dW``
-carried in the weight's dtype. ``jax.custom_vjp``: under ``jax.grad`` with reduction "mean" / "sum" the
+the trade-off): two passes, token chunks walked by ``lax.scan`` (plus one tail chunk) for the loss, lse
+and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into ``dW`` by dynamic-update-slice;
+the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST``
+for float32), lse / loss / dlogits from our kernels. XLA cannot place workspaces inside an output as the
+torch path does, so pass 1 takes smaller chunks (see :func:`_pass1_chunk`). ``jax.custom_vjp``: under ``jax.grad`` with reduction "mean" / "sum" the
 gradients are computed in the forward pass and scaled by the cotangent in the backward; with "none" the
 backward recomputes the logits from the saved fp32 lse. Every kernel call is a
 ``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the rows, so ``jax.vmap``
