@@ -109,6 +109,69 @@ def _dkdv_q_range(
     return dk, dv
 
 
+@triton.jit
+def _dkdv_program(
+    kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+    sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT,
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b`` (strides
+    already aligned)."""
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_n = n_start + offs_c  # [N] key index within the sequence
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_n < len_k
+    row0 = tl.cast(k_start + n_start, tl.int64)
+    k = load_tile(K + tl.cast(b, tl.int64) * stride_kb + row0 * stride_ks + kh * stride_kh
+                  + offs_c[:, None] * stride_ks + offs_dqk[None, :], key_ok, offs_dqk < DQK, True,
+                  BLOCK_DQK != DQK)  # [N, Dqk]
+    v = load_tile(V + tl.cast(b, tl.int64) * stride_vb + row0 * stride_vs + kh * stride_vh
+                  + offs_c[:, None] * stride_vs + offs_dv[None, :], key_ok, offs_dv < DV, True,
+                  BLOCK_DV != DV)  # [N, Dv]
+
+    qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
+    diag = len_k - len_q
+    lo, full_lo, full_hi, hi = q_block_range(n_start, len_q, len_k, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LOCAL)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
+    for g in range(GROUP):
+        h = kh * GROUP + g
+        slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
+        Q_base = (Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
+                  + h * stride_qh)
+        DO_base = (DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
+                   + h * stride_doh)
+        l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, lo, full_lo,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_lo, full_hi,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_hi, hi,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    dk = dk * tl.cast(sm_scale, tl.float32)
+
+    dk_ptrs = (DK + tl.cast(b, tl.int64) * stride_dkb + row0 * stride_dks + kh * stride_dkh
+               + offs_c[:, None] * stride_dks + offs_dqk[None, :])
+    dv_ptrs = (DV_OUT + tl.cast(b, tl.int64) * stride_dvb + row0 * stride_dvs + kh * stride_dvh
+               + offs_c[:, None] * stride_dvs + offs_dv[None, :])
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & (offs_dqk < DQK)[None, :])
+    tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=key_ok[:, None] & (offs_dv < DV)[None, :])
+
+
 @triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
@@ -137,53 +200,12 @@ def attn_bwd_dkdv_kernel(
     n_start = pid_n * BLOCK_N
     if n_start >= len_k:
         return
-
-    offs_c = tl.arange(0, BLOCK_N)
-    offs_n = n_start + offs_c  # [N] key index within the sequence
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    key_ok = offs_n < len_k
-    row0 = tl.cast(k_start + n_start, tl.int64)
-    k = load_tile(K + tl.cast(b, tl.int64) * stride_kb + row0 * stride_ks + kh * stride_kh
-                  + offs_c[:, None] * stride_ks + offs_dqk[None, :], key_ok, offs_dqk < DQK, True,
-                  BLOCK_DQK != DQK)  # [N, Dqk]
-    v = load_tile(V + tl.cast(b, tl.int64) * stride_vb + row0 * stride_vs + kh * stride_vh
-                  + offs_c[:, None] * stride_vs + offs_dv[None, :], key_ok, offs_dv < DV, True,
-                  BLOCK_DV != DV)  # [N, Dv]
-
-    qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
-    diag = len_k - len_q
-    lo, full_lo, full_hi, hi = q_block_range(n_start, len_q, len_k, window_left, window_right,
-                                             BLOCK_M, BLOCK_N, HAS_LOCAL)
-    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
-    for g in range(GROUP):
-        h = kh * GROUP + g
-        slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
-        Q_base = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs + h * stride_qh
-        DO_base = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos + h * stride_doh
-        l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, lo, full_lo,
-                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
-                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
-                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_lo, full_hi,
-                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
-                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
-                               BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_hi, hi,
-                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
-                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
-                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    dk = dk * tl.cast(sm_scale, tl.float32)
-
-    dk_ptrs = (DK + tl.cast(b, tl.int64) * stride_dkb + row0 * stride_dks + kh * stride_dkh
-               + offs_c[:, None] * stride_dks + offs_dqk[None, :])
-    dv_ptrs = (DV_OUT + tl.cast(b, tl.int64) * stride_dvb + row0 * stride_dvs + kh * stride_dvh
-               + offs_c[:, None] * stride_dvs + offs_dv[None, :])
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & (offs_dqk < DQK)[None, :])
-    tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=key_ok[:, None] & (offs_dv < DV)[None, :])
+    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES, sm_scale,
+                  softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+                  stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
+                  stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                  DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
+                  HAS_ALIBI, DOT_PRECISION)
 
 
 @triton.jit
@@ -213,32 +235,18 @@ def _dq_kv_range(
     return dq
 
 
-@triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
-def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+@triton.jit
+def _dq_program(
+    h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+    sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
-    stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
-    DQ,  # output: dq in q's layout and dtype
-    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
-    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
-    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
-    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
-    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
-    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
-    stride_lb = aligned(stride_lb, LSE_ALIGN)
-    stride_lh = aligned(stride_lh, LSE_ALIGN)
-    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
-    if m_start >= len_q:
-        return
-
+    """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
+    :func:`query_block`, ``m_start < len_q``; strides already aligned)."""
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = m_start + offs_r
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -279,6 +287,40 @@ def attn_bwd_dq_kernel(
     dq_ptrs = (DQ + tl.cast(b, tl.int64) * stride_dqb + row0 * stride_dqs + h * stride_dqh
                + offs_r[:, None] * stride_dqs + offs_dqk[None, :])
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk < DQK)[None, :])
+
+
+
+
+@triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
+    DQ,  # output: dq in q's layout and dtype
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+):
+    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
+    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if m_start >= len_q:
+        return
+    _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES, sm_scale,
+                softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
+                stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
+                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)
