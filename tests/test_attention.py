@@ -711,13 +711,18 @@ def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
     dict(b=2, sq=130, sk=130, hq=6, hkv=2, causal=True),
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),
     dict(varlen=(5, 63, 130), hq=4, hkv=2, causal=True),
-    dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False),
+    dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False, softcap=5.0),
 ])
-@pytest.mark.parametrize("head_group", [3, 64])
-def test_head_group_order_gives_identical_results(case, head_group):
-    """block_schedule's program orders (AttentionConfig.head_group): every output element written (outputs are
-    poisoned before each launch in tests) and bitwise the values of the grid order, forward and backward,
-    including a group that does not divide the (head, sequence) pairs and one larger than all of them."""
+@pytest.mark.parametrize("config", [
+    dict(head_group=3), dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=3),
+    dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_program_order_and_fused_backward_give_identical_results(case, config):
+    """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward
+    (fused_backward, attn_bwd_kernel): every output element written (outputs are poisoned before each launch
+    in tests) and bitwise the values of the grid order / the two backward kernels with the same tiles,
+    forward and backward, including a group that does not divide the (head, sequence) pairs, one larger
+    than all of them, and dK/dV and dQ tiles of different sizes in one launch."""
     import zlib
 
     from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
@@ -725,7 +730,7 @@ def test_head_group_order_gives_identical_results(case, head_group):
     from flashbridge.torch_api._runtime import execute, target_for
 
     case = dict(case)
-    g = torch.Generator().manual_seed(zlib.crc32(f"head_group{case}{head_group}".encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(f"order{case}{config}".encode()))
     hq, hkv, d = case.pop("hq"), case.pop("hkv"), 32
     lengths = case.pop("varlen", None)
     if lengths:
@@ -752,5 +757,8 @@ def test_head_group_order_gives_identical_results(case, head_group):
                         {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **tensors})
         return (out, lse, *grads)
 
-    for got, want in zip(run(AttentionConfig(head_group=head_group)), run(AttentionConfig())):
+    tiles = {k: v for k, v in config.items() if "block" in k}
+    fused = plan_attention_bwd(shape, options, target=target, config=AttentionConfig(**config)).launches
+    assert ("attn_bwd_kernel" in fused[1].kernel) == bool(config.get("fused_backward"))
+    for got, want in zip(run(AttentionConfig(**config)), run(AttentionConfig(**tiles))):
         assert torch.equal(got, want)  # a program skipped or run twice leaves poison (NaN) or another value

@@ -9,6 +9,9 @@ The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s 
    by exactly one program and summed in a fixed order: deterministic, no atomics, no GQA reduction pass.
 3. ``attn_bwd_dq_kernel``: one program per (query block, query head, sequence) loops over key blocks:
    ``dq += ds k``.
+   ``attn_bwd_kernel`` runs 2. and 3. in one launch (``AttentionConfig.fused_backward``): its first
+   programs are the dK/dV grid, the rest the dQ grid, so the dQ programs fill the SMs that the dK/dV grid's
+   last wave leaves idle (FlexAttention's backward is organised the same way). Same code, same results.
 4. ``attn_bwd_sink_kernel`` (with sinks): ``dsink_h = -sum_i exp(sink_h - lse_i) * delta_i``, one program
    per head summing its rows in a fixed order; also writes the per-sequence partial sums.
 
@@ -17,9 +20,9 @@ Both main kernels walk their loop axis in the same three segments as the forward
 import triton
 import triton.language as tl
 
-from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, kv_block_range,
-                             load_tile, lse_log2, q_block_range, query_block, recompute_p, score_grad, score_params,
-                             seq_range)
+from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, grid_schedule,
+                             kv_block_range, load_tile, lse_log2, q_block_range, query_block, query_block_at,
+                             recompute_p, score_grad, score_params, seq_range, unravel_grid)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -33,6 +36,7 @@ _MAIN_INT_SCALARS = (
 DKDV_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs",
                     "stride_dvh")
 DQ_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh")
+FUSED_INT_SCALARS = (*DKDV_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh", "heads_kv", "n_seqs")
 SINK_INT_SCALARS = ("n_seqs", "seqlen_q", "total_q", *_LSE_STRIDES)
 
 
@@ -321,6 +325,66 @@ def attn_bwd_dq_kernel(
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                 stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
                 BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
+def attn_bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
+    heads_kv, n_seqs,  # runtime scalars
+    DK, DV_OUT, DQ,  # outputs, as in the two kernels
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
+    Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+):
+    """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
+    ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
+    Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
+    (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
+    longest work starts earliest and the shorter dQ programs fill in behind it."""
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_dkb, stride_dks, stride_dkh = aligned_strides(stride_dkb, stride_dks, stride_dkh, STRIDE_ALIGN)
+    stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
+    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
+    kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+    n_kv = kv_blocks * heads_kv * n_seqs
+    pid = tl.program_id(0)
+    if pid < n_kv:
+        p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
+        pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
+        q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+        k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+        n_start = pid_n * KV_BLOCK_N
+        if n_start < len_k:
+            _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+                          sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
+                          stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
+                          stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N,
+                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    else:
+        q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+        heads_q = heads_kv * GROUP
+        p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
+        rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
+            rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
+        if m_start < len_q:
+            _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+                        sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
+                        stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                        stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
+                        Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                        DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)
