@@ -707,6 +707,26 @@ def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
     assert groups(True, gpu, AttentionConfig(head_group=1)) == {1}
 
 
+def test_fused_backward_needs_one_warp_count():
+    """fused_backward makes one launch of dK/dV and dQ when their tiles share num_warps (GPU D=128: 8 and 8)
+    and keeps two otherwise (GPU D=256: 4 and 8), so that no path runs at another tile's warp count."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_bwd
+
+    gpu = Target(interpret=False, num_sms=132)
+
+    def kernels(d, **settings):
+        info = ((2, 512, 4, d), "bfloat16")
+        shape, options = check_attention_args(q=info, k=info, v=info, causal=True)
+        plan = plan_attention_bwd(shape, options, target=gpu, config=AttentionConfig(**settings))
+        return [launch.kernel.split(":")[1] for launch in plan.launches]
+
+    assert kernels(128, fused_backward=True) == ["attn_bwd_preprocess_kernel", "attn_bwd_kernel"]
+    assert kernels(128) == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert kernels(256, fused_backward=True) == kernels(256)
+    assert kernels(256, fused_backward=True, dq_num_warps=4)[1:] == ["attn_bwd_kernel"]
+
+
 @pytest.mark.parametrize("case", [
     dict(b=2, sq=130, sk=130, hq=6, hkv=2, causal=True),
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),

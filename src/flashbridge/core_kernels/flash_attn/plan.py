@@ -42,9 +42,9 @@ class AttentionConfig:
       G > 1 = the longest causal blocks of G (head, sequence) pairs first, then the next-longest, ... None =
       4 for causal attention on a GPU, else 1 (see :func:`_head_group`).
     * ``fused_backward``: run the dK/dV and dQ grids in one launch (``attn_bwd_kernel``: the dQ programs
-      fill the SMs the dK/dV grid's last wave leaves idle) with the dK/dV tile's ``num_warps`` and
-      ``num_stages`` for both; identical results. None = False until an H200 run says otherwise
-      (``bench_attention.py --order-only`` times both).
+      fill the SMs the dK/dV grid's last wave leaves idle) at the dK/dV tile's ``num_stages``, when both
+      tiles have the same ``num_warps`` (else the two launches); identical results. None = False until an
+      H200 run says otherwise (``bench_attention.py --order-only`` times both).
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -512,7 +512,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
         num_warps=4 if target.interpret else 8, num_stages=1)
     kv_grid = (cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch)
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
-    if config.fused_backward:
+    # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
+    # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
+    if config.fused_backward and kv_warps == q_warps:
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
         main = [Launch(
