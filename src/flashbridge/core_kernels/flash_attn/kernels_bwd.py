@@ -77,77 +77,39 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_step(
-    dk, dv, k, v, Q_head, DO_head, L_head, D_head, blk, offs_n, offs_dqk, offs_dv,
+def _dkdv_q_range(
+    dk, dv, k, v, Q_base, DO_base, L_base, D_base, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
     stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
-    head's rows), working on S^T [N, M] so that both products come out in key-major order without a
-    transpose of p."""
+    """Accumulate dK, dV [N, D] of one key block over query blocks ``[blk_lo, blk_hi)`` of one head,
+    working on S^T [N, M] so that both products come out in key-major order without a transpose of p."""
     offs_r = tl.arange(0, BLOCK_M)
-    m_start = blk * BLOCK_M
-    offs_m = m_start + offs_r
-    row_ok = offs_m < len_q
-    q = load_tile(Q_head + tl.cast(m_start, tl.int64) * stride_qs + offs_r[:, None] * stride_qs
-                  + offs_dqk[None, :], row_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [M, Dqk]
-    do = load_tile(DO_head + tl.cast(m_start, tl.int64) * stride_dos + offs_r[:, None] * stride_dos
-                   + offs_dv[None, :], row_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [M, Dv]
-    if APPLY_MASK:
-        # Rows past the sequence read lse = -inf (-> p = 0) and delta = 0: they add nothing.
-        lse = tl.load(L_head + offs_m, mask=row_ok, other=float("-inf"))
-        delta = tl.load(D_head + offs_m, mask=row_ok, other=0.0)
-    else:
-        lse = tl.load(L_head + offs_m)
-        delta = tl.load(D_head + offs_m)
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
-    p_t, t_t = recompute_p(qk_t, lse_log2(lse)[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
-                           slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
-                           HAS_ALIBI)  # [N, M]
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
-    ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_q_range(
-    dk, dv, k, v, Q_seq, DO_seq, L_seq, D_seq, SLOPES, kh, b, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
-    stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
-    window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
-    head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
-    pairs in one flat loop, head-major: an outer loop over the heads around the pipelined block loop made
-    ptxas spill 1.4 KB per thread (sm_90, D=128, GROUP=4), against 56-128 B without GQA."""
-    if GROUP == 1:
-        slope2 = alibi_slope2(SLOPES, b, kh, stride_ab, HAS_ALIBI)
-        Q_head = Q_seq + kh * stride_qh
-        DO_head = DO_seq + kh * stride_doh
-        l_off = tl.cast(kh, tl.int64) * stride_lh
-        for blk in range(blk_lo, blk_hi):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L_seq + l_off, D_seq + l_off, blk, offs_n,
-                                offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q,
-                                len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
-                                APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    else:
-        n_blk = blk_hi - blk_lo
-        for it in range(0, GROUP * n_blk):
-            g = it // n_blk
-            blk = blk_lo + it - g * n_blk
-            h = kh * GROUP + g
-            slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
-            l_off = tl.cast(h, tl.int64) * stride_lh
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L_seq + l_off,
-                                D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale,
-                                cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
-                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                DOT_PRECISION)
+    for blk in range(blk_lo, blk_hi):
+        m_start = blk * BLOCK_M
+        offs_m = m_start + offs_r
+        row_ok = offs_m < len_q
+        q = load_tile(Q_base + tl.cast(m_start, tl.int64) * stride_qs + offs_r[:, None] * stride_qs
+                      + offs_dqk[None, :], row_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [M, Dqk]
+        do = load_tile(DO_base + tl.cast(m_start, tl.int64) * stride_dos + offs_r[:, None] * stride_dos
+                       + offs_dv[None, :], row_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [M, Dv]
+        if APPLY_MASK:
+            # Rows past the sequence read lse = -inf (-> p = 0) and delta = 0: they add nothing.
+            lse = tl.load(L_base + offs_m, mask=row_ok, other=float("-inf"))
+            delta = tl.load(D_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            lse = tl.load(L_base + offs_m)
+            delta = tl.load(D_base + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+        p_t, t_t = recompute_p(qk_t, lse_log2(lse)[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
+                               slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
+                               HAS_ALIBI)  # [N, M]
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+        ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -184,22 +146,26 @@ def _dkdv_program(
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
-    Q_seq = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
-    DO_seq = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
-    l_seq = tl.cast(b, tl.int64) * stride_lb + q_start
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE + l_seq, DELTA + l_seq, SLOPES, kh, b, lo, full_lo,
-                           offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
-                           stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
-                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE + l_seq, DELTA + l_seq, SLOPES, kh, b, full_lo,
-                           full_hi, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
-                           stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right,
-                           GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                           DOT_PRECISION)
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE + l_seq, DELTA + l_seq, SLOPES, kh, b, full_hi, hi,
-                           offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
-                           stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
-                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    for g in range(GROUP):
+        h = kh * GROUP + g
+        slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
+        Q_base = (Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
+                  + h * stride_qh)
+        DO_base = (DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
+                   + h * stride_doh)
+        l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, lo, full_lo,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_lo, full_hi,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_hi, hi,
+                               offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
+                               diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     dk_ptrs = (DK + tl.cast(b, tl.int64) * stride_dkb + row0 * stride_dks + kh * stride_dkh
