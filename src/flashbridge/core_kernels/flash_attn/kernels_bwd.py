@@ -2,8 +2,7 @@
 
 The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s - lse)`` blockwise:
 
-1. ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dout * out) - dlse`` and ``lse2`` (lse in log2 units,
-   +inf for rows that saw nothing), both in lse's layout.
+1. ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dout * out) - dlse`` (same layout as lse).
 2. ``attn_bwd_dkdv_kernel``: one program per (key block, kv head, sequence) loops over the query heads of
    its GQA group and over the query blocks that see its keys, accumulating dK and dV in registers:
    ``dv += p^T dout``, ``dk += ds^T q`` with ``ds = p * (dout v^T - delta)``. Each dK/dV element is written
@@ -43,10 +42,10 @@ SINK_INT_SCALARS = ("n_seqs", "seqlen_q", "total_q", *_LSE_STRIDES)
 
 @triton.jit(do_not_specialize_on_alignment=PREPROCESS_INT_SCALARS)
 def attn_bwd_preprocess_kernel(
-    OUT, DO, DLSE, LSE, CU_Q,  # inputs
+    OUT, DO, DLSE, CU_Q,  # inputs
     seqlen_q, total_q, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,  # runtime scalars
-    DELTA, LSE2,  # outputs, float32, lse layout
+    DELTA,  # output, float32, lse layout
     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
     IS_VARLEN: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
@@ -75,14 +74,11 @@ def attn_bwd_preprocess_kernel(
         # d lse_i / d s_ij = p_ij: a gradient arriving at lse folds into delta.
         delta -= tl.load(DLSE + l_ptrs, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(DELTA + l_ptrs, delta, mask=row_ok)
-    # lse in log2 units once per row here, not once per (row, key block) in the dK/dV loop, where each
-    # thread converts every row its slice of the [N, M] tile touches (48 of the loop's 449 sm_90 instructions)
-    tl.store(LSE2 + l_ptrs, lse_log2(tl.load(LSE + l_ptrs, mask=row_ok, other=float("-inf"))), mask=row_ok)
 
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, Q_base, DO_base, L2_base, D_base, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
+    dk, dv, k, v, Q_base, DO_base, L_base, D_base, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
     stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -100,14 +96,14 @@ def _dkdv_q_range(
         do = load_tile(DO_base + tl.cast(m_start, tl.int64) * stride_dos + offs_r[:, None] * stride_dos
                        + offs_dv[None, :], row_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [M, Dv]
         if APPLY_MASK:
-            # Rows past the sequence read lse2 = +inf (-> p = 0) and delta = 0: they add nothing.
-            lse2 = tl.load(L2_base + offs_m, mask=row_ok, other=float("inf"))
+            # Rows past the sequence read lse = -inf (-> p = 0) and delta = 0: they add nothing.
+            lse = tl.load(L_base + offs_m, mask=row_ok, other=float("-inf"))
             delta = tl.load(D_base + offs_m, mask=row_ok, other=0.0)
         else:
-            lse2 = tl.load(L2_base + offs_m)
+            lse = tl.load(L_base + offs_m)
             delta = tl.load(D_base + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
-        p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
+        p_t, t_t = recompute_p(qk_t, lse_log2(lse)[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                                slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                                HAS_ALIBI)  # [N, M]
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -119,7 +115,7 @@ def _dkdv_q_range(
 
 @triton.jit
 def _dkdv_program(
-    kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
+    kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES,
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -158,15 +154,15 @@ def _dkdv_program(
         DO_base = (DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
                    + h * stride_doh)
         l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE2 + l_off, DELTA + l_off, lo, full_lo,
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, lo, full_lo,
                                offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
                                diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
                                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE2 + l_off, DELTA + l_off, full_lo, full_hi,
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_lo, full_hi,
                                offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
                                diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
                                BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE2 + l_off, DELTA + l_off, full_hi, hi,
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, full_hi, hi,
                                offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
                                diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
                                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
@@ -182,7 +178,7 @@ def _dkdv_program(
 
 @triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -208,7 +204,7 @@ def attn_bwd_dkdv_kernel(
     n_start = pid_n * BLOCK_N
     if n_start >= len_k:
         return
-    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
+    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES, sm_scale,
                   softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                   stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                   stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -245,7 +241,7 @@ def _dq_kv_range(
 
 @triton.jit
 def _dq_program(
-    h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
+    h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES,
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
@@ -268,7 +264,7 @@ def _dq_program(
                    + offs_r[:, None] * stride_dos + offs_dv[None, :], row_ok, offs_dv < DV, True,
                    BLOCK_DV != DV)
     l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
-    lse2 = tl.load(LSE2 + l_off + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = lse_log2(tl.load(LSE + l_off + offs_m, mask=row_ok, other=float("-inf")))
     delta = tl.load(DELTA + l_off + offs_m, mask=row_ok, other=0.0)
     K_base = K + tl.cast(b, tl.int64) * stride_kb + tl.cast(k_start, tl.int64) * stride_ks + kh * stride_kh
     V_base = V + tl.cast(b, tl.int64) * stride_vb + tl.cast(k_start, tl.int64) * stride_vs + kh * stride_vh
@@ -301,7 +297,7 @@ def _dq_program(
 
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -324,7 +320,7 @@ def attn_bwd_dq_kernel(
         CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
-    _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
+    _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES, sm_scale,
                 softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                 stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
@@ -333,7 +329,7 @@ def attn_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
 def attn_bwd_kernel(
-    Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -369,7 +365,7 @@ def attn_bwd_kernel(
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
         if n_start < len_k:
-            _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
+            _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES,
                           sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
                           stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
@@ -383,7 +379,7 @@ def attn_bwd_kernel(
         h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
             rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
         if m_start < len_q:
-            _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
+            _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                         stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
