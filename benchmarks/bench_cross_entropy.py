@@ -42,7 +42,37 @@ def _peak_extra_torch(fn) -> float:
     return float(peak)
 
 
-def bench_linear(quick: bool) -> list[dict]:
+# --jax-sweep: pass 1's tokens per chunk x pass 2's vocabulary columns per slice for the JAX path, whose
+# workspaces XLA cannot place inside dW (the torch path's trick): both set its peak beyond the gradients
+JAX_SWEEP = ((256, 4096), (256, 2048), (384, 2048), (448, 2048), (512, 2048), (512, 4096))
+
+
+def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None) -> dict:
+    """Time (jitted value_and_grad) and XLA's compiled memory (temporaries + outputs) of the JAX linear CE;
+    ``slice_cols`` replaces the GPU default of pass 2's slice width for this row."""
+    import contextlib
+    import importlib
+    from unittest import mock
+
+    import jax
+
+    jce = importlib.import_module("flashbridge.jax_api.cross_entropy")
+    width = mock.patch.object(jce, "_slice_cols", lambda: slice_cols) if slice_cols else contextlib.nullcontext()
+    try:
+        with width:  # read while tracing
+            fn = jax.value_and_grad(lambda a, b, c: jce.linear_cross_entropy(a, b, c, chunk_size=chunk),
+                                    argnums=(0, 1))
+            ma = jax.jit(fn).lower(hj, wj, yj).compile().memory_analysis()
+            ms = time_jax(fn, hj, wj, yj)
+    except Exception as exc:
+        return {"impl": name, "error": f"{type(exc).__name__}: {exc}"}
+    if ma is None:
+        return {"impl": name, "time_ms": ms, "peak_extra_gb": float("nan")}
+    return {"impl": name, "time_ms": ms, "peak_extra_gb": (ma.temp_size_in_bytes + ma.output_size_in_bytes) / 1e9,
+            "temp_gb": ma.temp_size_in_bytes / 1e9}
+
+
+def bench_linear(quick: bool, jax_sweep: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -83,20 +113,19 @@ def bench_linear(quick: bool) -> list[dict]:
     try:
         import jax
         import jax.numpy as jnp
-        from flashbridge.jax_api.cross_entropy import linear_cross_entropy as jlce
 
         dev = jax.devices("gpu")[0]
         hj = jax.device_put(jnp.asarray(h.detach().float().cpu().numpy(), jnp.bfloat16), dev)
         wj = jax.device_put(jnp.asarray(w.detach().float().cpu().numpy(), jnp.bfloat16), dev)
         yj = jax.device_put(jnp.asarray(y.cpu().numpy()), dev)
-        fn = jax.value_and_grad(lambda a, b, c: jlce(a, b, c), argnums=(0, 1))
-        compiled = jax.jit(fn).lower(hj, wj, yj).compile()
-        ma = compiled.memory_analysis()
-        mem = float(ma.temp_size_in_bytes + ma.output_size_in_bytes) if ma is not None else float("nan")
-        ms = time_jax(fn, hj, wj, yj)
-        rows.append({"impl": "flashbridge jax", "time_ms": ms, "peak_extra_gb": mem / 1e9})
     except Exception as exc:
         rows.append({"impl": "flashbridge jax", "error": f"{type(exc).__name__}: {exc}"})
+    else:
+        rows.append(jax_linear_row("flashbridge jax", hj, wj, yj))
+        for chunk, slice_cols in JAX_SWEEP if jax_sweep else ():
+            rows.append(jax_linear_row(f"flashbridge jax chunk={chunk} slice={slice_cols}", hj, wj, yj,
+                                       chunk=chunk, slice_cols=slice_cols))
+            print(rows[-1], flush=True)
     print(rows[-1], flush=True)
     for r in rows:
         r["shape"] = f"{n}x{H}x{V} bf16"
@@ -216,12 +245,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the tokens")
     parser.add_argument("--tune", action="store_true", help="only time the logits-level kernels' tile options")
+    parser.add_argument("--jax-sweep", action="store_true",
+                        help="also the JAX linear CE at the chunk x slice settings of JAX_SWEEP")
     args = parser.parse_args(argv)
     ceiling = measure_copy_ceiling()
     if args.tune:
         save("cross_entropy_tune", {"copy_ceiling_tbs": ceiling, "tune": tune(ceiling)})
         return 0
-    linear = bench_linear(args.quick)
+    linear = bench_linear(args.quick, args.jax_sweep)
     logits = bench_logits(args.quick, ceiling)
     print_table("linear cross-entropy forward+backward", ["impl", "time (ms)", "peak extra (GB)", "TFLOP/s"],
                 [[r["impl"], r.get("time_ms", r.get("error", "-")), r.get("peak_extra_gb", "-"),

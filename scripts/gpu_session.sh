@@ -22,7 +22,7 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 status=0
-MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --splits), ATTN_ARGS (e.g. --tune) pass options on
+MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --splits), ATTN_ARGS (e.g. --tune), CE_ARGS (e.g. --jax-sweep) pass options on
 ATTN_DIMS=${ATTN_DIMS:-}
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
@@ -38,7 +38,7 @@ for stage in "${stages[@]}"; do
     check) python3 -m flashbridge check --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | tail -60 ;;
     bench-norms) python3 benchmarks/bench_norms.py ${NORMS_ARGS:-} 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
     bench-decode) python3 benchmarks/bench_decode.py ${DECODE_ARGS---splits} 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
-    bench-ce) python3 benchmarks/bench_cross_entropy.py 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
+    bench-ce) python3 benchmarks/bench_cross_entropy.py ${CE_ARGS:-} 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
     # ATTN_DIMS=64,128 splits the full matrix across runs (one results file per split)
     bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
