@@ -707,6 +707,30 @@ def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
     assert groups(True, gpu, AttentionConfig(head_group=1)) == {1}
 
 
+def test_jax_fused_backward_gives_identical_results():
+    """The one-launch backward through the JAX runtime (three outputs of one kernel): bitwise the two
+    kernels' dq, dk, dv, causal GQA with a ragged tail."""
+    import jax.numpy as jnp
+
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+    from flashbridge.jax_api._runtime import execute
+
+    g = np.random.default_rng(7)
+    q, dout = (jnp.asarray(g.standard_normal((2, 70, 4, 32)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(g.standard_normal((2, 70, 2, 32)), jnp.float32) for _ in range(2))
+    info_q, info_kv = ((2, 70, 4, 32), "float32"), ((2, 70, 2, 32), "float32")
+    shape, options = check_attention_args(q=info_q, k=info_kv, v=info_kv, causal=True)
+    out, lse = execute(lambda t: plan_attention_fwd(shape, options, target=t), {"q": q, "k": k, "v": v})
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+
+    def grads(config):
+        return execute(lambda t: plan_attention_bwd(shape, options, target=t, config=config), inputs)
+
+    for got, want in zip(grads(AttentionConfig(fused_backward=True)), grads(AttentionConfig())):
+        assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
+
+
 def test_fused_backward_needs_one_warp_count():
     """fused_backward makes one launch of dK/dV and dQ when their tiles share num_warps (GPU D=128: 8 and 8)
     and keeps two otherwise (GPU D=256: 4 and 8), so that no path runs at another tile's warp count."""
