@@ -756,6 +756,7 @@ def test_fused_backward_needs_one_warp_count():
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),
     dict(varlen=(5, 63, 130), hq=4, hkv=2, causal=True),
     dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False, softcap=5.0),
+    dict(b=2, sq=70, sk=90, hq=4, hkv=2, causal=True, alibi=True),
 ])
 @pytest.mark.parametrize("config", [
     dict(head_group=3), dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=3),
@@ -788,6 +789,9 @@ def test_program_order_and_fused_backward_give_identical_results(case, config):
         b, sq, sk = case.pop("b"), case.pop("sq"), case.pop("sk")
         shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d))
         extra, tensors = {}, {}
+    if case.pop("alibi", False):
+        tensors["alibi_slopes"] = torch.rand(hq, generator=g) + 0.1
+        extra["alibi_slopes"] = ((hq,), "float32")
     q, k, v = (torch.randn(*s, generator=g) for s in shapes)
     dout = torch.randn(*q.shape, generator=g)
     shape, options = check_attention_args(q=(q.shape, "float32"), k=(k.shape, "float32"), v=(v.shape, "float32"),
