@@ -273,6 +273,9 @@ def trace_paths(b, s, h, d, causal):
 # orders (head_group; None = the default, 4 when causal) and the one-launch backward (fused_backward)
 PROGRAM_CONFIGS = (dict(head_group=1), dict(head_group=4), dict(head_group=8), dict(head_group=16),
                    dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=1))
+# --order-only: the defaults against grid order and the one-launch backward (head_group 8 / 16 / 64 were
+# timed on 2026-11-30, attention_order_h200.json; fewer settings compile fewer kernels)
+ORDER_ONLY_CONFIGS = (dict(head_group=1), dict(), dict(fused_backward=True), dict(fused_backward=True, head_group=1))
 # (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
 # sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
 # 128-wide K/V tile exceeds shared memory
@@ -451,8 +454,9 @@ def main():
 
     if args.order_only:
         rows = [r for d in (128, 64) for causal in (False, True)
-                for r in time_program_configs(TOKENS // 4096, 4096, H, H, d, causal)]
-        rows += [r for causal in (False, True) for r in time_program_configs(4, 4096, 32, 8, 128, causal)]
+                for r in time_program_configs(TOKENS // 4096, 4096, H, H, d, causal, ORDER_ONLY_CONFIGS)]
+        rows += [r for causal in (False, True)
+                 for r in time_program_configs(4, 4096, 32, 8, 128, causal, ORDER_ONLY_CONFIGS)]
         print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
         return
     if args.tune_only:
