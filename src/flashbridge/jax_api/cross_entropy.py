@@ -7,11 +7,11 @@ the trade-off): two passes, token chunks walked by ``lax.scan`` (plus one tail c
 and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into ``dW`` by dynamic-update-slice;
 the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST``
 for float32), lse / loss / dlogits from our kernels. XLA cannot place workspaces inside an output as the
-torch path does, so pass 1 takes smaller chunks (see :func:`_pass1_chunk`). ``jax.custom_vjp``: under ``jax.grad`` with reduction "mean" / "sum" the
-gradients are computed in the forward pass and scaled by the cotangent in the backward; with "none" the
-backward recomputes the logits from the saved fp32 lse. Every kernel call is a
-``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the rows, so ``jax.vmap``
-works (and nests). Labels outside ``[0, V)`` other than ``ignore_index`` raise a ValueError when the labels
+torch path does, so pass 1 takes smaller chunks (see :func:`_pass1_chunk`). ``jax.custom_vjp``: under
+``jax.grad`` with reduction "mean" / "sum" the gradients are computed in the forward pass and scaled by the
+cotangent in the backward; with "none" the backward recomputes the logits from the saved fp32 lse. Every
+kernel call is a ``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the
+rows, so ``jax.vmap`` works (and nests). Labels outside ``[0, V)`` other than ``ignore_index`` raise a ValueError when the labels
 are concrete (outside ``jit``); traced labels cannot be inspected, so such a row gets a NaN loss and NaN
 gradients instead. The lse returned with ``return_lse`` is a constant (``stop_gradient``).
 """
