@@ -283,12 +283,17 @@ def _pass2(hidden, weight, labels, bias, row_weights, lse, lse_lo, cfg: _LinearC
     """Vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse and
     ``dW[slice] = dlogits.T @ h`` (one GEMM: dW is rounded once), ``db[slice] = colsum(dlogits)``; the
     slices are written into dW in place (a chain of dynamic-update-slices XLA keeps in one buffer): into
-    pass 1's ``buffer`` when it has one (every element is overwritten)."""
+    pass 1's ``buffer`` when it has one (every element is overwritten).
+
+    One slice at a time: an optimization barrier ties the next slice's input to dW as updated by this
+    slice, so XLA cannot schedule the logits GEMMs of later slices before this slice's dW block is written
+    (each slice in flight holds N x slice logits and a slice x H block beyond the returned gradients)."""
     vocab = weight.shape[1] if cfg.transposed else weight.shape[0]
     dw = jnp.zeros_like(weight) if buffer is None else buffer
     db = None if bias is None else jnp.zeros(bias.shape, F32)
     for c0 in range(0, vocab, cfg.slice_cols):  # static slices: the kernel takes the column offset as a scalar
         c1 = min(c0 + cfg.slice_cols, vocab)
+        hidden, dw = jax.lax.optimization_barrier((hidden, dw))
         w_s = weight[:, c0:c1] if cfg.transposed else weight[c0:c1]
         logits = _chunk_logits(hidden, w_s, None if bias is None else bias[c0:c1], cfg.transposed)
         grad = _grad_op(cfg.opts, c0, vocab, True)(logits, labels, lse, lse_lo, row_weights)
