@@ -37,7 +37,40 @@ def decode():
     print("decode: ok")
 
 
-FAMILIES = {"norms": norms, "decode": decode}
+def cross_entropy(device: str = "cuda"):
+    """The logits-level op on rows / vocabularies that are not multiples of any tile (with ignored rows),
+    and the linear op in both frameworks with more tokens than the hidden size (whole pass-1 chunks of H
+    tokens, and the rest) and vocabularies that are not multiples of the slice width."""
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge import jax_api as fj
+    from flashbridge import torch_api as ft
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for n, v in [(1, 1000), (7, 32003), (130, 4097)]:
+        x = torch.randn(n, v, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+        y = torch.randint(0, v, (n,), device=device, generator=g)
+        y[0] = -100
+        ft.cross_entropy(x, y, label_smoothing=0.1, z_loss=1e-4).backward()
+    for n, h, v, bias in [(70, 32, 1000, True), (130, 64, 4097, False)]:
+        hh = torch.randn(n, h, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+        w = (torch.randn(v, h, device=device, generator=g) * h**-0.5).to(torch.bfloat16).requires_grad_()
+        b = torch.randn(v, device=device, generator=g).to(torch.bfloat16).requires_grad_() if bias else None
+        y = torch.randint(0, v, (n,), device=device, generator=g)
+        ft.linear_cross_entropy(hh, w, y, bias=b, z_loss=1e-4).backward()
+        arrays = [jnp.asarray(t.detach().float().cpu().numpy()).astype(jnp.bfloat16) for t in (hh, w)]
+        jb = None if b is None else jnp.asarray(b.detach().float().cpu().numpy()).astype(jnp.bfloat16)
+        jy = jnp.asarray(y.cpu().numpy())
+        grads = jax.grad(lambda a, c: fj.linear_cross_entropy(a, c, jy, bias=jb, z_loss=1e-4), argnums=(0, 1))(
+            *arrays)
+        jax.block_until_ready(grads)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print("cross_entropy: ok")
+
+
+FAMILIES = {"norms": norms, "decode": decode, "cross_entropy": cross_entropy}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(FAMILIES):
