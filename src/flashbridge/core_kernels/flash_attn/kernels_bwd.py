@@ -122,10 +122,18 @@ def _dkdv_program(
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
-    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b`` (strides
-    already aligned)."""
+    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``."""
+    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_dkb, stride_dks, stride_dkh = aligned_strides(stride_dkb, stride_dks, stride_dkh, STRIDE_ALIGN)
+    stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
     offs_c = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_c  # [N] key index within the sequence
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -189,15 +197,6 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
-    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
-    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
-    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
-    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
-    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
-    stride_dkb, stride_dks, stride_dkh = aligned_strides(stride_dkb, stride_dks, stride_dkh, STRIDE_ALIGN)
-    stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
-    stride_lb = aligned(stride_lb, LSE_ALIGN)
-    stride_lh = aligned(stride_lh, LSE_ALIGN)
     pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
@@ -209,7 +208,7 @@ def attn_bwd_dkdv_kernel(
                   stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                   stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                   DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
-                  HAS_ALIBI, DOT_PRECISION)
+                  HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit
@@ -247,10 +246,18 @@ def _dq_program(
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
-    :func:`query_block`, ``m_start < len_q``; strides already aligned)."""
+    :func:`query_block`, ``m_start < len_q``)."""
+    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
+    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
+    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
+    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
+    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
+    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
+    stride_lb = aligned(stride_lb, LSE_ALIGN)
+    stride_lh = aligned(stride_lh, LSE_ALIGN)
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = m_start + offs_r
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -293,8 +300,6 @@ def _dq_program(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk < DQK)[None, :])
 
 
-
-
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
@@ -308,14 +313,6 @@ def attn_bwd_dq_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
-    # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
-    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
-    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
-    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
-    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
-    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
-    stride_lb = aligned(stride_lb, LSE_ALIGN)
-    stride_lh = aligned(stride_lh, LSE_ALIGN)
     h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
         CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
@@ -324,7 +321,7 @@ def attn_bwd_dq_kernel(
                 softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                 stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
-                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
@@ -346,15 +343,6 @@ def attn_bwd_kernel(
     Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
     (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
     longest work starts earliest and the shorter dQ programs fill in behind it."""
-    stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
-    stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
-    stride_vb, stride_vs, stride_vh = aligned_strides(stride_vb, stride_vs, stride_vh, STRIDE_ALIGN)
-    stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
-    stride_dkb, stride_dks, stride_dkh = aligned_strides(stride_dkb, stride_dks, stride_dkh, STRIDE_ALIGN)
-    stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
-    stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
-    stride_lb = aligned(stride_lb, LSE_ALIGN)
-    stride_lh = aligned(stride_lh, LSE_ALIGN)
     kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
@@ -370,7 +358,8 @@ def attn_bwd_kernel(
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
                           stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
                           stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N,
-                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
+                          LSE_ALIGN)
     else:
         q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
         heads_q = heads_kv * GROUP
@@ -384,7 +373,7 @@ def attn_bwd_kernel(
                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                         stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
                         Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION)
+                        DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)
