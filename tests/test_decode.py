@@ -882,12 +882,18 @@ def test_automatic_split_count_on_the_h200():
 
     h200 = Target(interpret=False, num_sms=132)
 
+    def cache(span, paged=False, fp8=False, page_size=64, head_dim=128):
+        return P.CacheShape(layout="NHD", paged=paged, num_pages=1, page_size=page_size if paged else span,
+                            max_pages=-(-span // page_size) if paged else 1, heads=8, head_dim_k=head_dim,
+                            head_dim_v=head_dim, dtype=P.FP8_DTYPE if fp8 else "bfloat16")
+
     def splits(batch, span, paged=False, fp8=False, page_size=64):
         return P.choose_num_splits(batch=batch, heads_kv=8, rows=4, span=span, head_dim_qk=128, head_dim_v=128,
-                                   target=h200, paged=paged, page_size=page_size, fp8=fp8)
+                                   target=h200, cache=cache(span, paged, fp8, page_size))
 
     def block_n(fp8, page_size=None, dtype="bfloat16", head_dim=128):
-        return P.decode_tiles(4, head_dim, head_dim, h200, dtype=dtype, fp8_cache=fp8, page_size=page_size).block_n
+        shape = cache(4096, page_size is not None, fp8, page_size or 64, head_dim)
+        return P.decode_tiles(4, head_dim, head_dim, h200, dtype=dtype, cache=shape).block_n
 
     assert splits(1, 131072) == 33 and splits(1, 16384) == 33
     assert splits(1, 131072, paged=True) == 64 and splits(1, 131072, paged=True, fp8=True) == 64

@@ -458,8 +458,8 @@ class DecodeTiles:
 
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
-                 config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *, fp8_cache: bool = False,
-                 page_size: Optional[int] = None) -> DecodeTiles:
+                 config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *,
+                 cache: Optional[CacheShape] = None) -> DecodeTiles:
     """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``. Head dims up to 256 are one
     power-of-two tile; above, q.k runs in 64-wide chunks. GPU: 4 warps for head dims up to 128 (the tiles
     are small: decode is memory-bound and wants many programs in flight), 8 above; 3 pipeline stages.
@@ -469,7 +469,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     iteration of a split is a dependent chain (load, convert, dot, softmax, dot) that a wider tile runs half
     as often (H200, B=1, S=128k: 90.4 us against 97.2 with 64 keys; B=32, S=8k: 175 against 184 --
     ``benchmarks/results/decode_splits_fp8_h200.json``); paged FP8 caches keep 64 keys unless a page holds
-    whole 128-key tiles (``page_size``; None = contiguous). Every default is checked by
+    whole 128-key tiles (``cache``: None = a 16-bit cache). Every default is checked by
     ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB)."""
     if head_dim_qk <= 256:
         block_dqk, chunks = _pad(head_dim_qk), 1
@@ -485,7 +485,8 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         warps, stages = (4 if widest <= 128 else 8), 3
         if dtype == "float32":
             bm_cap, bn, warps, stages = 16, 32, 8, 2
-        elif fp8_cache and widest <= 128 and (page_size is None or page_size % 128 == 0):
+        elif (cache is not None and cache.fp8 and widest <= 128
+              and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
     bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
     return DecodeTiles(bm, config.block_n or bn, block_dqk, chunks, block_dv, config.num_warps or warps,
@@ -494,11 +495,11 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
                       target: Target, config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16",
-                      paged: bool = False, page_size: Optional[int] = None, fp8: bool = False) -> int:
+                      cache: Optional[CacheShape] = None) -> int:
     """The automatic split count. ``base = batch * heads_kv * row_blocks`` programs exist without splits.
 
-    * Contiguous bf16/fp16 caches (``gathered=False``): 1 split once ``base`` reaches one program per SM,
-      else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32, Hkv=8, D=128 (the split
+    * Contiguous bf16/fp16 caches (``cache`` None, or neither paged nor FP8): 1 split once ``base`` reaches
+      one program per SM, else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32, Hkv=8, D=128 (the split
       sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took 130 us at 32 splits
       against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6; B=32, S=8k 246 us
       with 1 split against 252-261 with 3-4.
@@ -514,11 +515,11 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
     it needs no device sync and traces under jit / torch.compile."""
-    tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype, fp8_cache=fp8,
-                         page_size=page_size if paged else None)
+    tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype, cache=cache)
     base = batch * heads_kv * cdiv(rows, tiles.block_m)
+    fp8 = cache is not None and cache.fp8
     wide_fp8 = fp8 and tiles.block_n >= 128
-    gathered = paged or (fp8 and not wide_fp8)
+    gathered = (cache is not None and cache.paged) or (fp8 and not wide_fp8)
     dense = not (gathered or target.interpret)  # the interpreter keeps the 4-per-SM rule (tests' split counts)
     slots = target.num_sms * (config.programs_per_sm or (2 if dense else 4))
     if base >= (target.num_sms if dense else slots):
@@ -547,7 +548,7 @@ def resolve_num_splits(shape: DecodeShape, options: DecodeOptions, num_splits: O
     return choose_num_splits(batch=shape.batch, heads_kv=shape.heads_kv, rows=shape.seqlen_q * shape.group,
                              span=_span(shape, options), head_dim_qk=shape.head_dim_qk,
                              head_dim_v=shape.head_dim_v, target=target, config=config, dtype=shape.dtype,
-                             paged=shape.cache.paged, page_size=shape.cache.page_size, fp8=shape.cache.fp8)
+                             cache=shape.cache)
 
 
 # ------------------------------------------------------------------------------------------------- plans
@@ -662,8 +663,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
     cache = shape.cache
     splits = resolve_num_splits(shape, options, num_splits, target, config)
     rows = shape.seqlen_q * shape.group
-    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype,
-                         fp8_cache=cache.fp8, page_size=cache.page_size if cache.paged else None)
+    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype, cache=cache)
     present = {"q": True, "k_cache": True, "v_cache": True, "cache_seqlens": True, "block_table": cache.paged,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
                "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
@@ -735,10 +735,10 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group
-    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, fp8_cache=shared.fp8)
+    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared)
     splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
                                                head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
-                                               config=config, dtype=shape.dtype, fp8=shared.fp8)
+                                               config=config, dtype=shape.dtype, cache=shared)
     oa, la = _partial_strides(1, b * sq, hq, dv)
     shared_launch = _decode_launch(
         **{**common, "cache": shared}, inputs=("q", "shared_k", "shared_v", "q", "q", "q", "q", name("k_scale"),
@@ -750,8 +750,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
 
     # 2. each request's own cache
     rows_b = sq * shape.group
-    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, fp8_cache=cache.fp8,
-                           page_size=cache.page_size if cache.paged else None)
+    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, cache=cache)
     splits_b = resolve_num_splits(shape, options, num_splits, target, config)
     ob, lb = _partial_strides(b, sq, hq, dv)
     own_launch = _decode_launch(
