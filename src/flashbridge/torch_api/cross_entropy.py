@@ -147,9 +147,8 @@ def _vocab_slices(n_rows: int, vocab: int, width: int, dw: Tensor, hidden: Tenso
             yield c0, c0 + width, tail
             c0 += width
     if c0 < vocab:
-        small = max(1, min(width, SMALL_SLICE_BYTES // (n_rows * hidden.element_size())))
-        if flat is None:
-            small = width
+        # without dW (only db wanted) nothing else is held: full-width slices
+        small = width if flat is None else max(1, min(width, SMALL_SLICE_BYTES // (n_rows * hidden.element_size())))
         buf = hidden.new_empty((n_rows * small,))
         while c0 < vocab:
             yield c0, min(c0 + small, vocab), buf
