@@ -11,9 +11,9 @@ torch path does, so pass 1 takes smaller chunks (see :func:`_pass1_chunk`). ``ja
 ``jax.grad`` with reduction "mean" / "sum" the gradients are computed in the forward pass and scaled by the
 cotangent in the backward; with "none" the backward recomputes the logits from the saved fp32 lse. Every
 kernel call is a ``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the
-rows, so ``jax.vmap`` works (and nests). Labels outside ``[0, V)`` other than ``ignore_index`` raise a ValueError when the labels
-are concrete (outside ``jit``); traced labels cannot be inspected, so such a row gets a NaN loss and NaN
-gradients instead. The lse returned with ``return_lse`` is a constant (``stop_gradient``).
+rows, so ``jax.vmap`` works (and nests). Labels outside ``[0, V)`` other than ``ignore_index`` raise a
+ValueError when the labels are concrete (outside ``jit``); traced labels cannot be inspected, so such a row
+gets a NaN loss and NaN gradients instead. The lse returned with ``return_lse`` is a constant (``stop_gradient``).
 """
 from __future__ import annotations
 
@@ -399,7 +399,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: O
         bias: optional ``(V,)`` in hidden's dtype.
         ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
-        chunk_size: tokens per chunk (static); None picks it from N, H, V and the free device memory.
+        chunk_size: pass 1's tokens per chunk (static); None: ``max(64, H // 16)`` (see ``_pass1_chunk``).
 
     Returns:
         The float32 loss (scalar, or ``(...)`` for "none"), and the float32 lse with ``return_lse``.
