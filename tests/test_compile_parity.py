@@ -199,6 +199,17 @@ def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
         _assert_same_ptx(launch, dtypes)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_logits_kernel_compiles_identically_and_vectorised(transposed):
+    """The JAX linear op's logits GEMM (N=4096 tokens, H=4096, V=128256, bf16): the same PTX from both
+    launchers, 16-byte asynchronous copies into shared memory and wgmma."""
+    plan = plan_linear_logits(4096, 128256, 4096, dtype="bfloat16", weight_transposed=transposed, has_bias=True,
+                              out_shape=(128256, 4096), target=H200)
+    dtypes = {n: "bfloat16" for n in ("hidden", "weight", "bias", "buffer", "out")}
+    ptx = _assert_same_ptx(plan.launches[0], dtypes)
+    assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx
+
+
 def _vector_loads(ptx: str) -> int:
     return len(re.findall(r"ld\.global[^\n]*\.v4|cp\.async\.cg\.shared\.global[^\n]*0x10", ptx))
 
@@ -223,17 +234,6 @@ def test_attention_backward_compiles_identically_and_vectorised():
     ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith("attn_bwd_dq_kernel")),
                            _attn_dtypes("bfloat16"))
     assert _vector_loads(ptx) > 0, "no 16-byte loads in the attention dq kernel"
-
-
-@pytest.mark.parametrize("transposed", [False, True])
-def test_linear_logits_kernel_compiles_identically_and_vectorised(transposed):
-    """The JAX linear op's logits GEMM (N=4096 tokens, H=4096, V=128256, bf16): the same PTX from both
-    launchers, 16-byte asynchronous copies into shared memory and wgmma."""
-    plan = plan_linear_logits(4096, 128256, 4096, dtype="bfloat16", weight_transposed=transposed, has_bias=True,
-                              out_shape=(128256, 4096), target=H200)
-    dtypes = {n: "bfloat16" for n in ("hidden", "weight", "bias", "buffer", "out")}
-    ptx = _assert_same_ptx(plan.launches[0], dtypes)
-    assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx
 
 
 # ------------------------------------------------------------------------- plan facts (no backend needed)
