@@ -8,7 +8,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the issue's bar)
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
     python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
-    python benchmarks/bench_attention.py --order-only  # only the program orders (AttentionConfig.head_group)
+    python benchmarks/bench_attention.py --order-only  # only head_group / fused_backward (AttentionConfig)
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -269,7 +269,13 @@ def trace_paths(b, s, h, d, causal):
 
 # --------------------------------------------------------------------------------------------------- tune
 
-HEAD_GROUPS = (1, 4, 8, 16, 64)  # AttentionConfig.head_group values --tune times with the default tiles
+# program-level AttentionConfig settings --tune / --order-only time with the default tiles: the program
+# orders (head_group; None = the default, 4 when causal) and the one-launch backward (fused_backward)
+PROGRAM_CONFIGS = (dict(head_group=1), dict(head_group=4), dict(head_group=8), dict(head_group=16),
+                   dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=1))
+# --order-only: the defaults against grid order and the one-launch backward (head_group 8 / 16 / 64 were
+# timed on 2026-11-30, attention_order_h200.json; fewer settings compile fewer kernels)
+ORDER_ONLY_CONFIGS = (dict(head_group=1), dict(), dict(fused_backward=True), dict(fused_backward=True, head_group=1))
 # (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
 # sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
 # 128-wide K/V tile exceeds shared memory
@@ -295,9 +301,10 @@ TUNE_CANDIDATES = {
 }
 
 
-def time_head_groups(b, s, hq, hkv, d, causal, groups=None):
-    """Forward and whole-backward times of the default tiles for each program order (AttentionConfig.head_group,
-    see block_schedule: the longest causal blocks of G heads first)."""
+def time_program_configs(b, s, hq, hkv, d, causal, configs=PROGRAM_CONFIGS):
+    """Forward and whole-backward times of the default tiles for each program-level setting (``configs``:
+    AttentionConfig keyword dicts): the program orders (head_group, see block_schedule: the longest causal
+    blocks of G heads first) and the one-launch backward (fused_backward)."""
     q, dout = randn(b, s, hq, d), randn(b, s, hq, d)
     k, v = randn(b, s, hkv, d), randn(b, s, hkv, d)
     info_q, info_kv = ((b, s, hq, d), "bfloat16"), ((b, s, hkv, d), "bfloat16")
@@ -305,10 +312,10 @@ def time_head_groups(b, s, hq, hkv, d, causal, groups=None):
     target = target_for(q.device)
     pairs = visible_pairs(s, s, causal)
     rows = []
-    for group in groups or HEAD_GROUPS:
-        label = {"case": f"B{b} S{s} H{hq}/{hkv} D{d} {'causal' if causal else 'full'}", "head_group": group}
+    for settings in configs:
+        label = {"case": f"B{b} S{s} H{hq}/{hkv} D{d} {'causal' if causal else 'full'}", **settings}
         try:
-            cfg = AttentionConfig(head_group=group)
+            cfg = AttentionConfig(**settings)
             plan = plan_attention_fwd(shape, options, target=target, config=cfg)
             out, lse = execute(plan, {"q": q, "k": k, "v": v})
             fwd_ms = time_torch(lambda: execute(plan, {"q": q, "k": k, "v": v}))
@@ -364,7 +371,7 @@ def tune(d, causal, s=4096):
                          "tflops": tflops(pairs, b, H, d, ms, False)})
         except Exception as exc:
             keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
-    rows += time_head_groups(b, s, H, H, d, causal)
+    rows += time_program_configs(b, s, H, H, d, causal)
     bwd_cands = {kernel: list(dict.fromkeys([tiles[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
@@ -419,8 +426,8 @@ def main():
     parser.add_argument("--no-extra", action="store_true", help="skip the GQA / varlen / window rows")
     parser.add_argument("--tune-only", action="store_true", help="only the --tune rows (no main grid)")
     parser.add_argument("--order-only", action="store_true",
-                        help="only the program-order rows (AttentionConfig.head_group) at D=128, S=4096: MHA full "
-                             "and causal, GQA 32/8 causal")
+                        help="only the program-level rows (AttentionConfig.head_group, fused_backward) at S=4096: "
+                             "MHA D=128 / D=64 full and causal, GQA 32/8 D=128 full and causal")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -446,8 +453,10 @@ def main():
                 table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
 
     if args.order_only:
-        rows = [r for causal in (False, True) for r in time_head_groups(TOKENS // 4096, 4096, H, H, 128, causal)]
-        rows += time_head_groups(4, 4096, 32, 8, 128, True)
+        rows = [r for d in (128, 64) for causal in (False, True)
+                for r in time_program_configs(TOKENS // 4096, 4096, H, H, d, causal, ORDER_ONLY_CONFIGS)]
+        rows += [r for causal in (False, True)
+                 for r in time_program_configs(4, 4096, 32, 8, 128, causal, ORDER_ONLY_CONFIGS)]
         print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
         return
     if args.tune_only:
@@ -499,7 +508,7 @@ def main():
                 save(out_name, payload)
         if 128 in dims:  # GQA's dK/dV programs loop over the group: the longest causal ones are GROUP x longer
             payload["tune"].append({"d": 128, "causal": True, "gqa": [32, 8],
-                                    "rows": time_head_groups(4, 4096, 32, 8, 128, True)})
+                                    "rows": time_program_configs(4, 4096, 32, 8, 128, True)})
             save(out_name, payload)
     print_table("attention, bf16, TFLOP/s (4*B*H*pairs*D fwd, 2.5x bwd)",
                 ["case", "provider", "fwd ms", "fwd TFLOP/s", "bwd ms", "bwd TFLOP/s"], table)

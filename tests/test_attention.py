@@ -707,17 +707,67 @@ def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
     assert groups(True, gpu, AttentionConfig(head_group=1)) == {1}
 
 
+def test_jax_fused_backward_gives_identical_results():
+    """The one-launch backward through the JAX runtime (three outputs of one kernel): bitwise the two
+    kernels' dq, dk, dv, causal GQA with a ragged tail."""
+    import jax.numpy as jnp
+
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+    from flashbridge.jax_api._runtime import execute
+
+    g = np.random.default_rng(7)
+    q, dout = (jnp.asarray(g.standard_normal((2, 70, 4, 32)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(g.standard_normal((2, 70, 2, 32)), jnp.float32) for _ in range(2))
+    info_q, info_kv = ((2, 70, 4, 32), "float32"), ((2, 70, 2, 32), "float32")
+    shape, options = check_attention_args(q=info_q, k=info_kv, v=info_kv, causal=True)
+    out, lse = execute(lambda t: plan_attention_fwd(shape, options, target=t), {"q": q, "k": k, "v": v})
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+
+    def grads(config):
+        return execute(lambda t: plan_attention_bwd(shape, options, target=t, config=config), inputs)
+
+    for got, want in zip(grads(AttentionConfig(fused_backward=True)), grads(AttentionConfig())):
+        assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
+
+
+def test_fused_backward_needs_one_warp_count():
+    """fused_backward makes one launch of dK/dV and dQ when their tiles share num_warps (GPU D=128: 8 and 8)
+    and keeps two otherwise (GPU D=256: 4 and 8), so that no path runs at another tile's warp count."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_bwd
+
+    gpu = Target(interpret=False, num_sms=132)
+
+    def kernels(d, **settings):
+        info = ((2, 512, 4, d), "bfloat16")
+        shape, options = check_attention_args(q=info, k=info, v=info, causal=True)
+        plan = plan_attention_bwd(shape, options, target=gpu, config=AttentionConfig(**settings))
+        return [launch.kernel.split(":")[1] for launch in plan.launches]
+
+    assert kernels(128, fused_backward=True) == ["attn_bwd_preprocess_kernel", "attn_bwd_kernel"]
+    assert kernels(128) == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert kernels(256, fused_backward=True) == kernels(256)
+    assert kernels(256, fused_backward=True, dq_num_warps=4)[1:] == ["attn_bwd_kernel"]
+
+
 @pytest.mark.parametrize("case", [
     dict(b=2, sq=130, sk=130, hq=6, hkv=2, causal=True),
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),
     dict(varlen=(5, 63, 130), hq=4, hkv=2, causal=True),
-    dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False),
+    dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False, softcap=5.0),
+    dict(b=2, sq=70, sk=90, hq=4, hkv=2, causal=True, alibi=True),
 ])
-@pytest.mark.parametrize("head_group", [3, 64])
-def test_head_group_order_gives_identical_results(case, head_group):
-    """block_schedule's program orders (AttentionConfig.head_group): every output element written (outputs are
-    poisoned before each launch in tests) and bitwise the values of the grid order, forward and backward,
-    including a group that does not divide the (head, sequence) pairs and one larger than all of them."""
+@pytest.mark.parametrize("config", [
+    dict(head_group=3), dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=3),
+    dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_program_order_and_fused_backward_give_identical_results(case, config):
+    """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward
+    (fused_backward, attn_bwd_kernel): every output element written (outputs are poisoned before each launch
+    in tests) and bitwise the values of the grid order / the two backward kernels with the same tiles,
+    forward and backward, including a group that does not divide the (head, sequence) pairs, one larger
+    than all of them, and dK/dV and dQ tiles of different sizes in one launch."""
     import zlib
 
     from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
@@ -725,7 +775,7 @@ def test_head_group_order_gives_identical_results(case, head_group):
     from flashbridge.torch_api._runtime import execute, target_for
 
     case = dict(case)
-    g = torch.Generator().manual_seed(zlib.crc32(f"head_group{case}{head_group}".encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(f"order{case}{config}".encode()))
     hq, hkv, d = case.pop("hq"), case.pop("hkv"), 32
     lengths = case.pop("varlen", None)
     if lengths:
@@ -739,6 +789,9 @@ def test_head_group_order_gives_identical_results(case, head_group):
         b, sq, sk = case.pop("b"), case.pop("sq"), case.pop("sk")
         shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d))
         extra, tensors = {}, {}
+    if case.pop("alibi", False):
+        tensors["alibi_slopes"] = torch.rand(hq, generator=g) + 0.1
+        extra["alibi_slopes"] = ((hq,), "float32")
     q, k, v = (torch.randn(*s, generator=g) for s in shapes)
     dout = torch.randn(*q.shape, generator=g)
     shape, options = check_attention_args(q=(q.shape, "float32"), k=(k.shape, "float32"), v=(v.shape, "float32"),
@@ -752,5 +805,8 @@ def test_head_group_order_gives_identical_results(case, head_group):
                         {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **tensors})
         return (out, lse, *grads)
 
-    for got, want in zip(run(AttentionConfig(head_group=head_group)), run(AttentionConfig())):
+    tiles = {k: v for k, v in config.items() if "block" in k}
+    fused = plan_attention_bwd(shape, options, target=target, config=AttentionConfig(**config)).launches
+    assert ("attn_bwd_kernel" in fused[1].kernel) == bool(config.get("fused_backward"))
+    for got, want in zip(run(AttentionConfig(**config)), run(AttentionConfig(**tiles))):
         assert torch.equal(got, want)  # a program skipped or run twice leaves poison (NaN) or another value

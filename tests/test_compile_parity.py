@@ -163,7 +163,8 @@ _NORM_DTYPES = {**{n: "float32" for n in ("x", "weight", "bias", "residual", "po
 
 def _attn_dtypes(dtype: str) -> dict:
     d = {n: dtype for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
-    d.update({n: "float32" for n in ("lse", "delta", "alibi_slopes", "sinks", "dlse", "dsinks", "dsinks_part")})
+    d.update({n: "float32" for n in ("lse", "lse2", "delta", "alibi_slopes", "sinks", "dlse", "dsinks",
+                                     "dsinks_part")})
     return {**d, "cu_seqlens_q": "int32", "cu_seqlens_k": "int32"}
 
 
@@ -223,6 +224,18 @@ def test_attention_backward_compiles_identically_and_vectorised():
     ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith("attn_bwd_dq_kernel")),
                            _attn_dtypes("bfloat16"))
     assert _vector_loads(ptx) > 0, "no 16-byte loads in the attention dq kernel"
+
+
+def test_attention_fused_backward_compiles_identically_and_vectorised():
+    """The one-launch backward (dK/dV and dQ grids in one kernel): the same PTX from both launchers, with
+    16-byte loads (its 1-D grid decodes the two grids' ids at run time)."""
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
+    shape, options = _attn_case(causal=True)
+    launches = plan_attention_bwd(shape, options, target=H200, config=AttentionConfig(fused_backward=True)).launches
+    ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
+                           _attn_dtypes("bfloat16"))
+    assert _vector_loads(ptx) > 0, "no 16-byte loads in the one-launch attention backward"
 
 
 # ------------------------------------------------------------------------- plan facts (no backend needed)

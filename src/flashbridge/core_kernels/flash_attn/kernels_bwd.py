@@ -9,6 +9,9 @@ The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s 
    by exactly one program and summed in a fixed order: deterministic, no atomics, no GQA reduction pass.
 3. ``attn_bwd_dq_kernel``: one program per (query block, query head, sequence) loops over key blocks:
    ``dq += ds k``.
+   ``attn_bwd_kernel`` runs 2. and 3. in one launch (``AttentionConfig.fused_backward``): its first
+   programs are the dK/dV grid, the rest the dQ grid, so the dQ programs fill the SMs that the dK/dV grid's
+   last wave leaves idle (FlexAttention's backward is organised the same way). Same code, same results.
 4. ``attn_bwd_sink_kernel`` (with sinks): ``dsink_h = -sum_i exp(sink_h - lse_i) * delta_i``, one program
    per head summing its rows in a fixed order; also writes the per-sequence partial sums.
 
@@ -17,9 +20,9 @@ Both main kernels walk their loop axis in the same three segments as the forward
 import triton
 import triton.language as tl
 
-from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, kv_block_range,
-                             load_tile, lse_log2, q_block_range, query_block, recompute_p, score_grad, score_params,
-                             seq_range)
+from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, grid_schedule,
+                             kv_block_range, load_tile, lse_log2, q_block_range, query_block, query_block_at,
+                             recompute_p, score_grad, score_params, seq_range, unravel_grid)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -33,6 +36,7 @@ _MAIN_INT_SCALARS = (
 DKDV_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs",
                     "stride_dvh")
 DQ_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh")
+FUSED_INT_SCALARS = (*DKDV_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh", "heads_kv", "n_seqs")
 SINK_INT_SCALARS = ("n_seqs", "seqlen_q", "total_q", *_LSE_STRIDES)
 
 
@@ -109,19 +113,18 @@ def _dkdv_q_range(
     return dk, dv
 
 
-@triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
-def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+@triton.jit
+def _dkdv_program(
+    kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+    sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,  # runtime scalars
-    DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
+    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -131,13 +134,6 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
-    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
-    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
-    n_start = pid_n * BLOCK_N
-    if n_start >= len_k:
-        return
-
     offs_c = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_c  # [N] key index within the sequence
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -161,8 +157,10 @@ def attn_bwd_dkdv_kernel(
     for g in range(GROUP):
         h = kh * GROUP + g
         slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
-        Q_base = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs + h * stride_qh
-        DO_base = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos + h * stride_doh
+        Q_base = (Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
+                  + h * stride_qh)
+        DO_base = (DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
+                   + h * stride_doh)
         l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         dk, dv = _dkdv_q_range(dk, dv, k, v, Q_base, DO_base, LSE + l_off, DELTA + l_off, lo, full_lo,
                                offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2,
@@ -184,6 +182,33 @@ def attn_bwd_dkdv_kernel(
                + offs_c[:, None] * stride_dvs + offs_dv[None, :])
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & (offs_dqk < DQK)[None, :])
     tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=key_ok[:, None] & (offs_dv < DV)[None, :])
+
+
+@triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,  # runtime scalars
+    DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+):
+    pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
+    q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+    k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+    n_start = pid_n * BLOCK_N
+    if n_start >= len_k:
+        return
+    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES, sm_scale,
+                  softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+                  stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
+                  stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                  DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
+                  HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit
@@ -213,19 +238,18 @@ def _dq_kv_range(
     return dq
 
 
-@triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
-def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+@triton.jit
+def _dq_program(
+    h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+    sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
-    stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
-    DQ,  # output: dq in q's layout and dtype
-    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
+    """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
+    :func:`query_block`, ``m_start < len_q``)."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -234,11 +258,6 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh = aligned_strides(stride_dqb, stride_dqs, stride_dqh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
-    if m_start >= len_q:
-        return
-
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = m_start + offs_r
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -279,6 +298,82 @@ def attn_bwd_dq_kernel(
     dq_ptrs = (DQ + tl.cast(b, tl.int64) * stride_dqb + row0 * stride_dqs + h * stride_dqh
                + offs_r[:, None] * stride_dqs + offs_dqk[None, :])
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk < DQK)[None, :])
+
+
+@triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
+    DQ,  # output: dq in q's layout and dtype
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+):
+    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if m_start >= len_q:
+        return
+    _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES, sm_scale,
+                softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
+                stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
+                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
+
+
+@triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
+def attn_bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
+    heads_kv, n_seqs,  # runtime scalars
+    DK, DV_OUT, DQ,  # outputs, as in the two kernels
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
+    Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+):
+    """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
+    ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
+    Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
+    (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
+    longest work starts earliest and the shorter dQ programs fill in behind it."""
+    kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+    n_kv = kv_blocks * heads_kv * n_seqs
+    pid = tl.program_id(0)
+    if pid < n_kv:
+        p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
+        pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
+        q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
+        k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
+        n_start = pid_n * KV_BLOCK_N
+        if n_start < len_k:
+            _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+                          sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
+                          stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
+                          stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N,
+                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
+                          LSE_ALIGN)
+    else:
+        q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+        heads_q = heads_kv * GROUP
+        p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
+        rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
+            rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
+        if m_start < len_q:
+            _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE, DELTA, SLOPES,
+                        sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
+                        stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                        stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
+                        Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                        DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)

@@ -49,17 +49,31 @@ def block_schedule(HEAD_GROUP: tl.constexpr):
     and within a group rank 0 of every pair starts first, then rank 1, ...: when rank 0 is the longest
     program (causal), the long programs of the last heads no longer start at the very end of the grid and
     run on alone (longest-first scheduling), while a group's G heads still share their K / V in L2."""
+    return grid_schedule(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+                         tl.num_programs(1), tl.num_programs(2), HEAD_GROUP)
+
+
+@triton.jit
+def grid_schedule(pid0, pid1, pid2, n_ranks, n_heads, n_seqs, HEAD_GROUP: tl.constexpr):
+    """:func:`block_schedule` for the program ``(pid0, pid1, pid2)`` of an ``(n_ranks, n_heads, n_seqs)``
+    grid given explicitly (a kernel that runs several grids in one launch decodes its own ids)."""
     if HEAD_GROUP <= 1:
-        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_ranks = tl.num_programs(0)
-    n_heads = tl.num_programs(1)
-    n_pairs = n_heads * tl.num_programs(2)
-    linear = (tl.program_id(2) * n_heads + tl.program_id(1)) * n_ranks + tl.program_id(0)
+        return pid0, pid1, pid2
+    n_pairs = n_heads * n_seqs
+    linear = (pid2 * n_heads + pid1) * n_ranks + pid0
     first = linear // (HEAD_GROUP * n_ranks) * HEAD_GROUP
     size = tl.minimum(n_pairs - first, HEAD_GROUP)
     r = linear - first * n_ranks
     pair = first + r % size
     return r // size, pair % n_heads, pair // n_heads
+
+
+@triton.jit
+def unravel_grid(linear, n_ranks, n_heads):
+    """``(pid0, pid1, pid2)`` of the ``linear``-th program of a ``(n_ranks, n_heads, *)`` grid in launch
+    order (axis 0 fastest)."""
+    rest = linear // n_ranks
+    return linear - rest * n_ranks, rest % n_heads, rest // n_heads
 
 
 @triton.jit
@@ -71,7 +85,15 @@ def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP: tl.cons
 
     Returns (h, b, kh, q_start, len_q, k_start, len_k, m_start); the caller returns when m_start >= len_q."""
     rank, h, b = block_schedule(HEAD_GROUP)
-    pid_m = tl.num_programs(0) - 1 - rank
+    return query_block_at(rank, h, b, tl.num_programs(0), CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP,
+                          BLOCK_M, IS_VARLEN)
+
+
+@triton.jit
+def query_block_at(rank, h, b, n_ranks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """:func:`query_block` for a scheduled ``(rank, h, b)`` of a grid with ``n_ranks`` query blocks."""
+    pid_m = n_ranks - 1 - rank
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     return h, b, h // GROUP, q_start, len_q, k_start, len_k, pid_m * BLOCK_M

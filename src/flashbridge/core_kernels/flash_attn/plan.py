@@ -41,6 +41,10 @@ class AttentionConfig:
       ``block_schedule`` in kernels_common.py): 1 = grid order, every block of a head before the next head;
       G > 1 = the longest causal blocks of G (head, sequence) pairs first, then the next-longest, ... None =
       4 for causal attention on a GPU, else 1 (see :func:`_head_group`).
+    * ``fused_backward``: run the dK/dV and dQ grids in one launch (``attn_bwd_kernel``: the dQ programs
+      fill the SMs the dK/dV grid's last wave leaves idle) at the dK/dV tile's ``num_stages``, when both
+      tiles have the same ``num_warps`` (else the two launches); identical results. None = False until an
+      H200 run says otherwise (``bench_attention.py --order-only`` times both).
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -62,6 +66,7 @@ class AttentionConfig:
     dq_num_stages: Optional[int] = None
     masked_num_stages: Optional[int] = None
     head_group: Optional[int] = None
+    fused_backward: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -496,36 +501,55 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                    *_strided("o", contiguous_strides(shape.out_shape)), *_strided("do", st["dout"]), *lse_scalars)
     dkdv_scalars = (*main_scalars, *_strided("dk", contiguous_strides(shape.k_shape())),
                     *_strided("dv", contiguous_strides(shape.v_shape())))
-    dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
-    launches = [
-        Launch(
-            kernel=f"{_BWD}:attn_bwd_preprocess_kernel",
-            grid=(cdiv(shape.seqlen_q, pre_m), shape.heads_q, shape.batch),
-            inputs=("out", "dout", name("dlse"), name("cu_seqlens_q")),
-            scalars=pre_scalars,
-            outputs=("delta",),
-            constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
-                        ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
-            num_warps=4 if target.interpret else 8, num_stages=1),
-        Launch(
-            kernel=f"{_BWD}:attn_bwd_dkdv_kernel",
-            grid=(cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch),
+    preprocess = Launch(
+        kernel=f"{_BWD}:attn_bwd_preprocess_kernel",
+        grid=(cdiv(shape.seqlen_q, pre_m), shape.heads_q, shape.batch),
+        inputs=("out", "dout", name("dlse"), name("cu_seqlens_q")),
+        scalars=pre_scalars,
+        outputs=("delta",),
+        constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
+                    ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
+        num_warps=4 if target.interpret else 8, num_stages=1)
+    kv_grid = (cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch)
+    q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
+    # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
+    # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
+    if config.fused_backward and kv_warps == q_warps:
+        fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
+                         ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
+        main = [Launch(
+            kernel=f"{_BWD}:attn_bwd_kernel",
+            grid=(math.prod(kv_grid) + math.prod(q_grid),),
             inputs=main_inputs,
-            scalars=dkdv_scalars,
-            outputs=("dk", "dv"),
-            constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                        *flags, *_align(dkdv_scalars), ("HEAD_GROUP", head_group)),
-            num_warps=kv_warps, num_stages=kv_stages),
-        Launch(
-            kernel=f"{_BWD}:attn_bwd_dq_kernel",
-            grid=(cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch),
-            inputs=main_inputs,
-            scalars=dq_scalars,
-            outputs=("dq",),
-            constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                        *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group)),
-            num_warps=q_warps, num_stages=q_stages),
-    ]
+            scalars=fused_scalars,
+            outputs=("dk", "dv", "dq"),
+            constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
+                        ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, *_align(fused_scalars),
+                        ("HEAD_GROUP", head_group)),
+            num_warps=kv_warps, num_stages=kv_stages)]
+    else:
+        dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
+        main = [
+            Launch(
+                kernel=f"{_BWD}:attn_bwd_dkdv_kernel",
+                grid=kv_grid,
+                inputs=main_inputs,
+                scalars=dkdv_scalars,
+                outputs=("dk", "dv"),
+                constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
+                            *flags, *_align(dkdv_scalars), ("HEAD_GROUP", head_group)),
+                num_warps=kv_warps, num_stages=kv_stages),
+            Launch(
+                kernel=f"{_BWD}:attn_bwd_dq_kernel",
+                grid=q_grid,
+                inputs=main_inputs,
+                scalars=dq_scalars,
+                outputs=("dq",),
+                constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
+                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group)),
+                num_warps=q_warps, num_stages=q_stages),
+        ]
+    launches = [preprocess, *main]
     buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("dq", shape.q_shape(), shape.dtype),
                Spec("dk", shape.k_shape(), shape.dtype), Spec("dv", shape.v_shape(), shape.dtype)]
     results = ["dq", "dk", "dv"]
