@@ -492,7 +492,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
     dims = (("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v))
-    main_inputs = ("q", "k", "v", "dout", "lse", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
+    main_inputs = ("q", "k", "v", "dout", "lse2", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
                    name("cu_seqlens_k"))
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
@@ -504,9 +504,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     preprocess = Launch(
         kernel=f"{_BWD}:attn_bwd_preprocess_kernel",
         grid=(cdiv(shape.seqlen_q, pre_m), shape.heads_q, shape.batch),
-        inputs=("out", "dout", name("dlse"), name("cu_seqlens_q")),
+        inputs=("out", "dout", name("dlse"), "lse", name("cu_seqlens_q")),
         scalars=pre_scalars,
-        outputs=("delta",),
+        outputs=("delta", "lse2"),
         constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
                     ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
         num_warps=4 if target.interpret else 8, num_stages=1)
@@ -550,8 +550,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
-    buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("dq", shape.q_shape(), shape.dtype),
-               Spec("dk", shape.k_shape(), shape.dtype), Spec("dv", shape.v_shape(), shape.dtype)]
+    buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("lse2", shape.lse_shape, "float32"),
+               Spec("dq", shape.q_shape(), shape.dtype), Spec("dk", shape.k_shape(), shape.dtype),
+               Spec("dv", shape.v_shape(), shape.dtype)]
     results = ["dq", "dk", "dv"]
     if options.has_sinks:
         buffers += [Spec("dsinks_part", (shape.batch, shape.heads_q), "float32"),
