@@ -272,10 +272,10 @@ def trace_paths(b, s, h, d, causal):
 # program-level AttentionConfig settings --tune / --order-only time with the default tiles: the program
 # orders (head_group; None = the default, 4 when causal) and the one-launch backward (fused_backward)
 PROGRAM_CONFIGS = (dict(head_group=1), dict(head_group=4), dict(head_group=8), dict(head_group=16),
-                   dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=1))
-# --order-only: the defaults against grid order and the one-launch backward (head_group 8 / 16 / 64 were
+                   dict(head_group=64), dict(fused_backward=False), dict(fused_backward=False, head_group=1))
+# --order-only: the defaults against grid order and the two-launch backward (head_group 8 / 16 / 64 were
 # timed on 2026-11-30, attention_order_h200.json; fewer settings compile fewer kernels)
-ORDER_ONLY_CONFIGS = (dict(head_group=1), dict(), dict(fused_backward=True), dict(fused_backward=True, head_group=1))
+ORDER_ONLY_CONFIGS = (dict(head_group=1), dict(), dict(fused_backward=False), dict(fused_backward=False, head_group=1))
 # (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
 # sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
 # 128-wide K/V tile exceeds shared memory
@@ -377,8 +377,9 @@ def tune(d, causal, s=4096):
     for kernel, cands in bwd_cands.items():
         for tile in cands:
             bm, bn, w, st = tile
+            # two launches, so that each kernel runs at its own tile's warps and stages
             cfg = AttentionConfig(**{f"{kernel}_block_m": bm, f"{kernel}_block_n": bn,
-                                     f"{kernel}_num_warps": w, f"{kernel}_num_stages": st})
+                                     f"{kernel}_num_warps": w, f"{kernel}_num_stages": st}, fused_backward=False)
             try:
                 plan = plan_attention_bwd(shape, options, target=target, config=cfg)
                 execute(plan, inputs)

@@ -29,7 +29,9 @@ for stage in "${stages[@]}"; do
   case $stage in
     env) { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
            python3 -c 'import torch, triton, jax; print(torch.__version__, triton.__version__, jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt" ;;
-    tests) python3 -m pytest tests -m gpu -q -p no:cacheprovider -n 4 --timeout 120 ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/tests_gpu.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
+    # PYTEST_EXTRA is split like a shell line: PYTEST_EXTRA="-k 'attention or cross'"
+    tests) eval "extra=(${PYTEST_EXTRA:-})"
+           python3 -m pytest tests -m gpu -q -p no:cacheprovider -n 4 --timeout 120 "${extra[@]}" 2>&1 | tee "$OUT/tests_gpu.log" | tail -40; status=$((status | PIPESTATUS[0])) ;;
     # MEMCHECK="norms decode" limits the families (default: all, and attention)
     memcheck) compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/memcheck.py ${MEMCHECK//attention/} 2>&1 | tee "$OUT/memcheck.log" | tail -15; status=$((status | PIPESTATUS[0]))
               if [ -z "${MEMCHECK:-}" ] || [[ " $MEMCHECK " == *" attention "* ]]; then

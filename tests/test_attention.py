@@ -727,13 +727,14 @@ def test_jax_fused_backward_gives_identical_results():
     def grads(config):
         return execute(lambda t: plan_attention_bwd(shape, options, target=t, config=config), inputs)
 
-    for got, want in zip(grads(AttentionConfig(fused_backward=True)), grads(AttentionConfig())):
+    for got, want in zip(grads(AttentionConfig(fused_backward=True)), grads(AttentionConfig(fused_backward=False))):
         assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
 
 
 def test_fused_backward_needs_one_warp_count():
-    """fused_backward makes one launch of dK/dV and dQ when their tiles share num_warps (GPU D=128: 8 and 8)
-    and keeps two otherwise (GPU D=256: 4 and 8), so that no path runs at another tile's warp count."""
+    """fused_backward (default on) makes one launch of dK/dV and dQ when their tiles share num_warps (GPU
+    D=128: 8 and 8) and keeps two otherwise (GPU D=256: 4 and 8), so that no path runs at another tile's warp
+    count; fused_backward=False always makes two."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_bwd
 
@@ -745,9 +746,10 @@ def test_fused_backward_needs_one_warp_count():
         plan = plan_attention_bwd(shape, options, target=gpu, config=AttentionConfig(**settings))
         return [launch.kernel.split(":")[1] for launch in plan.launches]
 
-    assert kernels(128, fused_backward=True) == ["attn_bwd_preprocess_kernel", "attn_bwd_kernel"]
-    assert kernels(128) == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
-    assert kernels(256, fused_backward=True) == kernels(256)
+    assert kernels(128) == kernels(128, fused_backward=True) == ["attn_bwd_preprocess_kernel", "attn_bwd_kernel"]
+    assert kernels(128, fused_backward=False) == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
+                                                  "attn_bwd_dq_kernel"]
+    assert kernels(256, fused_backward=True) == kernels(256) == kernels(256, fused_backward=False)
     assert kernels(256, fused_backward=True, dq_num_warps=4)[1:] == ["attn_bwd_kernel"]
 
 
@@ -759,13 +761,14 @@ def test_fused_backward_needs_one_warp_count():
     dict(b=2, sq=70, sk=90, hq=4, hkv=2, causal=True, alibi=True),
 ])
 @pytest.mark.parametrize("config", [
-    dict(head_group=3), dict(head_group=64), dict(fused_backward=True), dict(fused_backward=True, head_group=3),
+    dict(head_group=3), dict(head_group=64), dict(), dict(fused_backward=False, head_group=3),
+    dict(fused_backward=True, head_group=3),
     dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_program_order_and_fused_backward_give_identical_results(case, config):
     """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward
-    (fused_backward, attn_bwd_kernel): every output element written (outputs are poisoned before each launch
-    in tests) and bitwise the values of the grid order / the two backward kernels with the same tiles,
+    (fused_backward, the default: attn_bwd_kernel): every output element written (outputs are poisoned before
+    each launch in tests) and bitwise the values of the grid order / the two backward kernels with the same tiles,
     forward and backward, including a group that does not divide the (head, sequence) pairs, one larger
     than all of them, and dK/dV and dQ tiles of different sizes in one launch."""
     import zlib
@@ -807,6 +810,6 @@ def test_program_order_and_fused_backward_give_identical_results(case, config):
 
     tiles = {k: v for k, v in config.items() if "block" in k}
     fused = plan_attention_bwd(shape, options, target=target, config=AttentionConfig(**config)).launches
-    assert ("attn_bwd_kernel" in fused[1].kernel) == bool(config.get("fused_backward"))
-    for got, want in zip(run(AttentionConfig(**config)), run(AttentionConfig(**tiles))):
+    assert ("attn_bwd_kernel" in fused[1].kernel) == config.get("fused_backward", True)
+    for got, want in zip(run(AttentionConfig(**config)), run(AttentionConfig(**tiles, fused_backward=False))):
         assert torch.equal(got, want)  # a program skipped or run twice leaves poison (NaN) or another value

@@ -230,8 +230,10 @@ def test_attention_forward_compiles_identically_and_vectorised(masked_num_stages
 
 
 def test_attention_backward_compiles_identically_and_vectorised():
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
     shape, options = _attn_case(causal=False, varlen=True)
-    launches = plan_attention_bwd(shape, options, target=H200).launches
+    launches = plan_attention_bwd(shape, options, target=H200, config=AttentionConfig(fused_backward=False)).launches
     ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith("attn_bwd_dq_kernel")),
                            _attn_dtypes("bfloat16"))
     assert _vector_loads(ptx) > 0, "no 16-byte loads in the attention dq kernel"

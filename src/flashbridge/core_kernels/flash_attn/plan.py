@@ -43,8 +43,10 @@ class AttentionConfig:
       4 for causal attention on a GPU, else 1 (see :func:`_head_group`).
     * ``fused_backward``: run the dK/dV and dQ grids in one launch (``attn_bwd_kernel``: the dQ programs
       fill the SMs the dK/dV grid's last wave leaves idle) at the dK/dV tile's ``num_stages``, when both
-      tiles have the same ``num_warps`` (else the two launches); identical results. None = False until an
-      H200 run says otherwise (``bench_attention.py --order-only`` times both).
+      tiles have the same ``num_warps`` (else the two launches); identical results. None = True: H200,
+      bf16, S=4096 (``attention_order_h200.json``, ``bench_attention.py --order-only``): backward D=128
+      full 383 -> 395 TFLOP/s, causal 349 -> 354, D=64 causal 312 -> 328, GQA 32/8 D=128 causal 322 -> 331
+      (D=64 full 345 -> 343, within the noise); D=256's default tiles differ in warps and keep two launches.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -514,7 +516,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
     # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
-    if config.fused_backward and kv_warps == q_warps:
+    fused = config.fused_backward if config.fused_backward is not None else True
+    if fused and kv_warps == q_warps:
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
         main = [Launch(
