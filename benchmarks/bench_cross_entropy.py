@@ -44,7 +44,7 @@ def _peak_extra_torch(fn) -> float:
 
 # --jax-sweep: pass 1's tokens per chunk x pass 2's vocabulary columns per slice for the JAX path, whose
 # workspaces XLA cannot place inside dW (the torch path's trick): both set its peak beyond the gradients
-JAX_SWEEP = ((256, 4096), (256, 2048), (384, 2048), (448, 2048), (512, 2048), (512, 4096))
+JAX_SWEEP = ((64, 2048), (128, 2048), (128, 1024), (256, 1024), (512, 2048))
 
 
 def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None) -> dict:
