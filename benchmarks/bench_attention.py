@@ -9,6 +9,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
     python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
     python benchmarks/bench_attention.py --order-only  # only head_group / fused_backward (AttentionConfig)
+    python benchmarks/bench_attention.py --fused-ab 4  # one-launch vs two-launch backward, interleaved 4 times
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -429,6 +430,10 @@ def main():
     parser.add_argument("--order-only", action="store_true",
                         help="only the program-level rows (AttentionConfig.head_group, fused_backward) at S=4096: "
                              "MHA D=128 / D=64 full and causal, GQA 32/8 D=128 full and causal")
+    parser.add_argument("--fused-ab", type=int, metavar="N",
+                        help="only the default (one-launch backward) against fused_backward=False, alternating N "
+                             "times at S=4096 (MHA D=128 / D=64 full and causal, GQA 32/8 D=128 causal): the two "
+                             "differ by less than the drift between separate runs (~3%%)")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -459,6 +464,13 @@ def main():
         rows += [r for causal in (False, True)
                  for r in time_program_configs(4, 4096, 32, 8, 128, causal, ORDER_ONLY_CONFIGS)]
         print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
+        return
+    if args.fused_ab:
+        configs = (dict(), dict(fused_backward=False)) * args.fused_ab
+        cases = ((16, 16, 128, False), (16, 16, 128, True), (16, 16, 64, True), (16, 16, 64, False), (32, 8, 128, True))
+        rows = [r for hq, hkv, d, causal in cases
+                for r in time_program_configs(TOKENS // 4096, 4096, hq, hkv, d, causal, configs)]
+        print(f"wrote {save('attention_fused_ab_h200', {'environment': environment(), 'rows': rows})}")
         return
     if args.tune_only:
         args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True

@@ -9,13 +9,16 @@
    (read twice, gradient written once) in TB/s against the device-to-device copy ceiling measured in the
    same run; eager ``F.cross_entropy`` alongside.
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_cross_entropy.py [--quick]``; writes
-``results/cross_entropy.json`` and ``results/cross_entropy.png`` (or under $OUT).
+Usage: ``PYTHONPATH=src python benchmarks/bench_cross_entropy.py [--quick] [--jax-sweep]``; writes
+``results/cross_entropy.json`` and ``results/cross_entropy.png`` (or under $OUT). ``--jax-only --jax-hlo DIR``:
+the torch default and the JAX rows only (``cross_entropy_jax.json``), with XLA's optimized HLO of each JAX row.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import re
 import sys
 
 import _common  # noqa: F401  (puts src/ on sys.path)
@@ -47,9 +50,10 @@ def _peak_extra_torch(fn) -> float:
 JAX_SWEEP = ((64, 2048), (128, 2048), (128, 1024), (256, 1024), (512, 2048))
 
 
-def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None) -> dict:
+def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None, hlo_dir=None) -> dict:
     """Time (jitted value_and_grad) and XLA's compiled memory (temporaries + outputs) of the JAX linear CE;
-    ``slice_cols`` replaces the GPU default of pass 2's slice width for this row."""
+    ``slice_cols`` replaces the GPU default of pass 2's slice width for this row. With ``hlo_dir`` the
+    optimized HLO (after XLA's copy insertion: every ``copy`` of a dW-sized array shows) is written there."""
     import contextlib
     import importlib
     from unittest import mock
@@ -62,7 +66,12 @@ def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None) -> dict:
         with width:  # read while tracing
             fn = jax.value_and_grad(lambda a, b, c: jce.linear_cross_entropy(a, b, c, chunk_size=chunk),
                                     argnums=(0, 1))
-            ma = jax.jit(fn).lower(hj, wj, yj).compile().memory_analysis()
+            compiled = jax.jit(fn).lower(hj, wj, yj).compile()
+            ma = compiled.memory_analysis()
+            if hlo_dir:
+                os.makedirs(hlo_dir, exist_ok=True)
+                with open(os.path.join(hlo_dir, re.sub(r"[^\w=.-]+", "_", name) + ".hlo.txt"), "w") as f:
+                    f.write(compiled.as_text())
             ms = time_jax(fn, hj, wj, yj)
     except Exception as exc:
         return {"impl": name, "error": f"{type(exc).__name__}: {exc}"}
@@ -72,7 +81,7 @@ def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None) -> dict:
             "temp_gb": ma.temp_size_in_bytes / 1e9}
 
 
-def bench_linear(quick: bool, jax_sweep: bool = False) -> list[dict]:
+def bench_linear(quick: bool, jax_sweep: bool = False, jax_only: bool = False, hlo_dir=None) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -98,17 +107,18 @@ def bench_linear(quick: bool, jax_sweep: bool = False) -> list[dict]:
     add("flashbridge torch", lambda: torch.autograd.grad(linear_cross_entropy(h, w, y), (h, w)))
     # the chunk trade-off: fewer tokens per chunk hold less logits memory but add a dW read-modify-write
     # (and a bf16 rounding of dW) per chunk
-    for chunk in CHUNK_SWEEP:
+    for chunk in () if jax_only else CHUNK_SWEEP:
         add(f"flashbridge torch chunk={chunk}", lambda: torch.autograd.grad(
             linear_cross_entropy(h, w, y, chunk_size=chunk), (h, w)))
-    add("eager F.cross_entropy(h @ W.T)", lambda: torch.autograd.grad(
-        F.cross_entropy(h @ w.T, y), (h, w)))
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        liger = LigerFusedLinearCrossEntropyLoss()
-        add("liger-kernel fused linear CE", lambda: torch.autograd.grad(liger(w, h, y), (h, w)))
-    except ImportError as exc:
-        rows.append({"impl": "liger-kernel fused linear CE", "error": f"not importable: {exc}"})
+    if not jax_only:
+        add("eager F.cross_entropy(h @ W.T)", lambda: torch.autograd.grad(
+            F.cross_entropy(h @ w.T, y), (h, w)))
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            liger = LigerFusedLinearCrossEntropyLoss()
+            add("liger-kernel fused linear CE", lambda: torch.autograd.grad(liger(w, h, y), (h, w)))
+        except ImportError as exc:
+            rows.append({"impl": "liger-kernel fused linear CE", "error": f"not importable: {exc}"})
 
     try:
         import jax
@@ -121,10 +131,10 @@ def bench_linear(quick: bool, jax_sweep: bool = False) -> list[dict]:
     except Exception as exc:
         rows.append({"impl": "flashbridge jax", "error": f"{type(exc).__name__}: {exc}"})
     else:
-        rows.append(jax_linear_row("flashbridge jax", hj, wj, yj))
+        rows.append(jax_linear_row("flashbridge jax", hj, wj, yj, hlo_dir=hlo_dir))
         for chunk, slice_cols in JAX_SWEEP if jax_sweep else ():
             rows.append(jax_linear_row(f"flashbridge jax chunk={chunk} slice={slice_cols}", hj, wj, yj,
-                                       chunk=chunk, slice_cols=slice_cols))
+                                       chunk=chunk, slice_cols=slice_cols, hlo_dir=hlo_dir))
             print(rows[-1], flush=True)
     print(rows[-1], flush=True)
     for r in rows:
@@ -247,13 +257,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", action="store_true", help="only time the logits-level kernels' tile options")
     parser.add_argument("--jax-sweep", action="store_true",
                         help="also the JAX linear CE at the chunk x slice settings of JAX_SWEEP")
+    parser.add_argument("--jax-only", action="store_true",
+                        help="of the linear CE only the default torch row (the reference) and the JAX rows; no "
+                             "logits-level rows")
+    parser.add_argument("--jax-hlo", metavar="DIR",
+                        help="write each JAX row's optimized HLO (XLA's copies, buffer sizes) into DIR")
     args = parser.parse_args(argv)
     ceiling = measure_copy_ceiling()
     if args.tune:
         save("cross_entropy_tune", {"copy_ceiling_tbs": ceiling, "tune": tune(ceiling)})
         return 0
-    linear = bench_linear(args.quick, args.jax_sweep)
-    logits = bench_logits(args.quick, ceiling)
+    linear = bench_linear(args.quick, args.jax_sweep, args.jax_only, args.jax_hlo)
+    logits = [] if args.jax_only else bench_logits(args.quick, ceiling)
     print_table("linear cross-entropy forward+backward", ["impl", "time (ms)", "peak extra (GB)", "TFLOP/s"],
                 [[r["impl"], r.get("time_ms", r.get("error", "-")), r.get("peak_extra_gb", "-"),
                   r.get("tflops", "-")] for r in linear])
@@ -261,9 +276,11 @@ def main(argv=None) -> int:
                 ["impl", "fwd ms", "fwd TB/s", "fwd / ceiling", "fwd+bwd ms", "fwd+bwd TB/s", "fwd+bwd / ceiling"],
                 [[r["impl"], r["fwd_ms"], r["fwd_tbs"], r["fwd_of_ceiling"], r["fwd_bwd_ms"], r["fwd_bwd_tbs"],
                   r["fwd_bwd_of_ceiling"]] for r in logits])
-    path = save("cross_entropy", {"copy_ceiling_tbs": ceiling, "linear": linear, "logits": logits,
-                                  "quick": args.quick})
-    plot(linear)
+    # a --jax-only run does not replace the full run's results
+    path = save("cross_entropy_jax" if args.jax_only else "cross_entropy",
+                {"copy_ceiling_tbs": ceiling, "linear": linear, "logits": logits, "quick": args.quick})
+    if not args.jax_only:
+        plot(linear)
     print(f"wrote {path}")
     return 0
 
