@@ -234,8 +234,7 @@ def test_jax_linear_cross_entropy_keeps_no_logits_copy():
             jax.ShapeDtypeStruct((n,), jnp.int32))
     fn = jax.value_and_grad(lambda a, b, c: jlce(a, b, c, chunk_size=256, validate_labels=False), argnums=(0, 1))
     text = jax.jit(fn).lower(*args).compile().as_text()
-    for rows in (256, n % 256):
-        assert not re.search(rf"= bf16\[{rows},{v}\]\{{1,0\}} copy\(", text), f"a copy of {rows} x {v} logits"
+    assert not re.search(rf"= bf16\[\d+,{v}\]\{{1,0\}} copy\(", text), "a copy of a chunk's logits"
     # a fusion computation taking a chunk of logits: one of our kernel calls wrapped with slices
     assert not re.search(rf"^%dynamic-slice-fusion[.\d]* \([^)]*bf16\[\d+,{v}\]", text, re.M), \
         "a kernel call inside a dynamic-slice fusion"
