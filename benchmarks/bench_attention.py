@@ -9,13 +9,15 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
     python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
     python benchmarks/bench_attention.py --order-only  # only head_group / fused_backward (AttentionConfig)
-    python benchmarks/bench_attention.py --fused-ab 4  # one-launch vs two-launch backward, interleaved 4 times
+    python benchmarks/bench_attention.py --ab 4       # the defaults against fused_backward=False, alternating 4x
+    python benchmarks/bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'   # ... against another setting
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
 from __future__ import annotations
 
 import argparse
+import json
 import functools
 import traceback
 
@@ -430,10 +432,12 @@ def main():
     parser.add_argument("--order-only", action="store_true",
                         help="only the program-level rows (AttentionConfig.head_group, fused_backward) at S=4096: "
                              "MHA D=128 / D=64 full and causal, GQA 32/8 D=128 full and causal")
-    parser.add_argument("--fused-ab", type=int, metavar="N",
-                        help="only the default (one-launch backward) against fused_backward=False, alternating N "
-                             "times at S=4096 (MHA D=128 / D=64 full and causal, GQA 32/8 D=128 causal): the two "
-                             "differ by less than the drift between separate runs (~3%%)")
+    parser.add_argument("--ab", type=int, metavar="N",
+                        help="only the defaults against --ab-config, alternating N times in one process at S=4096 "
+                             "(MHA D=128 / D=64 full and causal, GQA 32/8 D=128 full and causal): for differences "
+                             "smaller than the drift between separate runs (~3%%)")
+    parser.add_argument("--ab-config", default='{"fused_backward": false}', metavar="JSON",
+                        help="the AttentionConfig keywords --ab compares the defaults with")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -465,12 +469,15 @@ def main():
                  for r in time_program_configs(4, 4096, 32, 8, 128, causal, ORDER_ONLY_CONFIGS)]
         print(f"wrote {save('attention_order_h200', {'environment': environment(), 'rows': rows})}")
         return
-    if args.fused_ab:
-        configs = (dict(), dict(fused_backward=False)) * args.fused_ab
-        cases = ((16, 16, 128, False), (16, 16, 128, True), (16, 16, 64, True), (16, 16, 64, False), (32, 8, 128, True))
+    if args.ab:
+        other = json.loads(args.ab_config)
+        configs = (dict(), other) * args.ab
+        cases = ((16, 16, 128, False), (16, 16, 128, True), (16, 16, 64, True), (16, 16, 64, False),
+                 (32, 8, 128, False), (32, 8, 128, True))
         rows = [r for hq, hkv, d, causal in cases
                 for r in time_program_configs(TOKENS // 4096, 4096, hq, hkv, d, causal, configs)]
-        print(f"wrote {save('attention_fused_ab_h200', {'environment': environment(), 'rows': rows})}")
+        name = "attention_ab_" + "_".join(f"{k}-{v}" for k, v in other.items()) + "_h200"
+        print(f"wrote {save(name, {'environment': environment(), 'against': other, 'rows': rows})}")
         return
     if args.tune_only:
         args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True

@@ -198,9 +198,14 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         **{n: _info(t) for n, t in tensors.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     if shape.varlen and not torch.compiler.is_compiling():
-        # Reading the offsets costs a device sync on CUDA; under torch.compile they stay on the device and
-        # the kernels clamp every access to the packed tensors instead.
-        check_cu_seqlens_values(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), shape)
+        # Reading the offsets costs a device sync on CUDA (one for both: they usually are one tensor); under
+        # torch.compile they stay on the device and the kernels clamp every access to the packed tensors.
+        if cu_seqlens_k is cu_seqlens_q:
+            offsets_q = offsets_k = cu_seqlens_q.tolist()
+        else:
+            both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+            offsets_q, offsets_k = both[:cu_seqlens_q.numel()], both[cu_seqlens_q.numel():]
+        check_cu_seqlens_values(offsets_q, offsets_k, shape)
     out, lse = _attention(q, k, v, options, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
