@@ -44,9 +44,10 @@ class AttentionConfig:
     * ``fused_backward``: run the dK/dV and dQ grids in one launch (``attn_bwd_kernel``: the dQ programs
       fill the SMs the dK/dV grid's last wave leaves idle) at the dK/dV tile's ``num_stages``, when both
       tiles have the same ``num_warps`` (else the two launches); identical results. None = True: H200,
-      bf16, S=4096 (``attention_order_h200.json``, ``bench_attention.py --order-only``): backward D=128
-      full 383 -> 395 TFLOP/s, causal 349 -> 354, D=64 causal 312 -> 328, GQA 32/8 D=128 causal 322 -> 331
-      (D=64 full 345 -> 343, within the noise); D=256's default tiles differ in warps and keep two launches.
+      bf16, S=4096: one ``--order-only`` run gave backward D=128 full 383 -> 395 TFLOP/s, causal 349 -> 354,
+      D=64 causal 312 -> 328, GQA 32/8 causal 322 -> 331; alternating both four times in one process
+      (``bench_attention.py --ab 4``) MHA differs by less than 1.5% either way and GQA causal gains 1.4%.
+      D=256's default tiles differ in warps and keep two launches.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
