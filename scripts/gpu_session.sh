@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick bench-attention attention-order bench-decode bench-ce host-overhead
+#   bench-attention-quick bench-attention attention-order bench-decode bench-ce ce-jax host-overhead
 #   jax-settings
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
@@ -41,6 +41,8 @@ for stage in "${stages[@]}"; do
     bench-norms) python3 benchmarks/bench_norms.py ${NORMS_ARGS:-} 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
     bench-decode) python3 benchmarks/bench_decode.py ${DECODE_ARGS---splits} 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
     bench-ce) python3 benchmarks/bench_cross_entropy.py ${CE_ARGS:-} 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
+    # the JAX linear CE rows alone (and torch's default beside them), with XLA's optimized HLO of each
+    ce-jax) python3 benchmarks/bench_cross_entropy.py --jax-only --jax-hlo "$OUT/hlo" ${CE_ARGS:-} 2>&1 | tee "$OUT/ce_jax.log" | tail -20 ;;
     # ATTN_DIMS=64,128 splits the full matrix across runs (one results file per split)
     bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
