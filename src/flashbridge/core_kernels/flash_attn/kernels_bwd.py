@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, grid_schedule,
-                             kv_block_range, load_tile, lse_log2, q_block_range, query_block, query_block_at,
+                             kv_block_range, load_rows, load_tile, lse_log2, q_block_range, query_block, query_block_at,
                              recompute_p, score_grad, score_params, seq_range, unravel_grid)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
@@ -95,10 +95,8 @@ def _dkdv_step(
     m_start = blk * BLOCK_M
     offs_m = m_start + offs_r
     row_ok = offs_m < len_q
-    q = load_tile(Q_head + tl.cast(m_start, tl.int64) * stride_qs + offs_r[:, None] * stride_qs
-                  + offs_dqk[None, :], row_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [M, Dqk]
-    do = load_tile(DO_head + tl.cast(m_start, tl.int64) * stride_dos + offs_r[:, None] * stride_dos
-                   + offs_dv[None, :], row_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [M, Dv]
+    q = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk, row_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [M, Dqk]
+    do = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv, row_ok, DV, BLOCK_DV, APPLY_MASK)  # [M, Dv]
     if APPLY_MASK:
         # Rows past the sequence read lse2 = +inf (-> p = 0) and delta = 0: they add nothing.
         lse2 = tl.load(L2_head + offs_m, mask=row_ok, other=float("inf"))
@@ -128,7 +126,8 @@ def _dkdv_q_range(
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
     pairs in one flat loop, head-major: an outer loop over the heads around the pipelined block loop made
-    ptxas spill 1.4 KB per thread (sm_90, D=128, GROUP=4), against 56-128 B without GQA."""
+    ptxas spill 1.4 KB per thread (sm_90, D=128, GROUP=4), against 56-128 B without GQA. GROUP == 1 keeps
+    the plain block loop (the flat one would add a division per step)."""
     if GROUP == 1:
         slope2 = alibi_slope2(SLOPES, b, kh, stride_ab, HAS_ALIBI)
         Q_head = Q_seq + kh * stride_qh
@@ -263,10 +262,8 @@ def _dq_kv_range(
         n_start = blk * BLOCK_N
         offs_n = n_start + offs_c
         key_ok = offs_n < len_k
-        k = load_tile(K_base + tl.cast(n_start, tl.int64) * stride_ks + offs_c[:, None] * stride_ks
-                      + offs_dqk[None, :], key_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [N, Dqk]
-        v = load_tile(V_base + tl.cast(n_start, tl.int64) * stride_vs + offs_c[:, None] * stride_vs
-                      + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
+        k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [N, Dqk]
+        v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, APPLY_MASK)  # [N, Dv]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
         p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
                            len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)

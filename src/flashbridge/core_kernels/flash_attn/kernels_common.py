@@ -169,6 +169,15 @@ def load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.c
     return x
 
 
+@triton.jit
+def load_rows(BASE, start, offs, stride, offs_d, rows_ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              CHECK_ROWS: tl.constexpr):
+    """The [R, BLOCK_D] tile of rows ``start + offs`` (``stride`` elements apart) of the array at ``BASE``,
+    its first ``D`` columns read (masks as in :func:`load_tile`: rows only when ``CHECK_ROWS``)."""
+    return load_tile(BASE + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :], rows_ok,
+                     offs_d < D, CHECK_ROWS, BLOCK_D != D)
+
+
 # ---------------------------------------------------------------------------------------- score modifiers
 
 @triton.jit

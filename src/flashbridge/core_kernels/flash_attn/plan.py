@@ -517,8 +517,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
     # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
-    fused = config.fused_backward if config.fused_backward is not None else True
-    if fused and kv_warps == q_warps:
+    if config.fused_backward is not False and kv_warps == q_warps:  # None (the default) = fused
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
         main = [Launch(
