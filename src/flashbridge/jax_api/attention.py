@@ -232,7 +232,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         **{n: _info(a) for n, a in arrays.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
-        check_cu_seqlens_values(np.asarray(cu_seqlens_q).tolist(), np.asarray(cu_seqlens_k).tolist(), shape)
+        offsets_q, offsets_k = jax.device_get((cu_seqlens_q, cu_seqlens_k))  # one transfer for both
+        check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
     static = _Static(options, max_seqlen_q, max_seqlen_k)
     out, lse = _attention(*match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
     return (out, lse) if return_lse else out

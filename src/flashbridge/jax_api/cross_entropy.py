@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core_kernels import INTERPRETER
 from ..core_kernels.cross_entropy.plan import (
-    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
+    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_slice_cols,
     plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, gpu_target, match_varying
@@ -325,10 +326,9 @@ def _pass1_chunk(n_rows: int, hidden_dim: int) -> int:
 
 
 def _slice_cols() -> int:
-    """Pass 2's vocabulary columns per slice: 2048 on a GPU (H200, N=8192, H=4096, V=128256, chunk 256:
-    1.333 GB at 59.2 ms against 1.367 GB at 59.2 ms with 4096), 256 in the interpreter so that tests cross
-    several slices."""
-    return 2048 if gpu_target() is not None else 256
+    """Pass 2's vocabulary columns per slice (its logits are arrays of their own here, see
+    ``choose_slice_cols``)."""
+    return choose_slice_cols(gpu_target() or INTERPRETER, logits_in_dw=False)
 
 
 def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, label_smoothing: float = 0.0,

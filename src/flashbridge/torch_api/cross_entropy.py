@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..core_kernels.cross_entropy.plan import (
     bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
-    chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
+    choose_slice_cols, chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
 from ._checks import check_tensors
 from ._ops import fused_op, plain_eager
 from ._runtime import dtype_name, execute, target_for
@@ -124,12 +124,6 @@ def _logits_into(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Optiona
     return torch.addmm(bias, h, weight.t(), out=out)
 
 
-def _slice_cols(hidden: Tensor) -> int:
-    """Vocabulary columns per pass-2 slice: N x 4096 logits keep cuBLAS at full speed on a GPU; the
-    interpreter takes narrow slices so that tests cross several of them."""
-    return 4096 if hidden.device.type == "cuda" else 256
-
-
 SMALL_SLICE_BYTES = 16 * 2**20  # the pass-2 logits buffer for the slices that dW's tail rows cannot host
 
 
@@ -181,10 +175,8 @@ def _two_pass_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
         lse_lo = hidden.new_empty((n_rows,), dtype=torch.float32)
     scratch = dw.view(-1) if dw.numel() else None
     want_dh = dh.numel() > 0
-    for start, stop in chunk_bounds(n_rows, chunk):  # pass 1
+    for start, stop in chunk_bounds(n_rows, chunk) if forward or want_dh else ():  # pass 1
         rows = stop - start
-        if not (forward or want_dh):
-            break
         h_c = hidden[start:stop]
         logits = _logits_into(h_c, weight, bias, scratch if scratch is not None and rows * vocab <= scratch.numel()
                               else None)
@@ -205,7 +197,7 @@ def _two_pass_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
             torch.mm(grad, weight, out=dh[start:stop])
         del logits, named
     if dw.numel() or db is not None:  # pass 2
-        for c0, c1, buf in _vocab_slices(n_rows, vocab, _slice_cols(hidden), dw, hidden):
+        for c0, c1, buf in _vocab_slices(n_rows, vocab, choose_slice_cols(target, logits_in_dw=True), dw, hidden):
             logits = _logits_into(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], buf)
             plan = plan_ce_grad(n_rows, c1 - c0, grad_dtype=dtype, per_row_weight=per_row, **options,
                                 target=target, col0=c0, vocab_all=vocab)

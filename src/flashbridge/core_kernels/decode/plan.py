@@ -499,10 +499,10 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     """The automatic split count. ``base = batch * heads_kv * row_blocks`` programs exist without splits.
 
     * Contiguous bf16/fp16 caches (``cache`` None, or neither paged nor FP8): 1 split once ``base`` reaches
-      one program per SM, else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32, Hkv=8, D=128 (the split
-      sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took 130 us at 32 splits
-      against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6; B=32, S=8k 246 us
-      with 1 split against 252-261 with 3-4.
+      one program per SM, else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32,
+      Hkv=8, D=128 (the split sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took
+      130 us at 32 splits against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6;
+      B=32, S=8k 246 us with 1 split against 252-261 with 3-4.
     * Paged caches, and FP8 caches on 64-key tiles (a page-table lookup per key block, or the FP8
       conversions in every iteration), want more programs in flight: 4 per SM, the count rounded up to a
       power of two, and 1 split only once ``base`` reaches that (B=1, S=128k, paged: 133 us at 64 splits,
