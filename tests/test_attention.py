@@ -762,7 +762,6 @@ def test_fused_backward_needs_one_warp_count():
 ])
 @pytest.mark.parametrize("config", [
     dict(head_group=3), dict(head_group=64), dict(), dict(fused_backward=False, head_group=3),
-    dict(fused_backward=True, head_group=3),
     dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_program_order_and_fused_backward_give_identical_results(case, config):
