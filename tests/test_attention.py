@@ -684,6 +684,10 @@ def test_attention_config_rejects_bad_values():
     assert AttentionConfig(masked_num_stages=1).masked_num_stages == 1
     with pytest.raises(ValueError, match="AttentionConfig.head_group"):
         AttentionConfig(head_group=0)
+    with pytest.raises(ValueError, match="AttentionConfig.fused_backward"):
+        AttentionConfig(fused_backward="no")  # a truthy string must not switch the one launch on
+    with pytest.raises(ValueError, match="AttentionConfig.fused_backward"):
+        AttentionConfig(fused_backward=0)  # nor a 0 that is not False
 
 
 def test_head_group_default_is_4_for_causal_attention_on_a_gpu():

@@ -81,6 +81,8 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
         if self.head_group is not None and self.head_group < 1:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
+        if not (self.fused_backward is None or isinstance(self.fused_backward, bool)):
+            raise ValueError(f"AttentionConfig.fused_backward: must be None, True or False, got {self.fused_backward!r}")
 
     def tile(self, kernel: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq")."""
