@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick bench-attention attention-order bench-decode bench-ce ce-jax host-overhead
+#   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
 #   jax-settings
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
@@ -47,6 +47,8 @@ for stage in "${stages[@]}"; do
     bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
     attention-order) python3 benchmarks/bench_attention.py --order-only 2>&1 | tee "$OUT/attention_order.log" | grep -v "^order" | tail -20 ;;
+    # defaults against one AttentionConfig setting, alternating in one process: ATTN_AB_CONFIG='{"dkdv_block_m": 32}'
+    attention-ab) python3 benchmarks/bench_attention.py --ab ${ATTN_AB:-4} ${ATTN_AB_CONFIG:+--ab-config "$ATTN_AB_CONFIG"} 2>&1 | tee "$OUT/attention_ab.log" | tail -30 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
     # the JAX rows alone under three allocator / launch settings (the JAX-vs-torch gap of the norms)
     jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1"; do
