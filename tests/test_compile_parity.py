@@ -30,7 +30,7 @@ from flashbridge.core_kernels import HostArray, INTERPRETER, Target, get_kernel
 from flashbridge.core_kernels._loader import _language_namespaces
 from flashbridge.core_kernels._plan import pow2_divisor
 from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
-from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad
+from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad, plan_linear_logits
 from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 
 H200 = Target(interpret=False, num_sms=132)
@@ -198,6 +198,17 @@ def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
               "lse": "float32", "lse_lo": "float32", "grad": "bfloat16"}
     for launch in plan.launches:
         _assert_same_ptx(launch, dtypes)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_logits_kernel_compiles_identically_and_vectorised(transposed):
+    """The JAX linear op's logits GEMM (N=4096 tokens, H=4096, V=128256, bf16): the same PTX from both
+    launchers, 16-byte asynchronous copies into shared memory and wgmma."""
+    plan = plan_linear_logits(4096, 128256, 4096, dtype="bfloat16", weight_transposed=transposed, has_bias=True,
+                              out_shape=(128256, 4096), target=H200)
+    dtypes = {n: "bfloat16" for n in ("hidden", "weight", "bias", "buffer", "out")}
+    ptx = _assert_same_ptx(plan.launches[0], dtypes)
+    assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx
 
 
 def _vector_loads(ptx: str) -> int:

@@ -160,6 +160,11 @@ LIN_CASES = [  # lead, H, V, dtype, chunk, bias, options, reduction
     ((2, 65), 32, 1000, "bfloat16", 64, True, dict(z_loss=1e-3), "mean"),
     ((7,), 16, 32003, "float32", 4, False, dict(logit_softcap=5.0), "mean"),
     ((7,), 16, 1000, "float16", 2, True, ALL, "none"),
+    # default chunks with N >= H: the JAX op's pass 1 places chunks of H tokens in dW's storage (4 such
+    # chunks + 2 tokens; exactly 4; 2 x 65 tokens, reduction "none" recomputing in the backward)
+    ((130,), 32, 1000, "float32", None, True, ALL, "mean"),
+    ((64,), 16, 1000, "float32", None, False, {}, "sum"),
+    ((2, 65), 32, 1000, "bfloat16", None, True, dict(z_loss=1e-3), "none"),
 ]
 
 
@@ -414,6 +419,72 @@ def test_torch_module():
     for name, a, r in (("dh", ht.grad, rdh), ("dw", head.weight.grad, rdw), ("db", head.bias.grad, rdb)):
         assert_close(a, r, rounded(r, "float32"), name=name, floor=1e-5)
     assert "label_smoothing=0.1" in repr(loss_fn)
+
+
+@pytest.mark.parametrize("n,vocab,hidden,transposed,bias", [(7, 1000, 40, False, True), (70, 300, 64, True, False),
+                                                          (33, 129, 16, False, False)])
+def test_linear_logits_kernel(n, vocab, hidden, transposed, bias):
+    """plan_linear_logits: ``hidden @ W^T + b`` row-major at the start of a larger buffer (odd sizes, a hidden
+    size that is not a multiple of the K tile, a (H, V) weight), against float64; the rest of the buffer is
+    left alone when the output takes over the buffer."""
+    from flashbridge.core_kernels.cross_entropy.plan import plan_linear_logits
+    from flashbridge.jax_api._runtime import execute
+
+    rng = _rng("logits", n, vocab, hidden)
+    hh = rng.standard_normal((n, hidden)).astype(np.float32)
+    w = rng.standard_normal((hidden, vocab) if transposed else (vocab, hidden)).astype(np.float32)
+    b = rng.standard_normal(vocab).astype(np.float32)
+    shape = (vocab, max(hidden, n) + 3)
+    inputs = {"hidden": jnp.asarray(hh), "weight": jnp.asarray(w), "buffer": jnp.full(shape, 7.0, jnp.float32)}
+    if bias:
+        inputs["bias"] = jnp.asarray(b)
+    (out,) = execute(lambda t: plan_linear_logits(n, vocab, hidden, dtype="float32", weight_transposed=transposed,
+                                                  has_bias=bias, out_shape=shape, target=t),
+                     inputs, aliases={"out": "buffer"})
+    ref = np64(hh) @ (np64(w) if transposed else np64(w).T) + (np64(b) if bias else 0.0)
+    flat = np.asarray(out).reshape(-1)
+    assert_close(flat[:n * vocab].reshape(n, vocab), ref, rounded(ref, "float32"), name="logits")
+    assert (flat[n * vocab:] == 7.0).all()
+
+
+def test_jax_pass1_in_dw_storage_under_transforms():
+    """The JAX op's default pass 1 (chunks of H tokens whose logits our kernel writes into dW's storage):
+    under jit + grad, under vmap (the custom_vmap rule: XLA's matmul per example), and with a (H, V) Flax
+    kernel (weight_transposed), against the float64 reference."""
+    from flax import nnx
+
+    rng = _rng("in_dw")
+    h, w, b = _lin_inputs(rng, (2, 40), 16, 1000, "float32", True)
+    y = _labels(rng, (2, 40), 1000)
+    hj, wj, bj, yj = (*(jnp.asarray(a, jnp.float32) for a in (h, w, b)), jnp.asarray(y))
+
+    def loss_fn(hh, ww, bb, yy):
+        return fjc.linear_cross_entropy(hh, ww, yy, bias=bb, **ALL)
+
+    val, grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2)))(hj, wj, bj, yj)  # 80 tokens: 5 x H
+    ref = R.linear_cross_entropy(h, w, y, bias=b, **ALL)
+    assert_close(val, ref, rounded(ref, "float32"), name="in-dW jit loss")
+    for name, a, r in zip(("dh", "dw", "db"), grads, R.linear_cross_entropy_bwd(1.0, h, w, y, bias=b, **ALL)):
+        assert_close(a, r, rounded(r, "float32"), name=f"in-dW jit {name}", floor=1e-5)
+
+    per_ex = jax.vmap(jax.value_and_grad(loss_fn, argnums=(0, 1)), in_axes=(0, None, None, 0))(hj, wj, bj, yj)
+    for i in range(2):  # 40 tokens each: 2 x H + 8
+        ri = R.linear_cross_entropy(h[i], w, y[i], bias=b, **ALL)
+        rdh, rdw, _ = R.linear_cross_entropy_bwd(1.0, h[i], w, y[i], bias=b, **ALL)
+        assert_close(per_ex[0][i], ri, rounded(ri, "float32"), name="in-dW vmap loss")
+        assert_close(per_ex[1][0][i], rdh, rounded(rdh, "float32"), name="in-dW vmap dh")
+        assert_close(per_ex[1][1][i], rdw, rounded(rdw, "float32"), name="in-dW vmap dw")
+
+    head = nnx.Linear(16, 1000, rngs=nnx.Rngs(0))
+    h2 = h.reshape(80, 16)
+    loss, g = nnx.value_and_grad(lambda layer: fjc.linear_cross_entropy_from_layer(
+        layer, jnp.asarray(h2), jnp.asarray(y.reshape(80))))(head)
+    k, kb = np64(head.kernel[...]), np64(head.bias[...])
+    ref = R.linear_cross_entropy(h2, k.T, y.reshape(80), bias=kb)
+    _, rdw, rdb = R.linear_cross_entropy_bwd(1.0, h2, k.T, y.reshape(80), bias=kb)
+    assert_close(loss, ref, rounded(ref, "float32"), name="in-dW nnx.Linear loss")
+    assert_close(g.kernel[...], rdw.T, rounded(rdw.T, "float32"), name="in-dW nnx.Linear dkernel")
+    assert_close(g.bias[...], rdb, rounded(rdb, "float32"), name="in-dW nnx.Linear dbias")
 
 
 def test_flax_linear_head_and_tied_embedding():

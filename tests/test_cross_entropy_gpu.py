@@ -216,11 +216,13 @@ def test_jax_linear_cross_entropy_on_gpu():
 
 
 @pytest.mark.gpu
-def test_jax_linear_cross_entropy_keeps_no_logits_copy():
-    """XLA's optimized program of the JAX linear op (value_and_grad, one scan over 256-token chunks plus a
-    tail) copies no chunk of logits: the gradient kernel works in place on the GEMM's output, and the
-    forward kernel runs once per chunk (dynamic-slice fusion kept away from our kernel calls, see
-    ``_pass1``). Compiled only, not run."""
+@pytest.mark.parametrize("chunk_size", [256, None], ids=["chunks", "in-dW"])
+def test_jax_linear_cross_entropy_keeps_no_logits_copy(chunk_size):
+    """XLA's optimized program of the JAX linear op (value_and_grad; 256-token chunks plus a tail, or the
+    default: chunks of H tokens inside the dW-shaped buffer, then the tail) copies no chunk of logits and
+    not the buffer: the gradient kernel works in place on the GEMM's output, and the forward kernel runs
+    once per chunk (dynamic-slice fusion kept away from our kernel calls, see ``_pass1``). Compiled only,
+    not run."""
     pytest.importorskip("jax_triton")
     import re
 
@@ -232,9 +234,11 @@ def test_jax_linear_cross_entropy_keeps_no_logits_copy():
     n, h, v = 1000, 256, 4096
     args = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16),
             jax.ShapeDtypeStruct((n,), jnp.int32))
-    fn = jax.value_and_grad(lambda a, b, c: jlce(a, b, c, chunk_size=256, validate_labels=False), argnums=(0, 1))
+    fn = jax.value_and_grad(lambda a, b, c: jlce(a, b, c, chunk_size=chunk_size, validate_labels=False),
+                            argnums=(0, 1))
     text = jax.jit(fn).lower(*args).compile().as_text()
     assert not re.search(rf"= bf16\[\d+,{v}\]\{{1,0\}} copy\(", text), "a copy of a chunk's logits"
+    assert not re.search(rf"= bf16\[{v},{h}\]\{{1,0\}} copy\(", text), "a copy of the dW-shaped buffer"
     # a fusion computation taking a chunk of logits: one of our kernel calls wrapped with slices
     assert not re.search(rf"^%dynamic-slice-fusion[.\d]* \([^)]*bf16\[\d+,{v}\]", text, re.M), \
         "a kernel call inside a dynamic-slice fusion"

@@ -6,8 +6,9 @@ The same kernels and the same design as ``flashbridge.torch_api.cross_entropy`` 
 the trade-off): two passes, token chunks walked by ``lax.scan`` (plus one tail chunk) for the loss, lse
 and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into ``dW`` by dynamic-update-slice;
 the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST``
-for float32), lse / loss / dlogits from our kernels. XLA cannot place workspaces inside an output as the
-torch path does, so pass 1 takes smaller chunks (see :func:`_pass1_chunk`). ``jax.custom_vjp``: under
+for float32), lse / loss / dlogits from our kernels. XLA's matmul cannot write into an output as the torch
+path's ``torch.mm(out=...)`` does, so pass 1's chunks of H tokens get their logits from our own GEMM kernel,
+written into dW's storage (see :func:`_pass1`); leftover tokens take small chunks. ``jax.custom_vjp``: under
 ``jax.grad`` with reduction "mean" / "sum" the gradients are computed in the forward pass and scaled by the
 cotangent in the backward; with "none" the backward recomputes the logits from the saved fp32 lse. Every
 kernel call is a ``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the
@@ -28,7 +29,7 @@ import numpy as np
 from ..core_kernels import INTERPRETER
 from ..core_kernels.cross_entropy.plan import (
     bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_slice_cols,
-    plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
+    plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad, plan_linear_logits)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, gpu_target, match_varying
 
@@ -150,9 +151,10 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 class _LinearCfg:
     opts: _Opts
     reduction: str
-    chunk: int  # pass 1's tokens per chunk
+    chunk: int  # pass 1's tokens per chunk with logits of their own (and the forward-only pass's)
     slice_cols: int  # pass 2's vocabulary columns per slice
     transposed: bool  # weight is (H, V) (a Flax nnx.Linear kernel) instead of (V, H)
+    in_dw: bool  # pass 1 takes chunks of H tokens whose logits live in dW's storage (see _pass1)
 
 
 def _precision(dtype):
@@ -204,43 +206,100 @@ def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
     return loss_rows, lse, lse_lo
 
 
+@functools.lru_cache(maxsize=None)
+def _logits_op(transposed: bool, has_bias: bool, alias: bool):
+    """``hidden (H, Hd) @ W^T (+ bias)`` written by our kernel into storage shaped like W (H x V elements:
+    a chunk of exactly H tokens fills it), taking over ``buffer``'s storage when ``alias`` (else a new
+    array; the buffer argument then only gives shape and dtype). custom_vmap: under jax.vmap the XLA matmul
+    per example, reshaped alike (one buffer per example either way)."""
+    def call(hidden, weight, buffer, *bias):
+        n_rows, hd = hidden.shape
+        vocab = weight.shape[1] if transposed else weight.shape[0]
+        inputs = {"hidden": hidden, "weight": weight, "buffer": buffer, **({"bias": bias[0]} if has_bias else {})}
+        (out,) = execute(lambda target: plan_linear_logits(
+            n_rows, vocab, hd, dtype=dtype_name(hidden.dtype), weight_transposed=transposed, has_bias=has_bias,
+            out_shape=tuple(buffer.shape), target=target), inputs, aliases={"out": "buffer"} if alias else None)
+        return out
+
+    op = jax.custom_batching.custom_vmap(call)
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, hidden, weight, buffer, *bias):
+        hidden, weight, buffer, *bias = _broadcast_batched(axis_size, [hidden, weight, buffer, *bias],
+                                                           [bool(b) for b in in_batched])
+        logits = jax.vmap(lambda h, w, *b: _chunk_logits(h, w, b[0] if b else None, transposed))(hidden, weight,
+                                                                                               *bias)
+        return logits.reshape(buffer.shape).astype(buffer.dtype), True
+
+    return op
+
+
 def _pass1(hidden, weight, labels, bias, row_weights, cfg: _LinearCfg, lse=None, lse_lo=None):
     """Token chunks over the whole vocabulary: the logits, (forward, when ``lse`` is None) the loss, lse and
     lse_lo, their gradient (over the logits' buffer) and ``dh[chunk] = dlogits @ W`` in one GEMM.
-    Returns (loss_rows, lse, lse_lo, dh) in the forward, else (dh,).
+
+    With ``cfg.in_dw``, chunks of exactly H tokens (H x V logits: dW's size) have their logits written by
+    our kernel into one dW-shaped buffer that each chunk takes over in turn and pass 2 then overwrites with
+    dW, as the torch op uses dW's storage: no logits of their own, so chunks as large as torch's at no
+    memory (XLA's matmul would return a new array per chunk); the remaining tokens take ``cfg.chunk``-token
+    chunks with logits of their own. Returns ((loss_rows, lse, lse_lo, dh) in the forward, else (dh,)) and
+    the buffer (None when no chunk used it).
 
     The per-row operands and results of our kernels pass through optimization barriers, which XLA removes
     only after its fusion passes: its dynamic-slice fusion would otherwise wrap each kernel call with the
-    chunk's slices of labels / weights and the scan's stacking of its results. In the H200's HLO that
-    cloned the forward kernel into such a fusion (a second read of the logits per chunk, scheduled after
-    the gradient, so the in-place gradient had to work on a copy): one 256 x V logits copy per chunk, 63 MiB
-    of the 215 MB of temporaries at N=8192, H=4096, V=128256."""
+    chunk's slices of its operands and the scan's stacking of its results. In the H200's HLO that cloned
+    the forward kernel into such a fusion (a second read of the logits per chunk, scheduled after the
+    gradient, so the in-place gradient had to work on a copy: 63 MiB per 256-token chunk), and copied the
+    whole dW-sized buffer before each in-dW logits kernel (1 GB)."""
     forward = lse is None
+    hd = hidden.shape[1]
 
-    def step(carry, rows):
-        h_c, (y_c, w_c, *saved) = rows[0], jax.lax.optimization_barrier(rows[1:])
-        logits = _chunk_logits(h_c, weight, bias, cfg.transposed)
+    def chunk_grads(logits, y_c, w_c, *saved):
         if forward:
             loss_c, lse_c, grad, lo_c = _fwd_grad_op(cfg.opts)(logits, y_c, w_c)
             outs = jax.lax.optimization_barrier((loss_c, lse_c, lo_c))
         else:
             grad, outs = _grad_op(cfg.opts, in_place=True)(logits, y_c, *saved, w_c), ()
-        return carry, (*outs, _dot(grad, weight, 1, 1 if cfg.transposed else 0))
+        return grad, (*outs, _dot(grad, weight, 1, 1 if cfg.transposed else 0))
+
+    def step(carry, rows):
+        logits = _chunk_logits(rows[0], weight, bias, cfg.transposed)
+        return carry, chunk_grads(logits, *jax.lax.optimization_barrier(rows[1:]))[1]
 
     rows = (hidden, labels, row_weights) + (() if forward else (lse, lse_lo))
-    return _scan_chunks(step, None, rows, cfg.chunk)[1]
+    n_big = hidden.shape[0] // hd if cfg.in_dw else 0
+    if n_big == 0:
+        return _scan_chunks(step, None, rows, cfg.chunk)[1], None
+    bias_args = () if bias is None else (bias,)
+
+    def big_step(buffer, rows_c):
+        rows_c = jax.lax.optimization_barrier(rows_c)  # the hidden chunk feeds our logits kernel too
+        out = _logits_op(cfg.transposed, bias is not None, True)(rows_c[0], weight, buffer, *bias_args)
+        grad, outs = chunk_grads(out.reshape(hd, -1), *rows_c[1:])
+        return grad.reshape(weight.shape), outs
+
+    # the buffer starts as zeros (one memset of dW's size, ~0.3 ms at H200 bandwidth): every chunk then
+    # takes it over inside one scan, whose stacked outputs need no concatenation when H divides N
+    xs = tuple(a[:n_big * hd].reshape(n_big, hd, *a.shape[1:]) for a in rows)
+    buffer, ys = jax.lax.scan(big_step, jnp.zeros_like(weight), xs)
+    outs = tuple(y.reshape(n_big * hd, *y.shape[2:]) for y in ys)
+    if n_big * hd < hidden.shape[0]:
+        tail = _scan_chunks(step, None, tuple(a[n_big * hd:] for a in rows), cfg.chunk)[1]
+        outs = tuple(jnp.concatenate(p, axis=0) for p in zip(outs, tail))
+    return outs, buffer
 
 
-def _pass2(hidden, weight, labels, bias, row_weights, lse, lse_lo, cfg: _LinearCfg):
+def _pass2(hidden, weight, labels, bias, row_weights, lse, lse_lo, cfg: _LinearCfg, buffer=None):
     """Vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse and
     ``dW[slice] = dlogits.T @ h`` (one GEMM: dW is rounded once), ``db[slice] = colsum(dlogits)``; the
-    slices are written into dW in place (a chain of dynamic-update-slices XLA keeps in one buffer).
+    slices are written into dW in place (a chain of dynamic-update-slices XLA keeps in one buffer): into
+    pass 1's ``buffer`` when it has one (every element is overwritten).
 
     One slice at a time: an optimization barrier ties the next slice's input to dW as updated by this
     slice, so XLA cannot schedule the logits GEMMs of later slices before this slice's dW block is written
     (each slice in flight holds N x slice logits and a slice x H block beyond the returned gradients)."""
     vocab = weight.shape[1] if cfg.transposed else weight.shape[0]
-    dw = jnp.zeros_like(weight)
+    dw = jnp.zeros_like(weight) if buffer is None else buffer
     db = None if bias is None else jnp.zeros(bias.shape, F32)
     for c0 in range(0, vocab, cfg.slice_cols):  # static slices: the kernel takes the column offset as a scalar
         c1 = min(c0 + cfg.slice_cols, vocab)
@@ -263,14 +322,14 @@ def _lce_forward_with_grads(hidden, weight, labels, bias, cfg: _LinearCfg):
     n_active = jnp.sum(labels != cfg.opts.ignore_index)
     scale = (1.0 / jnp.maximum(n_active, 1).astype(F32)) if cfg.reduction == "mean" else jnp.ones((), F32)
     w = jnp.broadcast_to(scale, labels.shape)
-    loss_rows, lse, lse_lo, dh = _pass1(hidden, weight, labels, bias, w, cfg)
-    dw, db = _pass2(hidden, weight, labels, bias, w, lse, lse_lo, cfg)
+    (loss_rows, lse, lse_lo, dh), buffer = _pass1(hidden, weight, labels, bias, w, cfg)
+    dw, db = _pass2(hidden, weight, labels, bias, w, lse, lse_lo, cfg, buffer)
     return loss_rows, lse, dh, dw, db
 
 
 def _lce_recompute_grads(hidden, weight, labels, bias, lse, lse_lo, dloss, cfg: _LinearCfg):
-    (dh,) = _pass1(hidden, weight, labels, bias, dloss, cfg, lse, lse_lo)
-    dw, db = _pass2(hidden, weight, labels, bias, dloss, lse, lse_lo, cfg)
+    (dh,), buffer = _pass1(hidden, weight, labels, bias, dloss, cfg, lse, lse_lo)
+    dw, db = _pass2(hidden, weight, labels, bias, dloss, lse, lse_lo, cfg, buffer)
     return dh, dw, db
 
 
@@ -326,9 +385,9 @@ def _validate_label_values(labels, vocab: int, ignore_index: int, validate: Opti
 
 
 def _pass1_chunk(n_rows: int, hidden_dim: int) -> int:
-    """Pass 1's tokens per chunk when not given: its logits (over which the gradient is written) take at most
-    a sixteenth of the weight's size, at least 64 tokens (XLA cannot place them in dW's storage as the torch
-    path does: at N=8192, H=4096, V=128256 that is 256 tokens, 64 MB)."""
+    """Tokens per chunk with logits of their own when not given: the forward-only pass (reduction "none")
+    and pass 1's tokens past the last whole chunk of H (see :func:`_pass1`). Their logits take at most a
+    sixteenth of the weight's size, at least 64 tokens (256 at H=4096, V=128256: 64 MB)."""
     return min(n_rows, max(64, hidden_dim // 16 // 64 * 64))  # rows * V <= V * H / 16
 
 
@@ -391,7 +450,7 @@ def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_
     lead = tuple(labels.shape)
     chunk = min(int(chunk_size), n_rows) if chunk_size else _pass1_chunk(n_rows, h)
     cfg = _LinearCfg(_Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)),
-                     reduction, chunk, _slice_cols(), bool(transposed))
+                     reduction, chunk, _slice_cols(), bool(transposed), in_dw=not chunk_size)
     h2, w, y, b = match_varying(hidden.reshape(n_rows, h), weight, labels.reshape(n_rows), bias)
     loss, lse = _lce(h2, w, y, b, cfg)
     loss = loss.reshape(lead) if reduction == "none" else loss
@@ -412,7 +471,9 @@ def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: O
         bias: optional ``(V,)`` in hidden's dtype.
         ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
-        chunk_size: pass 1's tokens per chunk (static); None: ``max(64, H // 16)`` (see ``_pass1_chunk``).
+        chunk_size: tokens per chunk (static; their logits are arrays of their own). None: chunks of H tokens
+            whose logits are written into the weight gradient's storage (no memory of their own), the
+            remaining tokens in chunks of ``max(64, H // 16)``.
 
     Returns:
         The float32 loss (scalar, or ``(...)`` for "none"), and the float32 lse with ``return_lse``.

@@ -240,3 +240,59 @@ def ce_grad_kernel(
     if V_FULL < V:
         _grad_tile(LOGITS, GRAD, offs, V_FULL, row_ok, label, lse, lse_lo, coef, on_label, off_label, softcap,
                    V, BLOCK_V, HAS_SOFTCAP, True)
+
+
+# ------------------------------------------------------------------------------------------------ logits
+
+@triton.jit(do_not_specialize_on_alignment=("n_rows",))
+def linear_logits_kernel(
+    HIDDEN, WEIGHT, BIAS, BUFFER,  # inputs (BUFFER: the storage OUT takes over; never read)
+    n_rows,  # runtime scalar
+    OUT,  # output: logits (n_rows, V) row-major at the start of the buffer, in the hidden dtype
+    V: tl.constexpr, HD: tl.constexpr, W_TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``logits = hidden @ W^T (+ bias)`` written into storage the caller owns: the JAX linear op places a
+    chunk's logits in dW's not yet written storage, as the torch op does with ``torch.mm(out=...)``, which
+    XLA's own matmul cannot do (its result is a buffer of its own). W is ``(V, HD)`` or, W_TRANSPOSED, a
+    ``(HD, V)`` kernel; hidden is ``(n_rows, HD)``, both contiguous. The sizes are compile-time constants
+    (a model's), so the compiler sees every row's alignment: 16-byte loads into the pipelined shared-memory
+    stages of the K loop. fp32 accumulation, one rounding to the output dtype. Programs walk ``GROUP_M``
+    row blocks per column block, so a column block of W is read from L2 by several programs in a row."""
+    pid = tl.program_id(0)
+    blocks_m = tl.cdiv(n_rows, BLOCK_M)
+    blocks_n: tl.constexpr = (V + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * blocks_n
+    first_m = pid // per_group * GROUP_M
+    size_m = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past the end read row 0 (always there) and are never stored; columns past V are masked (a
+    # clamp would hide their contiguity from the compiler where they are W's contiguous axis)
+    rows = tl.where(offs_m < n_rows, offs_m, 0).to(tl.int64)
+    col_ok = offs_n < V
+    a_ptrs = HIDDEN + rows[:, None] * HD + offs_k[None, :]  # [M, K]
+    if W_TRANSPOSED:
+        b_ptrs = WEIGHT + offs_k[:, None].to(tl.int64) * V + offs_n[None, :]  # [K, N]
+    else:
+        b_ptrs = WEIGHT + offs_n[None, :].to(tl.int64) * HD + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HD, BLOCK_K):
+        if HD % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < HD
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * V if W_TRANSPOSED else BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = OUT + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=(offs_m < n_rows)[:, None] & col_ok[None, :])

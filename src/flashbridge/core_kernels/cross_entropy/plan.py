@@ -302,3 +302,41 @@ def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight
                 launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),
                           _grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config)),
                 results=("loss", "lse", "grad", "lse_lo"))
+
+
+# GPU tile of linear_logits_kernel (block_m, block_n, block_k, num_warps, num_stages): the usual Hopper GEMM
+# tile for bf16 (two warpgroups, 128 x 256 outputs, 3 stages of 48 KB); the interpreter pays per program
+_LOGITS_TILE_GPU = (128, 256, 64, 8, 3)
+_LOGITS_TILE_FP32 = (64, 64, 32, 4, 2)  # IEEE dots keep their operands in registers
+_LOGITS_TILE_INTERPRETER = (64, 256, 64, 4, 1)
+
+
+def plan_linear_logits(n_rows: int, vocab: int, hidden: int, *, dtype: str, weight_transposed: bool,
+                       has_bias: bool, out_shape: tuple[int, ...], target: Target) -> Plan:
+    """Plan inputs: hidden ``(n_rows, H)`` (rows contiguous), weight ``(V, H)`` (or ``(H, V)`` when
+    ``weight_transposed``), [bias ``(V,)``], buffer (``out_shape``, ``dtype``; never read). Result: out, of
+    ``out_shape``, whose first ``n_rows * V`` elements are ``hidden @ W^T + bias`` row-major; a front-end
+    aliases out to the buffer to place the logits in storage it owns (the JAX linear op: dW's).
+    The rest of out is the buffer's (or undefined without the alias)."""
+    assert n_rows * vocab <= math.prod(out_shape), "the buffer is smaller than the logits"
+    check_float_dtype("hidden", dtype)
+    if target.interpret:
+        tile = _LOGITS_TILE_INTERPRETER
+    else:
+        tile = _LOGITS_TILE_FP32 if dtype == "float32" else _LOGITS_TILE_GPU
+    block_m, block_n, block_k, warps, stages = tile
+    block_k = min(block_k, max(16, next_power_of_2(hidden)))
+    return Plan(
+        inputs=("hidden", "weight", "bias", "buffer") if has_bias else ("hidden", "weight", "buffer"),
+        buffers=(Spec("out", tuple(out_shape), dtype),),
+        launches=(Launch(
+            kernel=f"{_KERNELS}:linear_logits_kernel",
+            grid=(cdiv(n_rows, block_m) * cdiv(vocab, block_n),),
+            inputs=("hidden", "weight", "bias" if has_bias else "hidden", "buffer"),
+            scalars=(("n_rows", n_rows),),
+            outputs=("out",),
+            constexprs=(("V", vocab), ("HD", hidden), ("W_TRANSPOSED", weight_transposed), ("BLOCK_M", block_m),
+                        ("BLOCK_N", block_n), ("BLOCK_K", block_k), ("GROUP_M", 8), ("HAS_BIAS", has_bias),
+                        ("DOT_PRECISION", "ieee" if dtype == "float32" else "tf32")),
+            num_warps=warps, num_stages=stages),),
+        results=("out",))
