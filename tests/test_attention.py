@@ -711,6 +711,29 @@ def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
     assert groups(True, gpu, AttentionConfig(head_group=1)) == {1}
 
 
+def test_gqa_causal_backward_takes_its_dkdv_tile():
+    """On a GPU, D=128: causal GQA backward takes GPU_TILES' "dkdv_gqa_causal" tile (32 query rows per step:
+    each dK/dV program walks group x Sq rows); MHA and full GQA keep "dkdv"; D=64 (no such entry) keeps
+    "dkdv"; AttentionConfig.dkdv_* still wins; the interpreter keeps its one tile."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import (GPU_TILES, INTERPRETER_TILE, AttentionConfig,
+                                                          check_attention_args, plan_attention_bwd)
+
+    gpu, cpu = Target(interpret=False, num_sms=132), Target(interpret=True, num_sms=4)
+
+    def dkdv_block_m(hkv, causal, d=128, target=gpu, config=AttentionConfig()):
+        shape, options = check_attention_args(q=((2, 512, 8, d), "bfloat16"), k=((2, 512, hkv, d), "bfloat16"),
+                                              v=((2, 512, hkv, d), "bfloat16"), causal=causal)
+        launch = plan_attention_bwd(shape, options, target=target, config=config).launches[1]
+        return dict(launch.constexprs)["KV_BLOCK_M"]
+
+    assert dkdv_block_m(2, True) == GPU_TILES[128]["dkdv_gqa_causal"][0] == 32
+    assert dkdv_block_m(8, True) == dkdv_block_m(2, False) == GPU_TILES[128]["dkdv"][0] == 64
+    assert dkdv_block_m(2, True, d=64) == GPU_TILES[64]["dkdv"][0]
+    assert dkdv_block_m(2, True, config=AttentionConfig(dkdv_block_m=64)) == 64
+    assert dkdv_block_m(2, True, target=cpu) == INTERPRETER_TILE[0]
+
+
 def test_jax_fused_backward_gives_identical_results():
     """The one-launch backward through the JAX runtime (three outputs of one kernel): bitwise the two
     kernels' dq, dk, dv, causal GQA with a ragged tail."""

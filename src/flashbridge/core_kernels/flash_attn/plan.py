@@ -103,9 +103,14 @@ class AttentionConfig:
 #          dQ 4 stages 375 / 330 (359 / 323)
 #   D=256: forward 128 x 64, 8 warps, 2 stages 434 / 395 (169 / 153: the first table had it at 64 x 32);
 #          dK/dV 32 x 32, 4 warps 141 / 131 (102 / 98); dQ 128 x 32 125 / 122 (102 / 98)
+# "dkdv_gqa_causal": the dK/dV tile of causal calls whose K / V heads serve several query heads (each dK/dV
+# program walks group x Sq query rows): D=128, GQA 32/8, S=4096, alternating both four times in one process
+# (bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'), median backward 325.5 -> 339.3 TFLOP/s;
+# the same tile costs MHA causal 3-4% (D=128 342.5 -> 332.6, D=64 305 -> 292) and GQA full 2% (375.5 -> 369).
 GPU_TILES = {
     64: {"fwd": (128, 64, 8, 3), "fwd_masked": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)},
-    128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 128, 8, 3), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 4)},
+    128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 128, 8, 3), "dkdv": (64, 128, 8, 3),
+          "dkdv_gqa_causal": (32, 128, 8, 3), "dq": (128, 64, 8, 4)},
     256: {"fwd": (128, 64, 8, 2), "fwd_masked": (128, 64, 8, 2), "dkdv": (32, 32, 4, 2), "dq": (128, 32, 8, 2)},
 }
 # Pipelining depth of the masked segments per forward entry where the H200 timed it faster than the entry's
@@ -344,13 +349,14 @@ def _gpu_key(shape: AttnShape) -> tuple[dict, int]:
 
 
 def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig):
-    """``kernel``: "fwd", "fwd_masked" (the forward of a causal / windowed call), "dkdv" or "dq"; the
-    config's forward fields override both forward entries."""
-    given = "fwd" if kernel == "fwd_masked" else kernel
+    """``kernel``: "fwd", "fwd_masked" (the forward of a causal / windowed call), "dkdv", "dkdv_gqa_causal"
+    (the dK/dV kernel of a causal GQA call; "dkdv" where the table has no such entry) or "dq"; the config's
+    fields for the kernel ("fwd" for both forward entries, "dkdv" for both dK/dV entries) override them."""
+    given = kernel.split("_")[0]
     if target.interpret:
         return config.tile(given, INTERPRETER_TILE)
     table, key = _gpu_key(shape)
-    return config.tile(given, table[key][kernel])
+    return config.tile(given, table[key].get(kernel) or table[key][given])
 
 
 def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -> int:
@@ -486,7 +492,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     def name(n):
         return n if present[n] else "q"  # placeholder pointer for an absent input
 
-    kv_m, kv_n, kv_warps, kv_stages = _tile("dkdv", shape, target, config)
+    kv_m, kv_n, kv_warps, kv_stages = _tile("dkdv_gqa_causal" if shape.group > 1 and options.causal else "dkdv",
+                                            shape, target, config)
     q_m, q_n, q_warps, q_stages = _tile("dq", shape, target, config)
     lse_b, lse_h = _lse_strides(shape)
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
