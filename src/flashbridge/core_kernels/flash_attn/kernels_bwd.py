@@ -254,13 +254,11 @@ def _dq_kv_range(
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr = 0,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``. LOOP_STAGES > 0:
-    pipeline the loop that deep instead of the kernel's num_stages (the one-launch backward runs at the
-    dK/dV tile's depth; the dQ loop keeps its own)."""
+    """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``."""
     offs_c = tl.arange(0, BLOCK_N)
-    for blk in tl.range(blk_lo, blk_hi, num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
+    for blk in range(blk_lo, blk_hi):
         n_start = blk * BLOCK_N
         offs_n = n_start + offs_c
         key_ok = offs_n < len_k
@@ -284,10 +282,9 @@ def _dq_program(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
-    LOOP_STAGES: tl.constexpr = 0,
 ):
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
-    :func:`query_block`, ``m_start < len_q``); LOOP_STAGES as in :func:`_dq_kv_range`."""
+    :func:`query_block`, ``m_start < len_q``)."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -323,15 +320,15 @@ def _dq_program(
     dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
                       stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION, LOOP_STAGES)
+                      DOT_PRECISION)
     dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
                       stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION, LOOP_STAGES)
+                      DOT_PRECISION)
     dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
                       stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION, LOOP_STAGES)
+                      DOT_PRECISION)
     dq = dq * tl.cast(sm_scale, tl.float32)
     dq_ptrs = (DQ + tl.cast(b, tl.int64) * stride_dqb + row0 * stride_dqs + h * stride_dqh
                + offs_r[:, None] * stride_dqs + offs_dqk[None, :])
@@ -375,7 +372,6 @@ def attn_bwd_kernel(
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    Q_STAGES: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
@@ -412,7 +408,7 @@ def attn_bwd_kernel(
                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                         stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
                         Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, Q_STAGES)
+                        DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)

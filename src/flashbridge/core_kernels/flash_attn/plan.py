@@ -537,7 +537,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, *_align(fused_scalars),
-                        ("HEAD_GROUP", head_group), ("Q_STAGES", 0 if q_stages == kv_stages else q_stages)),
+                        ("HEAD_GROUP", head_group)),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
