@@ -11,6 +11,8 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --order-only  # only head_group / fused_backward (AttentionConfig)
     python benchmarks/bench_attention.py --ab 4       # the defaults against fused_backward=False, alternating 4x
     python benchmarks/bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'   # ... against another setting
+    python benchmarks/bench_attention.py --dims 64 --seqlens 1024 --no-extra \
+        --only 'flashbridge-torch steady,flashbridge-jax steady' --tag cmdbuf   # some rows, a named file
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -209,7 +211,8 @@ def jax_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
     return out
 
 
-def bench(b, s, hq, hkv, d, causal, window=(-1, -1), with_jax=True):
+def bench(b, s, hq, hkv, d, causal, window=(-1, -1), with_jax=True, only=None):
+    """Every provider's (forward, backward) times and TFLOP/s; ``only``: the provider names to run."""
     pairs = visible_pairs(s, s, causal, window)
     providers = torch_providers(b, s, hq, hkv, d, causal, window)
     if with_jax:
@@ -217,6 +220,8 @@ def bench(b, s, hq, hkv, d, causal, window=(-1, -1), with_jax=True):
             providers.update(jax_providers(b, s, hq, hkv, d, causal, window))
         except ImportError as exc:
             print(f"JAX unavailable: {exc}")
+    if only:
+        providers = {name: run for name, run in providers.items() if name in only}
     res = {}
     for name, run in providers.items():
         try:
@@ -441,6 +446,10 @@ def main():
                              "smaller than the drift between separate runs (~3%%)")
     parser.add_argument("--ab-config", default='{"fused_backward": false}', metavar="JSON",
                         help="the AttentionConfig keywords --ab compares the defaults with")
+    parser.add_argument("--seqlens", help="comma-separated sequence lengths of the main grid (default: all)")
+    parser.add_argument("--only", help="comma-separated provider names to run (default: all), e.g. "
+                                       "'flashbridge-torch steady,flashbridge-jax steady'")
+    parser.add_argument("--tag", help="appended to the results file's name (runs under other settings)")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -454,6 +463,12 @@ def main():
     if args.dims:
         dims = tuple(int(d) for d in args.dims.split(","))
         out_name += "_d" + "-".join(map(str, dims))
+    if args.seqlens:
+        seqlens = tuple(int(x) for x in args.seqlens.split(","))
+        out_name += "_s" + "-".join(map(str, seqlens))
+    if args.tag:
+        out_name += "_" + args.tag
+    only = set(args.only.split(",")) if args.only else None
     table = []
 
     def record(label, entry_list, meta, res):
@@ -494,7 +509,7 @@ def main():
         for s in seqlens:
             for causal in (False, True):
                 b = TOKENS // s
-                res = bench(b, s, H, H, d, causal, with_jax=not args.no_jax)
+                res = bench(b, s, H, H, d, causal, with_jax=not args.no_jax, only=only)
                 record(f"D{d} S{s} {'causal' if causal else 'full'}", payload["main"],
                        {"b": b, "s": s, "h": H, "d": d, "causal": causal}, res)
     if not (args.quick or args.no_extra):

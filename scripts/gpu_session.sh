@@ -2,7 +2,7 @@
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
-#   jax-settings
+#   jax-settings attention-jax-settings
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
 # device runner returns at most 8 files; a run cut short still returns the stages it finished).
@@ -58,6 +58,13 @@ for stage in "${stages[@]}"; do
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_norms.py --jax-only
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
                   done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
+    # the steady torch and JAX rows at S=1024 (where JAX trails) without and with XLA command buffers
+    attention-jax-settings) for tag in default cmdbuf; do
+                    flags=""; [ $tag = cmdbuf ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+                    echo "--- $tag"
+                    XLA_FLAGS="$flags" python3 benchmarks/bench_attention.py --dims 64,128 --seqlens 1024 --no-extra \
+                      --only "flashbridge-torch steady,flashbridge-jax steady" --tag "$tag"
+                  done 2>&1 | tee "$OUT/attention_jax_settings.log" | grep -v Warning | tail -40 ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
