@@ -450,6 +450,8 @@ def main():
     parser.add_argument("--only", help="comma-separated provider names to run (default: all), e.g. "
                                        "'flashbridge-torch steady,flashbridge-jax steady'")
     parser.add_argument("--tag", help="appended to the results file's name (runs under other settings)")
+    parser.add_argument("--trace", metavar="D,S", help="trace one call of each path (kernels and device times) "
+                                                       "at this head dim and length (default: 128,4096, when run)")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -533,9 +535,11 @@ def main():
             res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax)
             record(f"window {left} causal D128 S16384", payload["extra"],
                    {"kind": "window", "b": 1, "s": 16384, "h": H, "d": 128, "window": [left, 0]}, res)
-    if not args.no_jax and 128 in dims and 4096 in seqlens:
+    trace_d, trace_s = (int(x) for x in (args.trace or "128,4096").split(","))
+    if not args.no_jax and (args.trace or (trace_d in dims and trace_s in seqlens)):
         try:
-            payload["traces"] = [trace_paths(TOKENS // 4096, 4096, H, 128, causal) for causal in (False, True)]
+            payload["traces"] = [trace_paths(TOKENS // trace_s, trace_s, H, trace_d, causal)
+                                 for causal in (False, True)]
             save(out_name, payload)
         except Exception:
             traceback.print_exc()
