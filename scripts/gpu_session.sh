@@ -24,6 +24,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/
 status=0
 MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --splits), ATTN_ARGS (e.g. --tune), CE_ARGS (e.g. --jax-sweep) pass options on
 ATTN_DIMS=${ATTN_DIMS:-}
+# XLA command buffers (CUDA graphs) for every kind of thunk, ours included: the jax-settings stages
+CMDBUF_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
@@ -54,13 +56,13 @@ for stage in "${stages[@]}"; do
     jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1"; do
                     echo "--- $setting"
                     prealloc=false; [[ $setting == *PREALLOCATE=true* ]] && prealloc=true
-                    flags=""; [[ $setting == *CMDBUF* ]] && flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+                    flags=""; [[ $setting == *CMDBUF* ]] && flags="$CMDBUF_FLAGS"
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_norms.py --jax-only
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
                   done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
     # the steady torch and JAX rows at S=1024 (where JAX trails) without and with XLA command buffers
     attention-jax-settings) for tag in default cmdbuf; do
-                    flags=""; [ $tag = cmdbuf ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+                    flags=""; [ $tag = cmdbuf ] && flags="$CMDBUF_FLAGS"
                     echo "--- $tag"
                     XLA_FLAGS="$flags" python3 benchmarks/bench_attention.py --dims 64,128 --seqlens 1024 --no-extra \
                       --only "flashbridge-torch steady,flashbridge-jax steady" --tag "$tag"
