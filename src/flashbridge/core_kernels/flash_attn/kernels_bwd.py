@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, grid_schedule,
                              kv_block_range, load_rows, load_tile, lse_log2, q_block_range, query_block, query_block_at,
-                             recompute_p, score_grad, score_params, seq_range, unravel_grid)
+                             recompute_p, score_grad, score_params, seq_range, store_rows, unravel_grid)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -180,13 +180,11 @@ def _dkdv_program(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_ok = offs_n < len_k
-    row0 = tl.cast(k_start + n_start, tl.int64)
-    k = load_tile(K + tl.cast(b, tl.int64) * stride_kb + row0 * stride_ks + kh * stride_kh
-                  + offs_c[:, None] * stride_ks + offs_dqk[None, :], key_ok, offs_dqk < DQK, True,
-                  BLOCK_DQK != DQK)  # [N, Dqk]
-    v = load_tile(V + tl.cast(b, tl.int64) * stride_vb + row0 * stride_vs + kh * stride_vh
-                  + offs_c[:, None] * stride_vs + offs_dv[None, :], key_ok, offs_dv < DV, True,
-                  BLOCK_DV != DV)  # [N, Dv]
+    row0 = k_start + n_start
+    k = load_rows(K + tl.cast(b, tl.int64) * stride_kb + kh * stride_kh, row0, offs_c, stride_ks, offs_dqk, key_ok,
+                  DQK, BLOCK_DQK, True)  # [N, Dqk]
+    v = load_rows(V + tl.cast(b, tl.int64) * stride_vb + kh * stride_vh, row0, offs_c, stride_vs, offs_dv, key_ok,
+                  DV, BLOCK_DV, True)  # [N, Dv]
 
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     diag = len_k - len_q
@@ -213,12 +211,10 @@ def _dkdv_program(
                            BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
-    dk_ptrs = (DK + tl.cast(b, tl.int64) * stride_dkb + row0 * stride_dks + kh * stride_dkh
-               + offs_c[:, None] * stride_dks + offs_dqk[None, :])
-    dv_ptrs = (DV_OUT + tl.cast(b, tl.int64) * stride_dvb + row0 * stride_dvs + kh * stride_dvh
-               + offs_c[:, None] * stride_dvs + offs_dv[None, :])
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & (offs_dqk < DQK)[None, :])
-    tl.store(dv_ptrs, dv.to(DV_OUT.dtype.element_ty), mask=key_ok[:, None] & (offs_dv < DV)[None, :])
+    store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
+               DQK, dk)
+    store_rows(DV_OUT + tl.cast(b, tl.int64) * stride_dvb + kh * stride_dvh, row0, offs_c, stride_dvs, offs_dv,
+               key_ok, DV, dv)
 
 
 @triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
@@ -298,13 +294,11 @@ def _dq_program(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
-    row0 = tl.cast(q_start + m_start, tl.int64)
-    q = load_tile(Q + tl.cast(b, tl.int64) * stride_qb + row0 * stride_qs + h * stride_qh
-                  + offs_r[:, None] * stride_qs + offs_dqk[None, :], row_ok, offs_dqk < DQK, True,
-                  BLOCK_DQK != DQK)
-    do = load_tile(DO + tl.cast(b, tl.int64) * stride_dob + row0 * stride_dos + h * stride_doh
-                   + offs_r[:, None] * stride_dos + offs_dv[None, :], row_ok, offs_dv < DV, True,
-                   BLOCK_DV != DV)
+    row0 = q_start + m_start
+    q = load_rows(Q + tl.cast(b, tl.int64) * stride_qb + h * stride_qh, row0, offs_r, stride_qs, offs_dqk, row_ok,
+                  DQK, BLOCK_DQK, True)
+    do = load_rows(DO + tl.cast(b, tl.int64) * stride_dob + h * stride_doh, row0, offs_r, stride_dos, offs_dv,
+                   row_ok, DV, BLOCK_DV, True)
     l_off = tl.cast(b, tl.int64) * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
     lse2 = tl.load(LSE2 + l_off + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + l_off + offs_m, mask=row_ok, other=0.0)
@@ -330,9 +324,8 @@ def _dq_program(
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                       DOT_PRECISION)
     dq = dq * tl.cast(sm_scale, tl.float32)
-    dq_ptrs = (DQ + tl.cast(b, tl.int64) * stride_dqb + row0 * stride_dqs + h * stride_dqh
-               + offs_r[:, None] * stride_dqs + offs_dqk[None, :])
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk < DQK)[None, :])
+    store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
+               DQK, dq)
 
 
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)

@@ -178,6 +178,14 @@ def load_rows(BASE, start, offs, stride, offs_d, rows_ok, D: tl.constexpr, BLOCK
                      offs_d < D, CHECK_ROWS, BLOCK_D != D)
 
 
+@triton.jit
+def store_rows(BASE, start, offs, stride, offs_d, rows_ok, D: tl.constexpr, x):
+    """Store ``x`` [R, BLOCK_D] (converted to the array's dtype) into the rows ``start + offs`` of the array at
+    ``BASE`` as :func:`load_rows` reads them: rows ``rows_ok`` and the first ``D`` columns."""
+    tl.store(BASE + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :],
+             x.to(BASE.dtype.element_ty), mask=rows_ok[:, None] & (offs_d < D)[None, :])
+
+
 # ---------------------------------------------------------------------------------------- score modifiers
 
 @triton.jit
