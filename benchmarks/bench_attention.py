@@ -118,12 +118,9 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
         v = randn(b, hkv, s, d, requires_grad=True)
         return q, k, v
 
-    def ours(deterministic=True):
-        def run():
-            q, k, v = bshd()
-            return _time_fwd_bwd(lambda: flash_attention(q, k, v, causal=causal, window_size=window,
-                                                         deterministic=deterministic), (q, k, v))
-        return run
+    def ours():
+        q, k, v = bshd()
+        return _time_fwd_bwd(lambda: flash_attention(q, k, v, causal=causal, window_size=window), (q, k, v))
 
     def ours_steady():
         sets = [bshd() for _ in range(STEADY_SETS)]
@@ -162,9 +159,7 @@ def torch_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
         return _time_fwd_bwd(lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=hq != hkv), (q, k, v))
 
     from torch.nn.attention import SDPBackend
-    out = {"flashbridge-torch": ours(), "flashbridge-torch steady": ours_steady,
-           # the backward's dQ through atomics inside the dK/dV kernel (not bitwise reproducible)
-           "flashbridge-torch atomic-dq": ours(deterministic=False), "flex (compiled)": flex}
+    out = {"flashbridge-torch": ours, "flashbridge-torch steady": ours_steady, "flex (compiled)": flex}
     if window == (-1, -1) or window[0] < 0:
         out["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
         out["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
@@ -209,9 +204,7 @@ def jax_providers(b, s, hq, hkv, d, causal, window=(-1, -1)):
         return run
 
     ours = lambda q, k, v: jfa(q, k, v, causal=causal, window_size=window)  # noqa: E731
-    atomic = lambda q, k, v: jfa(q, k, v, causal=causal, window_size=window, deterministic=False)  # noqa: E731
-    out = {"flashbridge-jax": timed(ours), "flashbridge-jax steady": steady(ours),
-           "flashbridge-jax atomic-dq": timed(atomic)}
+    out = {"flashbridge-jax": timed(ours), "flashbridge-jax steady": steady(ours)}
     if window == (-1, -1):
         out["jax.nn cudnn"] = timed(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"))
@@ -523,7 +516,7 @@ def main():
                        {"b": b, "s": s, "h": H, "d": d, "causal": causal}, res)
     if not (args.quick or args.no_extra):
         for causal in (False, True):
-            res = bench(4, 4096, 32, 8, 128, causal, with_jax=not args.no_jax, only=only)
+            res = bench(4, 4096, 32, 8, 128, causal, with_jax=not args.no_jax)
             record(f"GQA 32/8 D128 S4096 {'causal' if causal else 'full'}", payload["extra"],
                    {"kind": "gqa", "b": 4, "s": 4096, "hq": 32, "hkv": 8, "d": 128, "causal": causal}, res)
         rng = np.random.default_rng(0)
@@ -539,7 +532,7 @@ def main():
             record(f"varlen {len(lengths)} seqs D128 {'causal' if causal else 'full'}", payload["extra"],
                    {"kind": "varlen", "lengths": lengths, "h": H, "d": 128, "causal": causal}, res)
         for left in (4096, 1024):
-            res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax, only=only)
+            res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax)
             record(f"window {left} causal D128 S16384", payload["extra"],
                    {"kind": "window", "b": 1, "s": 16384, "h": H, "d": 128, "window": [left, 0]}, res)
     trace_d, trace_s = (int(x) for x in (args.trace or "128,4096").split(","))

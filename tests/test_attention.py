@@ -47,7 +47,6 @@ def make_inputs(seed, *, b=2, sq=17, sk=17, hq=2, hkv=2, dqk=32, dv=None, dtype=
 def ref_options(kw, **options):
     """Options for the numpy reference (tensors -> numpy)."""
     out = dict(options)
-    out.pop("deterministic", None)  # a backward strategy, the same math
     for name, val in kw.items():
         out[name] = val.detach().numpy() if isinstance(val, torch.Tensor) else val
     return out
@@ -230,33 +229,6 @@ def test_torch_options(name):
     check_forward_backward(q, k, v, kw, options)
 
 
-@pytest.mark.parametrize("name", ["gqa", "mqa", "window-left-causal", "softcap", "sinks-causal-masked-rows", "all",
-                                  "varlen-causal-gqa", "varlen-all"])
-def test_torch_atomic_dq_backward(name):
-    """deterministic=False: dQ summed with atomics inside the dK/dV kernel, every option, against the
-    reference (and a gradient arriving at lse)."""
-    spec, options = OPTION_CASES[name]
-    q, k, v, kw = make_inputs(len(name) + 1, **spec)
-    check_forward_backward(q, k, v, kw, dict(options, deterministic=False), dlse=True)
-
-
-def test_atomic_dq_plan():
-    """deterministic=False plans the preprocess, the atomic-dQ dK/dV kernel on the dK/dV grid, and the cast;
-    the accumulator is the one zero-filled float32 buffer."""
-    from flashbridge.core_kernels import Target
-    from flashbridge.core_kernels.flash_attn.plan import check_attention_args, plan_attention_bwd
-    kv = ((2, 300, 2, 128), "bfloat16")
-    shape, options = check_attention_args(q=((2, 300, 8, 128), "bfloat16"), k=kv, v=kv, causal=True)
-    plan = plan_attention_bwd(shape, options, target=Target(interpret=False, num_sms=132), deterministic=False)
-    assert [launch.kernel.split(":")[1] for launch in plan.launches] == [
-        "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_atomic_dq_kernel", "attn_bwd_dq_cast_kernel"]
-    assert plan.launches[1].grid == (3, 2, 2)  # 128-key blocks, kv heads, batch
-    assert plan.launches[1].outputs == ("dk", "dv", "dq_accum")
-    assert [(b.name, b.dtype) for b in plan.buffers if b.zero] == [("dq_accum", "float32")]
-    assert plan.spec("dq_accum").shape == shape.q_shape()
-    assert plan.results == ("dq", "dk", "dv")
-
-
 def test_torch_lse_gradient():
     q, k, v, kw = make_inputs(3, hq=4, hkv=2, sq=63, sk=17, sinks=True)
     check_forward_backward(q, k, v, kw, dict(causal=True), dlse=True)
@@ -327,15 +299,13 @@ def test_torch_opcheck():
     k.requires_grad_(True)
     v.requires_grad_(True)
     kw["sinks"].requires_grad_(True)
-    for deterministic in (True, False):
-        args = (q, k, v, kw["alibi_slopes"], kw["sinks"], None, None, None, None, 0.25, True, 4, 0, 0.0,
-                deterministic)
-        torch.library.opcheck(torch.ops.flashbridge.flash_attn_fwd.default, args)
-        out, lse = torch.ops.flashbridge.flash_attn_fwd(*args)
-        bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                    torch.randn_like(lse), kw["alibi_slopes"], kw["sinks"].detach(), None, None, None, None, 0.25,
-                    True, 4, 0, 0.0, deterministic)
-        torch.library.opcheck(torch.ops.flashbridge.flash_attn_bwd.default, bwd_args)
+    args = (q, k, v, kw["alibi_slopes"], kw["sinks"], None, None, None, None, 0.25, True, 4, 0, 0.0)
+    torch.library.opcheck(torch.ops.flashbridge.flash_attn_fwd.default, args)
+    out, lse = torch.ops.flashbridge.flash_attn_fwd(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                torch.randn_like(lse), kw["alibi_slopes"], kw["sinks"].detach(), None, None, None, None, 0.25,
+                True, 4, 0, 0.0)
+    torch.library.opcheck(torch.ops.flashbridge.flash_attn_bwd.default, bwd_args)
 
 
 # ----------------------------------------------------------------------------------- torch: bad inputs
@@ -517,12 +487,10 @@ JAX_CASES = {
 }
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
 @pytest.mark.parametrize("name", list(JAX_CASES))
-def test_jax_forward_backward_matches_reference(name, deterministic):
+def test_jax_forward_backward_matches_reference(name):
     ja = _jax_api()
     spec, options = JAX_CASES[name]
-    options = dict(options, deterministic=deterministic)
     q, k, v, kw = make_inputs(len(name), **spec)
     jkw = {n: torch_to_jax(a) for n, a in kw.items()}
     sinks = jkw.pop("sinks", None)

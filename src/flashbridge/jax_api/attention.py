@@ -34,7 +34,6 @@ class _Static:
     options: AttnOptions
     max_seqlen_q: Optional[int]
     max_seqlen_k: Optional[int]
-    deterministic: bool = True  # the backward's (see plan_attention_bwd)
 
 
 def _shape(static: _Static, q, k, v, alibi, sinks, cu_q, cu_k):
@@ -70,8 +69,7 @@ def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, *, static
 
     def make_plan(target):
         return plan_attention_bwd(shape, options, target=target, has_dlse=dlse is not None,
-                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype),
-                                  deterministic=static.deterministic)
+                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype))
 
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
              "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
@@ -214,9 +212,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         cu_seqlens_q, cu_seqlens_k: int32 ``(n_seqs + 1,)`` packed offsets; ``max_seqlen_q`` /
             ``max_seqlen_k`` (Python ints) are static bounds. Concrete offsets are validated; traced ones
             (under jit) cannot be, and the kernels then only guarantee in-bounds memory accesses.
-        deterministic: True (the default): the backward uses no atomics and is bitwise identical across
-            runs. False: dQ is summed with float32 atomics inside the dK/dV kernel (fewer products, faster;
-            dQ may differ in the last bits from run to run; dK, dV and dsinks stay reproducible).
+        deterministic: accepted for compatibility; the backward is always deterministic.
         return_lse: also return the float32 LSE ``(B, Hq, Sq)`` (packed ``(Hq, total_q)``), differentiable.
 
     Returns:
@@ -238,7 +234,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
         offsets_q, offsets_k = jax.device_get((cu_seqlens_q, cu_seqlens_k))  # one transfer for both
         check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
-    static = _Static(options, max_seqlen_q, max_seqlen_k, deterministic)
+    static = _Static(options, max_seqlen_q, max_seqlen_k)
     out, lse = _attention(*match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
     return (out, lse) if return_lse else out
 

@@ -60,10 +60,9 @@ def _flash_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int], softmax_scale: float, causal: bool, window_left: Optional[int],
-    window_right: Optional[int], softcap: float, deterministic: bool,
+    window_right: Optional[int], softcap: float,
 ) -> tuple[Tensor, Tensor]:
-    """Returns (out, lse): out in q's layout with v's head dim, lse float32 (B, Hq, Sq) or (Hq, total_q).
-    ``deterministic`` is the backward's (kept here for the autograd context)."""
+    """Returns (out, lse): out in q's layout with v's head dim, lse float32 (B, Hq, Sq) or (Hq, total_q)."""
     shape, options = _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
@@ -78,7 +77,7 @@ def _flash_attn_fwd(
 
 @_flash_attn_fwd.register_fake
 def _(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      causal, window_left, window_right, softcap, deterministic):
+      causal, window_left, window_right, softcap):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -93,18 +92,15 @@ def _flash_attn_bwd(
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
     softmax_scale: float, causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float,
-    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dsinks); dsinks is empty ``(0,)`` without sinks. ``deterministic=False``: dQ
-    through atomics (see plan_attention_bwd)."""
+    """Returns (dq, dk, dv, dsinks); dsinks is empty ``(0,)`` without sinks."""
     shape, options = _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
     q, k, v, dout = _prepare(q), _prepare(k), _prepare(v), _prepare(dout)
     plan = plan_attention_bwd(
         shape, options, target=target_for(q.device), has_dlse=dlse is not None,
         sinks_dtype=None if sinks is None else dtype_name(sinks.dtype),
-        strides={"q": _strides(q), "k": _strides(k), "v": _strides(v), "dout": _strides(dout)},
-        deterministic=deterministic)
+        strides={"q": _strides(q), "k": _strides(k), "v": _strides(v), "dout": _strides(dout)})
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
              "alibi_slopes": alibi_slopes, "sinks": sinks, "cu_seqlens_q": cu_seqlens_q,
              "cu_seqlens_k": cu_seqlens_k}
@@ -117,18 +113,17 @@ def _flash_attn_bwd(
 
 @_flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-     causal, window_left, window_right, softcap, deterministic) = inputs
+     causal, window_left, window_right, softcap) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
-    ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                   deterministic)
+    ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
 
 
 def _backward(ctx, dout, dlse):
@@ -138,18 +133,18 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv, dsinks = _flash_attn_bwd(
         dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options)
     return (dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None, None, None,
-            None, None, None)
+            None, None)
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _attention(q, k, v, options: AttnOptions, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-               max_seqlen_k, deterministic: bool = True):
+               max_seqlen_k):
     return _flash_attn_fwd(
         q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
-        float(options.softcap), deterministic)
+        float(options.softcap))
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -179,9 +174,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             nothing (gpt-oss / StreamingLLM); its gradient is returned.
         cu_seqlens_q, cu_seqlens_k: int32 ``(n_seqs + 1,)`` offsets of packed sequences (start 0, end at
             the packed length); then ``max_seqlen_q`` / ``max_seqlen_k`` (Python ints) bound the lengths.
-        deterministic: True (the default): the backward uses no atomics and is bitwise identical across
-            runs. False: dQ is summed with float32 atomics inside the dK/dV kernel (fewer products, faster;
-            dQ may differ in the last bits from run to run; dK, dV and dsinks stay reproducible).
+        deterministic: the backward is always deterministic (no atomics; bitwise identical across runs);
+            the flag is accepted for flash-attn compatibility.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)`` (packed: ``(Hq, total_q)``),
             natural log; gradients flowing into it are supported.
 
@@ -213,7 +207,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             offsets_q, offsets_k = both[:cu_seqlens_q.numel()], both[cu_seqlens_q.numel():]
         check_cu_seqlens_values(offsets_q, offsets_k, shape)
     out, lse = _attention(q, k, v, options, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, deterministic)
+                          max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
 
 

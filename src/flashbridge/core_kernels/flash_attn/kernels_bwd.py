@@ -8,9 +8,6 @@ The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s 
    its GQA group and over the query blocks that see its keys, accumulating dK and dV in registers:
    ``dv += p^T dout``, ``dk += ds^T q`` with ``ds = p * (dout v^T - delta)``. Each dK/dV element is written
    by exactly one program and summed in a fixed order: deterministic, no atomics, no GQA reduction pass.
-   ``attn_bwd_dkdv_atomic_dq_kernel`` (``deterministic=False``) is the same program that also adds each
-   step's ``ds k`` to a float32 dQ accumulator with atomics, then ``attn_bwd_dq_cast_kernel`` scales and
-   converts it: steps 3. and its recomputation of ``p`` and ``dp`` are skipped.
 3. ``attn_bwd_dq_kernel``: one program per (query block, query head, sequence) loops over key blocks:
    ``dq += ds k``.
    ``attn_bwd_kernel`` runs 2. and 3. in one launch (``AttentionConfig.fused_backward``): its first
@@ -39,9 +36,7 @@ _MAIN_INT_SCALARS = (
     "stride_vh", "stride_dob", "stride_dos", "stride_doh", *_LSE_STRIDES, "stride_ab")
 DKDV_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs",
                     "stride_dvh")
-DKDV_ATOMIC_INT_SCALARS = (*DKDV_INT_SCALARS, "stride_dab", "stride_das", "stride_dah")
 DQ_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh")
-DQ_CAST_INT_SCALARS = ("n_elements",)
 FUSED_INT_SCALARS = (*DKDV_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh", "heads_kv", "n_seqs")
 SINK_INT_SCALARS = ("n_seqs", "seqlen_q", "total_q", *_LSE_STRIDES)
 
@@ -87,16 +82,15 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q_head, DO_head, L2_head, D_head, DQA_head, blk, offs_n, offs_dqk, offs_dv,
-    stride_qs, stride_dos, stride_das, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
+    dk, dv, k, v, Q_head, DO_head, L2_head, D_head, blk, offs_n, offs_dqk, offs_dv,
+    stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
-    transpose of p. ATOMIC_DQ: also add this block's (unscaled) ``ds k`` to the float32 dQ accumulator rows
-    at ``DQA_head`` (``deterministic=False``: the order of the additions across programs is not fixed)."""
+    transpose of p."""
     offs_r = tl.arange(0, BLOCK_M)
     m_start = blk * BLOCK_M
     offs_m = m_start + offs_r
@@ -116,23 +110,18 @@ def _dkdv_step(
                            HAS_ALIBI)  # [N, M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
-    ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP).to(q.dtype)
-    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-    if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # [M, Dqk]
-        tl.atomic_add(DQA_head + offs_m[:, None] * stride_das + offs_dqk[None, :], dq,
-                      mask=row_ok[:, None] & (offs_dqk < DQK)[None, :], sem="relaxed")
+    ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, Q_seq, DO_seq, L2_seq, D_seq, DQA_seq, SLOPES, kh, b, blk_lo, blk_hi, offs_n, offs_dqk,
-    offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_das, stride_dah, stride_lh, stride_ab, qk_scale,
-    cap2, diag, len_q, len_k, window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr,
-    HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    dk, dv, k, v, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, kh, b, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
+    stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
+    window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
@@ -143,13 +132,12 @@ def _dkdv_q_range(
         slope2 = alibi_slope2(SLOPES, b, kh, stride_ab, HAS_ALIBI)
         Q_head = Q_seq + kh * stride_qh
         DO_head = DO_seq + kh * stride_doh
-        DQA_head = DQA_seq + kh * stride_dah
         l_off = tl.cast(kh, tl.int64) * stride_lh
         for blk in range(blk_lo, blk_hi):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, DQA_head, blk,
-                                offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, stride_das, qk_scale, cap2,
-                                slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK,
-                                BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
+            dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, blk, offs_n,
+                                offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q,
+                                len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                                APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -159,10 +147,10 @@ def _dkdv_q_range(
             slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
             l_off = tl.cast(h, tl.int64) * stride_lh
             dk, dv = _dkdv_step(dk, dv, k, v, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L2_seq + l_off,
-                                D_seq + l_off, DQA_seq + h * stride_dah, blk, offs_n, offs_dqk, offs_dv, stride_qs,
-                                stride_dos, stride_das, qk_scale, cap2, slope2, diag, len_q, len_k, window_left,
-                                window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL,
-                                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
+                                D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale,
+                                cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
+                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                                DOT_PRECISION)
     return dk, dv
 
 
@@ -172,15 +160,12 @@ def _dkdv_program(
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dab, stride_das, stride_dah,
-    DK, DV_OUT, DQA,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
-    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``; with ATOMIC_DQ
-    also its share of dQ, added to the float32 accumulator ``DQA`` (q's shape, strides ``stride_da*``)."""
+    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -188,7 +173,6 @@ def _dkdv_program(
     stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, STRIDE_ALIGN)
     stride_dkb, stride_dks, stride_dkh = aligned_strides(stride_dkb, stride_dks, stride_dkh, STRIDE_ALIGN)
     stride_dvb, stride_dvs, stride_dvh = aligned_strides(stride_dvb, stride_dvs, stride_dvh, STRIDE_ALIGN)
-    stride_dab, stride_das, stride_dah = aligned_strides(stride_dab, stride_das, stride_dah, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
     offs_c = tl.arange(0, BLOCK_N)
@@ -211,23 +195,20 @@ def _dkdv_program(
     # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
     Q_seq = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
     DO_seq = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
-    DQA_seq = DQA + tl.cast(b, tl.int64) * stride_dab + tl.cast(q_start, tl.int64) * stride_das
     l_seq = tl.cast(b, tl.int64) * stride_lb + q_start
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, DQA_seq, SLOPES, kh, b, lo,
-                           full_lo, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
-                           stride_das, stride_dah, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
-                           window_left, window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL,
-                           HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, DQA_seq, SLOPES, kh, b,
-                           full_lo, full_hi, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
-                           stride_das, stride_dah, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
-                           window_left, window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, False,
-                           HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, DQA_seq, SLOPES, kh, b,
-                           full_hi, hi, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
-                           stride_das, stride_dah, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
-                           window_left, window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL,
-                           HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
+    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, lo, full_lo,
+                           offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
+                           stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
+                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, full_lo,
+                           full_hi, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
+                           stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right,
+                           GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                           DOT_PRECISION)
+    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, full_hi, hi,
+                           offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
+                           stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
+                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
@@ -249,77 +230,18 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
-    _dkdv_grid_program(Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, sm_scale,
-                       softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
-                       stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
-                       stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                       0, 0, 0, DK, DV_OUT, DK, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL,
-                       HAS_SOFTCAP, HAS_ALIBI, IS_VARLEN, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, HEAD_GROUP, False)
-
-
-@triton.jit(do_not_specialize_on_alignment=DKDV_ATOMIC_INT_SCALARS)
-def attn_bwd_dkdv_atomic_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-    stride_dab, stride_das, stride_dah,  # runtime scalars
-    DK, DV_OUT, DQA,  # outputs: dk, dv as above; the float32 dQ accumulator (zero-filled before the launch)
-    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
-):
-    """The dK/dV kernel that also adds each step's ``ds k`` to dQ with atomics (``deterministic=False``):
-    five products per step instead of the two kernels' seven, at the price of run-to-run rounding
-    differences in dQ. :func:`attn_bwd_dq_cast_kernel` scales and converts the accumulator."""
-    _dkdv_grid_program(Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, sm_scale,
-                       softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
-                       stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
-                       stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                       stride_dab, stride_das, stride_dah, DK, DV_OUT, DQA, GROUP, DQK, DV, BLOCK_M, BLOCK_N,
-                       BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_VARLEN, DOT_PRECISION, STRIDE_ALIGN,
-                       LSE_ALIGN, HEAD_GROUP, True)
-
-
-@triton.jit
-def _dkdv_grid_program(
-    Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap,
-    window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-    stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dab, stride_das, stride_dah,
-    DK, DV_OUT, DQA, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-):
-    """The dK/dV kernels' program: its (key block, kv head, sequence) from the grid, then _dkdv_program."""
     pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
-    if n_start < len_k:
-        _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
-                      softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
-                      stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
-                      stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                      stride_dab, stride_das, stride_dah, DK, DV_OUT, DQA, GROUP, DQK, DV, BLOCK_M, BLOCK_N,
-                      BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN,
-                      ATOMIC_DQ)
-
-
-@triton.jit(do_not_specialize_on_alignment=DQ_CAST_INT_SCALARS)
-def attn_bwd_dq_cast_kernel(
-    DQA,  # input: the float32 dQ accumulator
-    n_elements, sm_scale,  # runtime scalars
-    DQ,  # output: dq = sm_scale * accumulator, in q's dtype (both contiguous, q's shape)
-    BLOCK: tl.constexpr,
-):
-    offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n_elements
-    dq = tl.load(DQA + offs, mask=ok, other=0.0) * tl.cast(sm_scale, tl.float32)
-    tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=ok)
+    if n_start >= len_k:
+        return
+    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
+                  softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+                  stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
+                  stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                  DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
+                  HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit
@@ -463,9 +385,9 @@ def attn_bwd_kernel(
                           sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
                           stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
-                          stride_dvb, stride_dvs, stride_dvh, 0, 0, 0, DK, DV_OUT, DK, GROUP, DQK, DV, KV_BLOCK_M,
-                          KV_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                          STRIDE_ALIGN, LSE_ALIGN, False)
+                          stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N,
+                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
+                          LSE_ALIGN)
     else:
         q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
         heads_q = heads_kv * GROUP

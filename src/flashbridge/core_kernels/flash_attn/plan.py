@@ -473,15 +473,11 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
 def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target, has_dlse: bool = False,
                        sinks_dtype: Optional[str] = None,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: AttentionConfig = DEFAULT_CONFIG, deterministic: bool = True) -> Plan:
+                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
     """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
 
     ``out`` and ``lse`` are the forward's results (contiguous); ``dlse`` a gradient arriving at lse.
     ``strides`` maps "q" / "k" / "v" / "dout" to (batch, row, head) element strides (default: contiguous).
-    ``deterministic``: True = dK/dV and dQ from their own programs, each element summed in a fixed order
-    (bitwise reproducible); False = the dK/dV programs also add their share of dQ to a zero-filled float32
-    accumulator with atomics (``attn_bwd_dkdv_atomic_dq_kernel``: five products per step instead of seven
-    over the two grids; the order of the additions varies between runs), then ``attn_bwd_dq_cast_kernel``.
     Results: dq, dk, dv (contiguous, in the inputs' dtype), then with sinks dsinks (``sinks_dtype``,
     ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
     """
@@ -528,36 +524,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
         num_warps=4 if target.interpret else 8, num_stages=1)
     kv_grid = (cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch)
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
-    buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("lse2", shape.lse_shape, "float32"),
-               Spec("dq", shape.q_shape(), shape.dtype), Spec("dk", shape.k_shape(), shape.dtype),
-               Spec("dv", shape.v_shape(), shape.dtype)]
-    if not deterministic:
-        atomic_scalars = (*dkdv_scalars, *_strided("da", contiguous_strides(shape.q_shape())))
-        n_dq = math.prod(shape.q_shape())
-        cast_block = 1024
-        buffers.append(Spec("dq_accum", shape.q_shape(), "float32", zero=True))
-        main = [
-            Launch(
-                kernel=f"{_BWD}:attn_bwd_dkdv_atomic_dq_kernel",
-                grid=kv_grid,
-                inputs=main_inputs,
-                scalars=atomic_scalars,
-                outputs=("dk", "dv", "dq_accum"),
-                constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, *_align(atomic_scalars), ("HEAD_GROUP", head_group)),
-                num_warps=kv_warps, num_stages=kv_stages),
-            Launch(
-                kernel=f"{_BWD}:attn_bwd_dq_cast_kernel",
-                grid=(cdiv(n_dq, cast_block),),
-                inputs=("dq_accum",),
-                scalars=(("n_elements", n_dq), ("sm_scale", float(options.softmax_scale))),
-                outputs=("dq",),
-                constexprs=(("BLOCK", cast_block),),
-                num_warps=4, num_stages=1),
-        ]
-    elif config.fused_backward is not False and kv_warps == q_warps:  # None (the default) = fused
-        # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
-        # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
+    # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
+    # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
+    if config.fused_backward is not False and kv_warps == q_warps:  # None (the default) = fused
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
         main = [Launch(
@@ -593,6 +562,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
+    buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("lse2", shape.lse_shape, "float32"),
+               Spec("dq", shape.q_shape(), shape.dtype), Spec("dk", shape.k_shape(), shape.dtype),
+               Spec("dv", shape.v_shape(), shape.dtype)]
     results = ["dq", "dk", "dv"]
     if options.has_sinks:
         buffers += [Spec("dsinks_part", (shape.batch, shape.heads_q), "float32"),
