@@ -516,7 +516,7 @@ def main():
                        {"b": b, "s": s, "h": H, "d": d, "causal": causal}, res)
     if not (args.quick or args.no_extra):
         for causal in (False, True):
-            res = bench(4, 4096, 32, 8, 128, causal, with_jax=not args.no_jax)
+            res = bench(4, 4096, 32, 8, 128, causal, with_jax=not args.no_jax, only=only)
             record(f"GQA 32/8 D128 S4096 {'causal' if causal else 'full'}", payload["extra"],
                    {"kind": "gqa", "b": 4, "s": 4096, "hq": 32, "hkv": 8, "d": 128, "causal": causal}, res)
         rng = np.random.default_rng(0)
@@ -532,7 +532,7 @@ def main():
             record(f"varlen {len(lengths)} seqs D128 {'causal' if causal else 'full'}", payload["extra"],
                    {"kind": "varlen", "lengths": lengths, "h": H, "d": 128, "causal": causal}, res)
         for left in (4096, 1024):
-            res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax)
+            res = bench(1, 16384, H, H, 128, True, window=(left, 0), with_jax=not args.no_jax, only=only)
             record(f"window {left} causal D128 S16384", payload["extra"],
                    {"kind": "window", "b": 1, "s": 16384, "h": H, "d": 128, "window": [left, 0]}, res)
     trace_d, trace_s = (int(x) for x in (args.trace or "128,4096").split(","))
