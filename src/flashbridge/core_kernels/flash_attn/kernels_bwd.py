@@ -82,24 +82,28 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptrs, do_ptrs, l2_ptrs, d_ptrs, offs_m, offs_n, offs_dqk, offs_dv, qk_scale, cap2, slope2, diag,
-    len_q, len_k, window_left, window_right, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    dk, dv, k, v, Q_head, DO_head, L2_head, D_head, blk, offs_n, offs_dqk, offs_dv,
+    stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dK, dV [N, D] of one key block plus the terms of the query rows ``offs_m`` of one head (``*_ptrs``:
-    their q [M, Dqk] and dout [M, Dv] tiles, lse2 and delta [M]), working on S^T [N, M] so that both products
-    come out in key-major order without a transpose of p."""
+    """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
+    head's rows), working on S^T [N, M] so that both products come out in key-major order without a
+    transpose of p."""
+    offs_r = tl.arange(0, BLOCK_M)
+    m_start = blk * BLOCK_M
+    offs_m = m_start + offs_r
     row_ok = offs_m < len_q
-    q = load_tile(q_ptrs, row_ok, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [M, Dqk]
-    do = load_tile(do_ptrs, row_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [M, Dv]
+    q = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk, row_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [M, Dqk]
+    do = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv, row_ok, DV, BLOCK_DV, APPLY_MASK)  # [M, Dv]
     if APPLY_MASK:
         # Rows past the sequence read lse2 = +inf (-> p = 0) and delta = 0: they add nothing.
-        lse2 = tl.load(l2_ptrs, mask=row_ok, other=float("inf"))
-        delta = tl.load(d_ptrs, mask=row_ok, other=0.0)
+        lse2 = tl.load(L2_head + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(D_head + offs_m, mask=row_ok, other=0.0)
     else:
-        lse2 = tl.load(l2_ptrs)
-        delta = tl.load(d_ptrs)
+        lse2 = tl.load(L2_head + offs_m)
+        delta = tl.load(D_head + offs_m)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
     p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
@@ -120,30 +124,20 @@ def _dkdv_q_range(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
-    head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0).
-
-    Each step computes its tiles' addresses from the rows ``offs_m``, a loop-carried vector (as
-    FlexAttention's backward does): with addresses of the form ``base(step) + offsets`` the compiler hoists
-    the per-thread ``offsets`` of every vector load out of the loop and keeps them live across it, which
-    at D=128 (255 registers) spilled: 14 local loads per step, 15 M spill requests in one S=4096 backward
-    (Nsight Compute, H200), against none in FlexAttention's kernel. GROUP > 1 walks the (head, block) pairs in
-    one flat loop, head-major: an outer loop over the heads around the pipelined block loop made ptxas spill
-    1.4 KB per thread (sm_90, D=128, GROUP=4)."""
-    offs_r = tl.arange(0, BLOCK_M)
+    head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
+    pairs in one flat loop, head-major: an outer loop over the heads around the pipelined block loop made
+    ptxas spill 1.4 KB per thread (sm_90, D=128, GROUP=4), against 56-128 B without GQA. GROUP == 1 keeps
+    the plain block loop (the flat one would add a division per step)."""
     if GROUP == 1:
         slope2 = alibi_slope2(SLOPES, b, kh, stride_ab, HAS_ALIBI)
         Q_head = Q_seq + kh * stride_qh
         DO_head = DO_seq + kh * stride_doh
         l_off = tl.cast(kh, tl.int64) * stride_lh
-        offs_m = blk_lo * BLOCK_M + offs_r
-        for _ in range(blk_lo, blk_hi):
-            rows = tl.cast(offs_m, tl.int64)
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_head + rows[:, None] * stride_qs + offs_dqk[None, :],
-                                DO_head + rows[:, None] * stride_dos + offs_dv[None, :], L2_seq + l_off + offs_m,
-                                D_seq + l_off + offs_m, offs_m, offs_n, offs_dqk, offs_dv, qk_scale, cap2, slope2,
-                                diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        for blk in range(blk_lo, blk_hi):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, blk, offs_n,
+                                offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q,
+                                len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
                                 APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-            offs_m += BLOCK_M
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -151,14 +145,12 @@ def _dkdv_q_range(
             blk = blk_lo + it - g * n_blk
             h = kh * GROUP + g
             slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
-            offs_m = blk * BLOCK_M + offs_r
-            rows = tl.cast(offs_m, tl.int64)
             l_off = tl.cast(h, tl.int64) * stride_lh
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_seq + h * stride_qh + rows[:, None] * stride_qs + offs_dqk[None, :],
-                                DO_seq + h * stride_doh + rows[:, None] * stride_dos + offs_dv[None, :],
-                                L2_seq + l_off + offs_m, D_seq + l_off + offs_m, offs_m, offs_n, offs_dqk, offs_dv,
-                                qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV,
-                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L2_seq + l_off,
+                                D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale,
+                                cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
+                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                                DOT_PRECISION)
     return dk, dv
 
 
