@@ -688,8 +688,6 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(fused_backward="no")  # a truthy string must not switch the one launch on
     with pytest.raises(ValueError, match="AttentionConfig.fused_backward"):
         AttentionConfig(fused_backward=0)  # nor a 0 that is not False
-    with pytest.raises(ValueError, match="interleave_backward"):
-        AttentionConfig(interleave_backward=1)
 
 
 def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
@@ -792,8 +790,6 @@ def test_fused_backward_needs_one_warp_count():
 @pytest.mark.parametrize("config", [
     dict(head_group=3), dict(head_group=64), dict(), dict(fused_backward=False, head_group=3),
     dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
-    dict(interleave_backward=True), dict(interleave_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32,
-                                         dq_block_n=16),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_program_order_and_fused_backward_give_identical_results(case, config):
     """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward

@@ -112,7 +112,7 @@ def test_gpu_torch_deterministic():
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(head_group=8), dict(head_group=64), dict(fused_backward=False),
-                                      dict(head_group=1), dict(interleave_backward=True)],
+                                      dict(head_group=1)],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_gpu_program_order_and_fused_backward_are_bitwise_identical(settings):
     """AttentionConfig.head_group (program order, block_schedule; default 4 when causal) and fused_backward

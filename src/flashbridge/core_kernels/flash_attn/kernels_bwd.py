@@ -365,40 +365,18 @@ def attn_bwd_kernel(
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
     Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
     (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
-    longest work starts earliest and the shorter dQ programs fill in behind it. INTERLEAVE: one (sequence,
-    kv head) at a time instead, its dK/dV programs then its group's dQ programs (FlexAttention's order: the
-    programs running together read the same heads' q, k, v, dout)."""
+    longest work starts earliest and the shorter dQ programs fill in behind it."""
     kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
-    q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
-    if INTERLEAVE:
-        per_unit = kv_blocks + GROUP * q_blocks
-        unit = pid // per_unit
-        r = pid - unit * per_unit
-        is_kv = r < kv_blocks
-        rq = tl.maximum(r - kv_blocks, 0)
-        g = rq // q_blocks
-        kh = unit % heads_kv
-        b = unit // heads_kv
-        rank = tl.where(is_kv, r, rq - g * q_blocks)
-        head = tl.where(is_kv, kh, kh * GROUP + g)
-    else:
-        is_kv = pid < n_kv
-        if is_kv:
-            p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
-            rank, head, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
-        else:
-            p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_kv * GROUP)
-            rank, head, b = grid_schedule(p0, p1, p2, q_blocks, heads_kv * GROUP, n_seqs, HEAD_GROUP)
-    if is_kv:
-        pid_n, kh = rank, head
+    if pid < n_kv:
+        p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
+        pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
         q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
@@ -411,8 +389,12 @@ def attn_bwd_kernel(
                           BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
                           LSE_ALIGN)
     else:
+        q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+        heads_q = heads_kv * GROUP
+        p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
+        rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
         h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
-            rank, head, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
+            rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
         if m_start < len_q:
             _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,

@@ -48,9 +48,6 @@ class AttentionConfig:
       D=64 causal 312 -> 328, GQA 32/8 causal 322 -> 331; alternating both four times in one process
       (``bench_attention.py --ab 4``) MHA differs by less than 1.5% either way and GQA causal gains 1.4%.
       D=256's default tiles differ in warps and keep two launches.
-    * ``interleave_backward``: in the one-launch backward, the programs of one (sequence, kv head) at a time,
-      dK/dV then dQ (FlexAttention's order), instead of every dK/dV program before every dQ program; None
-      = False.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -73,7 +70,6 @@ class AttentionConfig:
     masked_num_stages: Optional[int] = None
     head_group: Optional[int] = None
     fused_backward: Optional[bool] = None
-    interleave_backward: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -85,10 +81,8 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
         if self.head_group is not None and self.head_group < 1:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
-        for name in ("fused_backward", "interleave_backward"):
-            value = getattr(self, name)
-            if not (value is None or isinstance(value, bool)):
-                raise ValueError(f"AttentionConfig.{name}: must be None, True or False, got {value!r}")
+        if not (self.fused_backward is None or isinstance(self.fused_backward, bool)):
+            raise ValueError(f"AttentionConfig.fused_backward: must be None, True or False, got {self.fused_backward!r}")
 
     def tile(self, kernel: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq")."""
@@ -543,7 +537,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, *_align(fused_scalars),
-                        ("HEAD_GROUP", head_group), ("INTERLEAVE", bool(config.interleave_backward))),
+                        ("HEAD_GROUP", head_group)),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
