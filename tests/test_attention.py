@@ -405,6 +405,33 @@ def test_sdpa_drop_in_matches_torch(case):
         torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
 
 
+def test_local_mask_mode():
+    from flashbridge.core_kernels.flash_attn.plan import local_mask_mode
+    assert local_mask_mode(None, None) == 0
+    assert local_mask_mode(None, 0) == 1  # causal: one comparison per score
+    assert local_mask_mode(None, -3) == 1
+    assert local_mask_mode(None, 2) == 2  # right of the diagonal: keys past the sequence must be masked too
+    assert local_mask_mode(5, 0) == 2
+    assert local_mask_mode(5, None) == 2
+
+
+@pytest.mark.parametrize("spec", [dict(sq=130, sk=63), dict(sq=63, sk=130, hq=4, hkv=2), dict(sq=17, sk=17),
+                                  dict(seqlens=[(17, 63), (63, 17), (0, 5), (130, 130)], hq=4, hkv=1)])
+def test_causal_mask_needs_no_bound_check(spec):
+    """Causal calls mask with one comparison per score (HAS_LOCAL = 1, keys past the sequence excluded by
+    the diagonal alone); a left window wider than any sequence takes the general three-comparison mask:
+    forward and backward must agree bitwise, ragged and fully masked rows included."""
+    q, k, v, kw = make_inputs(3, **spec)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(4))
+    results = []
+    for window in ((-1, -1), (10**6, -1)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = torch_api.flash_attention(*leaves, causal=True, window_size=window, **kw, return_lse=True)
+        results.append((out, lse, *torch.autograd.grad(out, leaves, dout)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_sdpa_drop_in_rejects_masks_and_dropout():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="attn_mask"):

@@ -28,7 +28,7 @@ from typing import Optional
 
 from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
-from ..flash_attn.plan import check_score_options
+from ..flash_attn.plan import check_score_options, local_mask_mode
 
 _K = "decode.kernels"
 KV_LAYOUTS = ("NHD", "HND")
@@ -599,7 +599,8 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("BLOCK_N", tiles.block_n), ("BLOCK_DQK", tiles.block_dqk), ("DQK_CHUNKS", tiles.dqk_chunks),
                     ("BLOCK_DV", tiles.block_dv), ("PAGED", cache.paged),
                     ("PAGE_SIZE", cache.page_size if cache.paged else 1), ("HAS_SEQLENS", has_seqlens),
-                    ("HAS_LOCAL", options.has_local), ("HAS_SOFTCAP", options.softcap > 0),
+                    ("HAS_LOCAL", local_mask_mode(options.window_left, options.window_right)),
+                    ("HAS_SOFTCAP", options.softcap > 0),
                     ("HAS_ALIBI", options.has_alibi), ("HAS_SINKS", has_sinks),
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),

@@ -249,11 +249,20 @@ def alibi_bias(s2, q_idx, k_idx, diag, slope2, HAS_ALIBI: tl.constexpr):
 
 @triton.jit
 def visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: tl.constexpr):
-    """Bool: query ``q_idx`` sees key ``k_idx`` (bounds, causal, sliding window)."""
-    ok = k_idx < seqlen_k
-    if HAS_LOCAL:
-        rel = k_idx - (q_idx + diag)
-        ok = ok & (rel <= window_right) & (rel >= -window_left)
+    """Bool: query ``q_idx`` sees key ``k_idx`` (bounds, causal, sliding window).
+
+    HAS_LOCAL (see ``local_mask_mode`` in plan.py): 0 = no window, only the sequence bound; 1 = only a right
+    edge at or left of the diagonal (``window_right <= 0``, left unbounded: causal), which by itself keeps
+    every key of a real row inside the sequence (``k <= q + diag + right <= seqlen_k - 1`` for ``q <
+    seqlen_q``; padding rows are never stored), so one comparison per score instead of three; 2 = any
+    window."""
+    if HAS_LOCAL == 1:
+        ok = k_idx - (q_idx + diag) <= window_right
+    else:
+        ok = k_idx < seqlen_k
+        if HAS_LOCAL:
+            rel = k_idx - (q_idx + diag)
+            ok = ok & (rel <= window_right) & (rel >= -window_left)
     return ok
 
 

@@ -411,8 +411,19 @@ def _strided(prefix: str, strides: tuple[int, int, int]):
     return tuple((f"stride_{prefix}{dim}", int(s)) for dim, s in zip("bsh", strides))
 
 
+def local_mask_mode(window_left: Optional[int], window_right: Optional[int]) -> int:
+    """The kernels' ``HAS_LOCAL`` constexpr (see ``visible`` in kernels_common): 0 = no window; 1 = a right
+    edge at or left of the diagonal and no left edge (causal), where the mask is one comparison per score;
+    2 = any other window."""
+    if window_left is None and window_right is None:
+        return 0
+    if window_left is None and window_right <= 0:
+        return 1
+    return 2
+
+
 def _flags(shape: AttnShape, options: AttnOptions):
-    return (("HAS_LOCAL", options.has_local), ("HAS_SOFTCAP", options.softcap > 0),
+    return (("HAS_LOCAL", local_mask_mode(options.window_left, options.window_right)), ("HAS_SOFTCAP", options.softcap > 0),
             ("HAS_ALIBI", options.has_alibi), ("IS_VARLEN", shape.varlen),
             ("DOT_PRECISION", "ieee" if shape.dtype == "float32" else "tf32"))
 
