@@ -407,12 +407,14 @@ def test_sdpa_drop_in_matches_torch(case):
 
 def test_local_mask_mode():
     from flashbridge.core_kernels.flash_attn.plan import local_mask_mode
-    assert local_mask_mode(None, None) == 0
-    assert local_mask_mode(None, 0) == 1  # causal: one comparison per score
-    assert local_mask_mode(None, -3) == 1
-    assert local_mask_mode(None, 2) == 2  # right of the diagonal: keys past the sequence must be masked too
-    assert local_mask_mode(5, 0) == 2
-    assert local_mask_mode(5, None) == 2
+    for one in (True, False):
+        assert local_mask_mode(None, None, one_comparison=one) == 0
+        assert local_mask_mode(None, 2, one_comparison=one) == 2  # keys past the sequence must be masked too
+        assert local_mask_mode(5, 0, one_comparison=one) == 2
+        assert local_mask_mode(5, None, one_comparison=one) == 2
+    assert local_mask_mode(None, 0, one_comparison=True) == 1  # causal: one comparison per score
+    assert local_mask_mode(None, -3, one_comparison=True) == 1
+    assert local_mask_mode(None, 0, one_comparison=False) == 2
 
 
 @pytest.mark.parametrize("spec", [dict(sq=130, sk=63), dict(sq=63, sk=130, hq=4, hkv=2), dict(sq=17, sk=17),

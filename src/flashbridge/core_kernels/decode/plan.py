@@ -599,7 +599,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("BLOCK_N", tiles.block_n), ("BLOCK_DQK", tiles.block_dqk), ("DQK_CHUNKS", tiles.dqk_chunks),
                     ("BLOCK_DV", tiles.block_dv), ("PAGED", cache.paged),
                     ("PAGE_SIZE", cache.page_size if cache.paged else 1), ("HAS_SEQLENS", has_seqlens),
-                    ("HAS_LOCAL", local_mask_mode(options.window_left, options.window_right)),
+                    ("HAS_LOCAL", local_mask_mode(options.window_left, options.window_right, one_comparison=False)),
                     ("HAS_SOFTCAP", options.softcap > 0),
                     ("HAS_ALIBI", options.has_alibi), ("HAS_SINKS", has_sinks),
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),

@@ -411,19 +411,27 @@ def _strided(prefix: str, strides: tuple[int, int, int]):
     return tuple((f"stride_{prefix}{dim}", int(s)) for dim, s in zip("bsh", strides))
 
 
-def local_mask_mode(window_left: Optional[int], window_right: Optional[int]) -> int:
+def local_mask_mode(window_left: Optional[int], window_right: Optional[int], *, one_comparison: bool) -> int:
     """The kernels' ``HAS_LOCAL`` constexpr (see ``visible`` in kernels_common): 0 = no window; 1 = a right
     edge at or left of the diagonal and no left edge (causal), where the mask is one comparison per score;
-    2 = any other window."""
+    2 = any other window, and causal ones unless ``one_comparison``.
+
+    Only the backward takes the one-comparison mask, and only its dQ loop (the dK/dV loop converts 1 to 2):
+    H200, bf16, S=4096 / 16384 causal (``attention_causalmask_h200_d128-64.json`` against this session's other
+    runs), backward D=64 309 -> 325 / 333 -> 356 TFLOP/s, D=128 339-350 -> 352 / 378-392 -> 393; the forward
+    lost with it at D=128 (425 -> 407 / 480 -> 463: sm_90 shows 58 fewer instructions in the unmasked loop but
+    stores among its spills) and gained within the noise at D=64, so it keeps three comparisons, as decode
+    does (not measured)."""
     if window_left is None and window_right is None:
         return 0
-    if window_left is None and window_right <= 0:
+    if one_comparison and window_left is None and window_right <= 0:
         return 1
     return 2
 
 
-def _flags(shape: AttnShape, options: AttnOptions):
-    return (("HAS_LOCAL", local_mask_mode(options.window_left, options.window_right)), ("HAS_SOFTCAP", options.softcap > 0),
+def _flags(shape: AttnShape, options: AttnOptions, *, one_comparison: bool = False):
+    mask = local_mask_mode(options.window_left, options.window_right, one_comparison=one_comparison)
+    return (("HAS_LOCAL", mask), ("HAS_SOFTCAP", options.softcap > 0),
             ("HAS_ALIBI", options.has_alibi), ("IS_VARLEN", shape.varlen),
             ("DOT_PRECISION", "ieee" if shape.dtype == "float32" else "tf32"))
 
@@ -509,7 +517,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     lse_b, lse_h = _lse_strides(shape)
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
-    flags = _flags(shape, options)
+    flags = _flags(shape, options, one_comparison=True)
     head_group = _head_group(config, options, target)
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
