@@ -207,18 +207,17 @@ def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
 
 
 @functools.lru_cache(maxsize=None)
-def _logits_op(transposed: bool, has_bias: bool, alias: bool):
-    """``hidden (H, Hd) @ W^T (+ bias)`` written by our kernel into storage shaped like W (H x V elements:
-    a chunk of exactly H tokens fills it), taking over ``buffer``'s storage when ``alias`` (else a new
-    array; the buffer argument then only gives shape and dtype). custom_vmap: under jax.vmap the XLA matmul
-    per example, reshaped alike (one buffer per example either way)."""
+def _logits_op(transposed: bool, has_bias: bool):
+    """``hidden (H, Hd) @ W^T (+ bias)`` written by our kernel into ``buffer``'s storage, shaped like W (H x V
+    elements: a chunk of exactly H tokens fills it), which the result takes over. custom_vmap: under jax.vmap
+    the XLA matmul per example, reshaped alike (one buffer per example either way)."""
     def call(hidden, weight, buffer, *bias):
         n_rows, hd = hidden.shape
         vocab = weight.shape[1] if transposed else weight.shape[0]
         inputs = {"hidden": hidden, "weight": weight, "buffer": buffer, **({"bias": bias[0]} if has_bias else {})}
         (out,) = execute(lambda target: plan_linear_logits(
             n_rows, vocab, hd, dtype=dtype_name(hidden.dtype), weight_transposed=transposed, has_bias=has_bias,
-            out_shape=tuple(buffer.shape), target=target), inputs, aliases={"out": "buffer"} if alias else None)
+            out_shape=tuple(buffer.shape), target=target), inputs, aliases={"out": "buffer"})
         return out
 
     op = jax.custom_batching.custom_vmap(call)
@@ -274,7 +273,7 @@ def _pass1(hidden, weight, labels, bias, row_weights, cfg: _LinearCfg, lse=None,
 
     def big_step(buffer, rows_c):
         rows_c = jax.lax.optimization_barrier(rows_c)  # the hidden chunk feeds our logits kernel too
-        out = _logits_op(cfg.transposed, bias is not None, True)(rows_c[0], weight, buffer, *bias_args)
+        out = _logits_op(cfg.transposed, bias is not None)(rows_c[0], weight, buffer, *bias_args)
         grad, outs = chunk_grads(out.reshape(hd, -1), *rows_c[1:])
         return grad.reshape(weight.shape), outs
 

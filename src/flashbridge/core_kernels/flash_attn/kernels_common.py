@@ -254,8 +254,8 @@ def visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: 
     HAS_LOCAL (see ``local_mask_mode`` in plan.py): 0 = no window, only the sequence bound; 1 = only a right
     edge at or left of the diagonal (``window_right <= 0``, left unbounded: causal), which by itself keeps
     every key of a real row inside the sequence (``k <= q + diag + right <= seqlen_k - 1`` for ``q <
-    seqlen_q``; padding rows are never stored), so one comparison per score instead of three (which kernels
-    take it: ``local_mask_mode`` in plan.py); 2 = any window."""
+    seqlen_q``; padding rows are never stored), so one comparison per score instead of three; 2 = any
+    window."""
     if HAS_LOCAL == 1:
         ok = k_idx - (q_idx + diag) <= window_right
     else:

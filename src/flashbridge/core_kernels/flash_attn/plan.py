@@ -417,8 +417,9 @@ def local_mask_mode(window_left: Optional[int], window_right: Optional[int], *, 
     2 = any other window, and causal ones unless ``one_comparison``.
 
     Only the backward takes the one-comparison mask, and only its dQ loop (the dK/dV loop converts 1 to 2):
-    H200, bf16, S=4096 / 16384 causal (``attention_causalmask_h200_d128-64.json`` against this session's other
-    runs), backward D=64 309 -> 325 / 333 -> 356 TFLOP/s, D=128 339-350 -> 352 / 378-392 -> 393; the forward
+    H200, bf16, causal, S=4096 / 16384 (``attention_causalmask_h200_d128-64.json`` against
+    ``attention_loopcarried_h200_d128-64.json`` and ``attention_atomic_dq_h200_d128.json``, runs of the same
+    day): backward D=64 309 -> 325 / 333 -> 356 TFLOP/s, D=128 339-350 -> 352 / 378-392 -> 393; the forward
     lost with it at D=128 (425 -> 407 / 480 -> 463: sm_90 shows 58 fewer instructions in the unmasked loop but
     stores among its spills) and gained within the noise at D=64, so it keeps three comparisons, as decode
     does (not measured)."""
