@@ -133,9 +133,10 @@ def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
     return kernel.metadata.shared, " ".join(line.split()[:2])
 
 
-def kernel_trace(fn, *, calls: int = 5, label: str = "") -> list[dict]:
+def kernel_trace(fn, *, calls: int = 5, label: str = "", summary: dict | None = None) -> list[dict]:
     """The device activity of ``fn`` (kernels, memsets, copies), per call: name, launches, microseconds;
-    and how busy the device was from each call's first kernel to its last (the rest is launch gaps).
+    and how busy the device was from each call's first kernel to its last (the rest is launch gaps), also
+    written into ``summary`` (keys ``busy``, ``span_us`` per call) when given.
 
     Uses torch.profiler's CUPTI activity trace, which records every CUDA launch in the process, JAX's
     included, so the two frameworks' paths can be compared kernel by kernel. ``fn`` must synchronise."""
@@ -158,6 +159,8 @@ def kernel_trace(fn, *, calls: int = 5, label: str = "") -> list[dict]:
     rows = [{"name": name[:90], "launches": counts[name] / calls, "us": totals[name] / calls}
             for name in sorted(totals, key=totals.get, reverse=True)]
     busy, span = _busy_fraction(sorted(spans))
+    if summary is not None:
+        summary.update(busy=busy, span_us=span / calls)
     total = sum(r["us"] for r in rows)
     print_table(f"device activity per call {label} (total {total:.1f} us; device busy {busy:.1%} of the "
                 f"time between a call's first and last kernel, {span / calls:.1f} us per call)",

@@ -13,6 +13,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'   # ... against another setting
     python benchmarks/bench_attention.py --dims 64 --seqlens 1024 --no-extra \
         --only 'flashbridge-torch steady,flashbridge-jax steady' --tag cmdbuf   # some rows, a named file
+    python benchmarks/bench_attention.py --steady-diagnosis 64,1024   # why the JAX steady forward trails there
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
 """
@@ -278,6 +279,49 @@ def trace_paths(b, s, h, d, causal):
     }
 
 
+def steady_diagnosis(b, s, h, d, causal):
+    """Where the JAX steady forward loses to torch's at short lengths: both steady loops timed on the same
+    bits (torch's input sets handed to JAX through dlpack, JAX's ``jax.random.normal`` sets to torch), and
+    the device activity of each steady loop (per-kernel time, busy fraction between the loop's first and
+    last kernel). Same kernel time + idle gaps: the launches; slower kernels on one set of data: the data."""
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge._timing import _capture
+    from flashbridge.jax_api.attention import flash_attention as jfa
+
+    torch_sets = [tuple(randn(b, s, h, d) for _ in range(3)) for _ in range(STEADY_SETS)]
+    jax_sets = [tuple(jax.random.normal(sub, (b, s, h, d), jnp.bfloat16) for sub in jax.random.split(key, 3))
+                for key in jax.random.split(jax.random.key(1), STEADY_SETS)]
+    torch.cuda.synchronize()
+    torch_to_jax = [tuple(jax.dlpack.from_dlpack(t) for t in ts) for ts in torch_sets]
+    jax_to_torch = [tuple(torch.from_dlpack(a) for a in js) for js in jax_sets]
+    call = functools.partial(flash_attention, causal=causal)
+
+    def jcall(q, k, v):
+        return jfa(q, k, v, causal=causal)
+
+    label = f"D{d} S{s} {'causal' if causal else 'full'}"
+    times = {}
+    with torch.no_grad():
+        times["torch, torch data"] = time_torch_steady(call, torch_sets)
+        times["torch, jax data"] = time_torch_steady(call, jax_to_torch)
+        graph = _capture(call, torch_sets)
+    times["jax, torch data"] = time_jax_steady(jcall, torch_to_jax)
+    times["jax, jax data"] = time_jax_steady(jcall, jax_sets)
+    print_table(f"steady forward ms per call, {label}", ["loop, inputs", "ms"], [[k, v] for k, v in times.items()])
+    loop = jax.jit(lambda sets: [jcall(*a) for a in sets])
+    torch_summary, jax_summary = {}, {}
+    traces = {
+        "torch_graph": kernel_trace(lambda: (graph.replay(), torch.cuda.synchronize()), summary=torch_summary,
+                                    label=f"torch steady forward {label}, {STEADY_SETS} calls in one graph"),
+        "jax_loop": kernel_trace(lambda: jax.block_until_ready(loop(torch_to_jax)), summary=jax_summary,
+                                 label=f"jax steady forward {label}, {STEADY_SETS} calls in one jit"),
+    }
+    return {"case": label, "steady_fwd_ms": times, "traces": traces,
+            "busy": {"torch_graph": torch_summary, "jax_loop": jax_summary}}
+
+
 # --------------------------------------------------------------------------------------------------- tune
 
 # program-level AttentionConfig settings --tune / --order-only time with the default tiles: the program
@@ -450,6 +494,9 @@ def main():
     parser.add_argument("--only", help="comma-separated provider names to run (default: all), e.g. "
                                        "'flashbridge-torch steady,flashbridge-jax steady'")
     parser.add_argument("--tag", help="appended to the results file's name (runs under other settings)")
+    parser.add_argument("--steady-diagnosis", metavar="D,S",
+                        help="only the steady forward of both paths on swapped inputs, with device traces of the "
+                             "steady loops (where the JAX path trails at short lengths), e.g. 64,1024")
     parser.add_argument("--trace", metavar="D,S", help="trace one call of each path (kernels and device times) "
                                                        "at this head dim and length (default: 128,4096, when run)")
     args = parser.parse_args()
@@ -482,6 +529,11 @@ def main():
             else:
                 table.append([label, name, r["fwd_ms"], r["fwd_tflops"], r["bwd_ms"], r["bwd_tflops"]])
 
+    if args.steady_diagnosis:
+        d, s = (int(x) for x in args.steady_diagnosis.split(","))
+        rows = [steady_diagnosis(TOKENS // s, s, H, d, causal) for causal in (False, True)]
+        print(f"wrote {save(f'attention_steady_diagnosis_d{d}_s{s}_h200', {'environment': environment(), 'rows': rows})}")
+        return
     if args.order_only:
         rows = [r for d in (128, 64) for causal in (False, True)
                 for r in time_program_configs(TOKENS // 4096, 4096, H, H, d, causal, ORDER_ONLY_CONFIGS)]

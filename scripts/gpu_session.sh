@@ -2,7 +2,7 @@
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
-#   jax-settings attention-jax-settings profile-attention
+#   jax-settings attention-jax-settings attention-steady profile-attention
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
 # device runner returns at most 8 files; a run cut short still returns the stages it finished).
@@ -67,6 +67,8 @@ for stage in "${stages[@]}"; do
                     XLA_FLAGS="$flags" python3 benchmarks/bench_attention.py --dims 64,128 --seqlens 1024 --no-extra \
                       --only "flashbridge-torch steady,flashbridge-jax steady" --tag "$tag"
                   done 2>&1 | tee "$OUT/attention_jax_settings.log" | grep -v Warning | tail -40 ;;
+    # the steady forward of both paths on swapped inputs, with traces of the steady loops (STEADY_DIAG=D,S)
+    attention-steady) python3 benchmarks/bench_attention.py --steady-diagnosis ${STEADY_DIAG:-64,1024} 2>&1 | tee "$OUT/attention_steady.log" | grep -v Warning | tail -40 ;;
     # Nsight Compute on one backward of ours and of FlexAttention (PROFILE_ARGS, e.g. "--causal --d 64"), side by side
     profile-attention) sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
                        for which in ours flex; do
