@@ -168,6 +168,54 @@ def kernel_trace(fn, *, calls: int = 5, label: str = "", summary: dict | None = 
     return rows
 
 
+def launch_trace(fn, *, calls: int = 3, path: str | None = None) -> dict:
+    """When each kernel of ``fn`` was launched (the host's launch call, matched to its kernel by CUPTI's
+    correlation id) against when it started and when the kernel before it ended: whether the device's idle
+    time between kernels is the host launching late (host-bound) or the device starting late. ``fn`` must
+    synchronise. Writes the Chrome trace to ``path`` when given. Timings are under the profiler (its
+    callbacks slow every launch call), so compare paths with each other, not with unprofiled timings."""
+    import json as _json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+    out = path or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(out)
+    events = _json.load(open(out))["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and "correlation" in e.get("args", {})
+                and e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", "")}
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    rows, prev_end = [], None
+    for k in kernels:
+        launch = launches.get(k["args"].get("correlation"))
+        row = {"kernel": k["name"][:60], "us": k["dur"], "launch_to_start_us": None, "idle_before_us": None,
+               "launched_after_prev_end": None}
+        if prev_end is not None and k["ts"] - prev_end < 1000:  # within one call (calls synchronise between)
+            row["idle_before_us"] = k["ts"] - prev_end
+            if launch is not None:
+                row["launched_after_prev_end"] = launch["ts"] + launch["dur"] > prev_end
+        if launch is not None:
+            row["launch_to_start_us"] = k["ts"] - (launch["ts"] + launch["dur"])
+            row["launch_call_us"] = launch["dur"]
+        rows.append(row)
+        prev_end = k["ts"] + k["dur"]
+    gaps = [r for r in rows if r["idle_before_us"] is not None]
+    summary = {
+        "kernels": len(rows), "matched_launches": sum(r["launch_to_start_us"] is not None for r in rows),
+        "mean_idle_before_us": sum(r["idle_before_us"] for r in gaps) / max(len(gaps), 1),
+        "host_bound_gaps": sum(bool(r["launched_after_prev_end"]) for r in gaps), "gaps": len(gaps),
+        "mean_launch_call_us": (sum(r.get("launch_call_us", 0) for r in rows)
+                                / max(sum("launch_call_us" in r for r in rows), 1)),
+        "rows": rows,
+    }
+    print({k: v for k, v in summary.items() if k != "rows"})
+    return summary
+
+
 def _busy_fraction(spans, idle_break_us: float = 1000.0):
     """Busy time / elapsed time over runs of device activity; a gap longer than ``idle_break_us`` (the
     host synchronising between calls) starts a new run and is not counted."""

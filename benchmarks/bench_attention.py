@@ -24,9 +24,8 @@ import json
 import functools
 import traceback
 
-from _common import (compile_launch_sm90, environment, kernel_trace, print_table, save, save_figure, time_jax,
-                     time_jax_steady, time_torch_steady,
-                     time_torch)
+from _common import (compile_launch_sm90, environment, kernel_trace, launch_trace, print_table, save, save_figure,
+                     time_jax, time_jax_steady, time_torch, time_torch_steady)
 
 import numpy as np
 import torch
@@ -318,7 +317,14 @@ def steady_diagnosis(b, s, h, d, causal):
         "jax_loop": kernel_trace(lambda: jax.block_until_ready(loop(torch_to_jax)), summary=jax_summary,
                                  label=f"jax steady forward {label}, {STEADY_SETS} calls in one jit"),
     }
-    return {"case": label, "steady_fwd_ms": times, "traces": traces,
+    import os
+    trace_dir = os.environ.get("OUT")
+    launches = {
+        "torch_graph": launch_trace(lambda: (graph.replay(), torch.cuda.synchronize())),
+        "jax_loop": launch_trace(lambda: jax.block_until_ready(loop(torch_to_jax)),
+                                 path=trace_dir and os.path.join(trace_dir, f"chrome_trace_jax_{label.replace(' ', '_')}.json")),
+    }
+    return {"case": label, "steady_fwd_ms": times, "traces": traces, "launches": launches,
             "busy": {"torch_graph": torch_summary, "jax_loop": jax_summary}}
 
 
@@ -532,7 +538,8 @@ def main():
     if args.steady_diagnosis:
         d, s = (int(x) for x in args.steady_diagnosis.split(","))
         rows = [steady_diagnosis(TOKENS // s, s, H, d, causal) for causal in (False, True)]
-        print(f"wrote {save(f'attention_steady_diagnosis_d{d}_s{s}_h200', {'environment': environment(), 'rows': rows})}")
+        name = f"attention_steady_diagnosis_d{d}_s{s}_h200" + (f"_{args.tag}" if args.tag else "")
+        print(f"wrote {save(name, {'environment': environment(), 'rows': rows})}")
         return
     if args.order_only:
         rows = [r for d in (128, 64) for causal in (False, True)

@@ -68,7 +68,8 @@ for stage in "${stages[@]}"; do
                       --only "flashbridge-torch steady,flashbridge-jax steady" --tag "$tag"
                   done 2>&1 | tee "$OUT/attention_jax_settings.log" | grep -v Warning | tail -40 ;;
     # the steady forward of both paths on swapped inputs, with traces of the steady loops (STEADY_DIAG=D,S)
-    attention-steady) python3 benchmarks/bench_attention.py --steady-diagnosis ${STEADY_DIAG:-64,1024} 2>&1 | tee "$OUT/attention_steady.log" | grep -v Warning | tail -40 ;;
+    # (STEADY_TAG names the results file, e.g. when XLA_FLAGS differ)
+    attention-steady) python3 benchmarks/bench_attention.py --steady-diagnosis ${STEADY_DIAG:-64,1024} ${STEADY_TAG:+--tag $STEADY_TAG} 2>&1 | tee "$OUT/attention_steady${STEADY_TAG:+_$STEADY_TAG}.log" | grep -v Warning | tail -40 ;;
     # Nsight Compute on one backward of ours and of FlexAttention (PROFILE_ARGS, e.g. "--causal --d 64"), side by side
     profile-attention) sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
                        for which in ours flex; do
