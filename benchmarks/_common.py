@@ -204,7 +204,14 @@ def launch_trace(fn, *, calls: int = 3, path: str | None = None) -> dict:
         rows.append(row)
         prev_end = k["ts"] + k["dur"]
     gaps = [r for r in rows if r["idle_before_us"] is not None]
+    api = {}  # the host's CUDA API calls by total time: what the launching thread waited on
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            total, count = api.get(e["name"], (0.0, 0))
+            api[e["name"]] = (total + e["dur"], count + 1)
     summary = {
+        "api_calls": {k: {"us": round(v[0] / calls, 1), "count": v[1] / calls}
+                      for k, v in sorted(api.items(), key=lambda kv: -kv[1][0])[:8]},
         "kernels": len(rows), "matched_launches": sum(r["launch_to_start_us"] is not None for r in rows),
         "mean_idle_before_us": sum(r["idle_before_us"] for r in gaps) / max(len(gaps), 1),
         "host_bound_gaps": sum(bool(r["launched_after_prev_end"]) for r in gaps), "gaps": len(gaps),

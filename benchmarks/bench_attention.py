@@ -324,6 +324,13 @@ def steady_diagnosis(b, s, h, d, causal):
         "jax_loop": launch_trace(lambda: jax.block_until_ready(loop(torch_to_jax)),
                                  path=trace_dir and os.path.join(trace_dir, f"chrome_trace_jax_{label.replace(' ', '_')}.json")),
     }
+    # the steady timing's own batch: executions back to back, one synchronisation at the end (time_jax)
+    def batch():
+        for _ in range(6):
+            out = loop(torch_to_jax)
+        jax.block_until_ready(out)
+
+    launches["jax_batch"] = launch_trace(batch, calls=1)
     return {"case": label, "steady_fwd_ms": times, "traces": traces, "launches": launches,
             "busy": {"torch_graph": torch_summary, "jax_loop": jax_summary}}
 
