@@ -136,7 +136,8 @@ def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
 def kernel_trace(fn, *, calls: int = 5, label: str = "", summary: dict | None = None) -> list[dict]:
     """The device activity of ``fn`` (kernels, memsets, copies), per call: name, launches, microseconds;
     and how busy the device was from each call's first kernel to its last (the rest is launch gaps), also
-    written into ``summary`` (keys ``busy``, ``span_us`` per call) when given.
+    written into ``summary`` (keys ``busy``, ``span_us`` per call) when given. Every call must run the same
+    device activities (the spans are split into calls by count).
 
     Uses torch.profiler's CUPTI activity trace, which records every CUDA launch in the process, JAX's
     included, so the two frameworks' paths can be compared kernel by kernel. ``fn`` must synchronise."""
@@ -158,7 +159,7 @@ def kernel_trace(fn, *, calls: int = 5, label: str = "", summary: dict | None = 
             spans.append((event.time_range.start, event.time_range.end))
     rows = [{"name": name[:90], "launches": counts[name] / calls, "us": totals[name] / calls}
             for name in sorted(totals, key=totals.get, reverse=True)]
-    busy, span = _busy_fraction(sorted(spans))
+    busy, span = _busy_fraction(sorted(spans), calls)
     if summary is not None:
         summary.update(busy=busy, span_us=span / calls)
     total = sum(r["us"] for r in rows)
@@ -170,9 +171,9 @@ def kernel_trace(fn, *, calls: int = 5, label: str = "", summary: dict | None = 
 
 def launch_trace(fn, *, calls: int = 3, path: str | None = None) -> dict:
     """When each kernel of ``fn`` was launched (the host's launch call, matched to its kernel by CUPTI's
-    correlation id) against when it started and when the kernel before it ended: whether the device's idle
-    time between kernels is the host launching late (host-bound) or the device starting late. ``fn`` must
-    synchronise. Writes the Chrome trace to ``path`` when given. Timings are under the profiler (its
+    correlation id) against when it started and when the kernel before it in the same call ended: whether
+    the device's idle time between kernels is the host launching late (host-bound) or the device starting
+    late. ``fn`` must synchronise and launch the same kernels on every call. Writes the Chrome trace to ``path`` when given. Timings are under the profiler (its
     callbacks slow every launch call), so compare paths with each other, not with unprofiled timings."""
     import json as _json
     import tempfile
@@ -183,18 +184,22 @@ def launch_trace(fn, *, calls: int = 3, path: str | None = None) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-    out = path or tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(out)
-    events = _json.load(open(out))["traceEvents"]
+    if path is None:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = _json.load(f)["traceEvents"]
     launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and "correlation" in e.get("args", {})
                 and e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", "")}
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
     rows, prev_end = [], None
-    for k in kernels:
+    per_call = max(len(kernels) // calls, 1)  # every call launches the same kernels; calls synchronise
+    for i, k in enumerate(kernels):
         launch = launches.get(k["args"].get("correlation"))
         row = {"kernel": k["name"][:60], "us": k["dur"], "launch_to_start_us": None, "idle_before_us": None,
                "launched_after_prev_end": None}
-        if prev_end is not None and k["ts"] - prev_end < 1000:  # within one call (calls synchronise between)
+        if i % per_call:  # not the first kernel of a call
             row["idle_before_us"] = k["ts"] - prev_end
             if launch is not None:
                 row["launched_after_prev_end"] = launch["ts"] + launch["dur"] > prev_end
@@ -223,20 +228,14 @@ def launch_trace(fn, *, calls: int = 3, path: str | None = None) -> dict:
     return summary
 
 
-def _busy_fraction(spans, idle_break_us: float = 1000.0):
-    """Busy time / elapsed time over runs of device activity; a gap longer than ``idle_break_us`` (the
-    host synchronising between calls) starts a new run and is not counted."""
+def _busy_fraction(spans, calls: int):
+    """Busy time / elapsed time of the device within each call, summed over the calls: the sorted activity
+    spans are split into ``calls`` equal groups (every call runs the same activities), so the host's
+    synchronisation between calls is never counted, however short it is."""
+    per_call = max(len(spans) // max(calls, 1), 1)
     busy = elapsed = 0.0
-    run_start = run_end = None
-    for start, end in spans:
-        if run_end is not None and start - run_end > idle_break_us:
-            elapsed += run_end - run_start
-            run_start = None
-        if run_start is None:
-            run_start, run_end = start, end
-        else:
-            run_end = max(run_end, end)
-        busy += end - start
-    if run_start is not None:
-        elapsed += run_end - run_start
+    for i in range(0, len(spans), per_call):
+        group = spans[i:i + per_call]
+        elapsed += max(end for _, end in group) - group[0][0]
+        busy += sum(end - start for start, end in group)
     return (busy / elapsed if elapsed else 1.0), elapsed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import functools
+import os
 import traceback
 
 from _common import (compile_launch_sm90, environment, kernel_trace, launch_trace, print_table, save, save_figure,
@@ -317,15 +318,14 @@ def steady_diagnosis(b, s, h, d, causal):
         "jax_loop": kernel_trace(lambda: jax.block_until_ready(loop(torch_to_jax)), summary=jax_summary,
                                  label=f"jax steady forward {label}, {STEADY_SETS} calls in one jit"),
     }
-    import os
     trace_dir = os.environ.get("OUT")
+    chrome_trace = trace_dir and os.path.join(trace_dir, f"chrome_trace_jax_{label.replace(' ', '_')}.json")
     launches = {
         "torch_graph": launch_trace(lambda: (graph.replay(), torch.cuda.synchronize())),
-        "jax_loop": launch_trace(lambda: jax.block_until_ready(loop(torch_to_jax)),
-                                 path=trace_dir and os.path.join(trace_dir, f"chrome_trace_jax_{label.replace(' ', '_')}.json")),
+        "jax_loop": launch_trace(lambda: jax.block_until_ready(loop(torch_to_jax)), path=chrome_trace),
     }
-    # the steady timing's own batch: executions back to back, one synchronisation at the end (time_jax)
-    def batch():
+
+    def batch():  # the steady timing's own batch: executions back to back, one synchronisation (time_jax)
         for _ in range(6):
             out = loop(torch_to_jax)
         jax.block_until_ready(out)
