@@ -4,8 +4,9 @@
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
 #   jax-settings attention-jax-settings attention-steady profile-attention
 #   (default: env tests memcheck check bench-norms)
-# Results and logs are written to a work folder and packed after every stage into $OUT/results.tgz (the
-# device runner returns at most 8 files; a run cut short still returns the stages it finished).
+# Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
+# 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
+# written: the benchmarks save their JSON after every row).
 # Without $OUT they stay in ./gpu-out. Carried wheels (jax-triton, liger-kernel) are read from .whl/.
 set -uo pipefail
 PACK=${OUT:-}
@@ -26,6 +27,12 @@ MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --s
 ATTN_DIMS=${ATTN_DIMS:-}
 # XLA command buffers (CUDA graphs) for every kind of thunk, ours included: the jax-settings stages
 CMDBUF_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+pack() { [ -n "$PACK" ] && tar czf "$PACK/.results.tgz" -C "$OUT" . 2>/dev/null && mv -f "$PACK/.results.tgz" "$PACK/results.tgz"; }
+if [ -n "$PACK" ]; then
+  ( while sleep 30; do pack; done ) &
+  packer=$!
+  trap 'kill $packer 2>/dev/null' EXIT
+fi
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
@@ -81,6 +88,6 @@ for stage in "${stages[@]}"; do
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
-  [ -n "$PACK" ] && tar czf "$PACK/results.tgz" -C "$OUT" .
+  pack
 done
 exit $status
