@@ -199,7 +199,7 @@ def decode_kv_range(
         key_ok = offs_k < length
         page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
                                  PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
-        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N]
+        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N] or [G, N / G]
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
         qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
                       APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
