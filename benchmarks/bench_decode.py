@@ -248,9 +248,10 @@ FOCUSED_SWEEPS = {
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
     # 128-key tiles halve the iterations of each split's dependent chain (load, dot, softmax, dot)
     "s16k": ([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
-             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)),
+             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
+              (64, 4, 3, 4), (64, 4, 4, 4), (128, 4, 2, 4)),
              "only B=1 S=16k (its bar is the furthest off): split counts around the default and deeper "
-             "pipelines / smaller key blocks"),
+             "pipelines / smaller key blocks, with and without key groups"),
     # DecodeConfig.key_groups at the default tiles and split counts (None): one softmax state per group of a
     # key block's keys, so that the step's row max / sum stay inside a warp (9 -> 2 CTA barriers per step)
     "groups": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
