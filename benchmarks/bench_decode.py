@@ -258,8 +258,10 @@ FOCUSED_SWEEPS = {
                 ("B32 S8k", 32, 8192, False, False), ("B1 S128k paged64", 1, 131072, True, False),
                 ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
                 ("B32 S8k fp8", 32, 8192, False, True)], (None,),
-               ((None, None, None, 1), (None, None, None, 2), (None, None, None, 4)) * 2,
-               "only DecodeConfig.key_groups 1 / 2 / 4 (twice, alternating) at the default tiles and split counts"),
+               ((None, None, None, 1), (None, None, None, 2), (None, None, None, 4), (128, 8, 3, 8),
+                (128, 8, 2, 8)) * 2,
+               "only DecodeConfig.key_groups 1 / 2 / 4 at the default tiles and 8 at 128 keys and 8 warps (one "
+               "16-key group per warp; sm_90: no spills), twice, alternating, at the default split counts"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
