@@ -667,21 +667,30 @@ def test_torch_bad_merge_cascade_append(op, override, error, match):
 
 @pytest.fixture
 def decode_config(monkeypatch):
-    """Route both front-ends' decode plans through a DecodeConfig: ``decode_config(**fields)``."""
-    import functools
-
+    """Route both front-ends' decode plans through a DecodeConfig: ``decode_config(**fields)`` returns the
+    list of plans built from then on (so that a test can check its config was used)."""
     from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
     from flashbridge.torch_api import decode as tdecode
 
     def use(**fields):
-        routed = functools.partial(plan_decode, config=DecodeConfig(**fields))
+        built = []
+
+        def routed(*args, **kwargs):
+            built.append(plan_decode(*args, **kwargs, config=DecodeConfig(**fields)))
+            return built[-1]
+
         monkeypatch.setattr(tdecode, "plan_decode", routed)
         monkeypatch.setattr(_japi(), "plan_decode", routed)
         tdecode._decode_plan.cache_clear()
+        return built
 
     yield use
-    from flashbridge.torch_api import decode as tdecode
     tdecode._decode_plan.cache_clear()
+
+
+def _key_groups(plans) -> set:
+    return {launch.constexpr_dict()["KEY_GROUPS"] for plan in plans for launch in plan.launches
+            if launch.kernel.endswith(":decode_fwd_kernel")}
 
 
 KEY_GROUP_CASES = ["nhd-contig-mha-sq1", "hnd-contig-gqa4-sq3", "nhd-paged16-gqa8-sq8", "sq8-mqa16-two-row-blocks",
@@ -695,14 +704,15 @@ def test_torch_decode_key_groups(name, groups, block_n, decode_config):
     """DecodeConfig.key_groups: each key block walked as groups of keys with a softmax state each, merged at
     the end of the split (sinks counted once, empty groups and empty sequences, ragged tails, every mask and
     score modifier, paged / HND / FP8 caches, several splits): against the float64 reference."""
-    decode_config(key_groups=groups, block_n=block_n)
+    built = decode_config(key_groups=groups, block_n=block_n)
     spec, options, splits = CASES[name]
     q, k, v, kw = make_case(_seed(name) + groups, **spec)
     check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
+    assert _key_groups(built) == {groups}
 
 
 def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
-    decode_config(key_groups=2)
+    built = decode_config(key_groups=2)
     ja = _japi()
     spec, options, splits = CASES["all"]
     q, k, v, kw = make_case(_seed("key-groups"), **spec)
@@ -713,6 +723,7 @@ def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
         torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
     np.testing.assert_array_equal(np64(jout), np64(out))
     np.testing.assert_array_equal(np64(jlse), np64(lse))
+    assert len(built) >= 2 and _key_groups(built) == {2}  # both front-ends planned with key groups
 
 
 def test_decode_key_groups_are_checked():

@@ -222,10 +222,12 @@ def test_gpu_torch_compile_and_cuda_graph():
 def test_gpu_decode_key_groups(name, decode_config):
     """DecodeConfig.key_groups=4 (one softmax state per group of a key block's keys; 64-key steps of
     16-key groups, FP8 contiguous caches 128-key steps of 32): against float64, as the default kernel."""
-    decode_config(key_groups=4)
+    built = decode_config(key_groups=4)
     spec, options, splits = CASES.get(name) or (dict(BENCH, lens=(16384, 3), fp8="tensor"), dict(causal=True), None)
     q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 4, **spec))
     check(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
+    assert {launch.constexpr_dict()["KEY_GROUPS"] for plan in built for launch in plan.launches
+            if launch.kernel.endswith(":decode_fwd_kernel")} == {4}
 
 
 def _memcheck_case():
