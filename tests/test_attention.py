@@ -719,6 +719,24 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(fused_backward=0)  # nor a 0 that is not False
 
 
+def forward_with_config(q, k, v, kw, options, config):
+    """The forward planned with an AttentionConfig (the public ops take none), run through the torch and the
+    JAX runtime: (the plan, {"torch": (out, lse), "jax": (out, lse)})."""
+    from flashbridge.core_kernels.flash_attn.plan import check_attention_args, plan_attention_fwd
+    from flashbridge.jax_api._runtime import execute as jax_execute
+    from flashbridge.torch_api._runtime import dtype_name, execute, target_for
+
+    tensors = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor)}
+    infos = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+    sizes = {n: kw[n] for n in ("max_seqlen_q", "max_seqlen_k") if n in kw}
+    shape, opts = check_attention_args(**infos, **sizes, **options)
+    plan = plan_attention_fwd(shape, opts, target=target_for(q.device), config=config)
+    inputs = {"q": q, "k": k, "v": v, **tensors}
+    return plan, {"torch": execute(plan, inputs),
+                  "jax": jax_execute(lambda t: plan_attention_fwd(shape, opts, target=t, config=config),
+                                     {n: torch_to_jax(t) for n, t in inputs.items()})}
+
+
 @pytest.mark.parametrize("case", [
     dict(b=2, sq=130, sk=130, hq=4, hkv=2, causal=True),
     dict(b=2, sq=63, sk=130, hq=2, hkv=1, causal=True, window_size=(40, 7)),
@@ -730,28 +748,16 @@ def test_masked_block_n_matches_the_reference(case, masked_block_n):
     """AttentionConfig.masked_block_n: the forward's masked segments (causal diagonal, both window edges,
     ragged tails, rows that see nothing) walk their keys in narrower blocks than the visible segment's (the
     interpreter's 64): out and lse against the float64 reference, through the torch and the JAX runtime."""
-    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_fwd
-    from flashbridge.jax_api._runtime import execute as jax_execute
-    from flashbridge.torch_api._runtime import execute, target_for
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
 
     case = dict(case)
     spec = {n: case.pop(n) for n in ("b", "sq", "sk", "seqlens", "alibi", "sinks") if n in case}
     q, k, v, kw = make_inputs(masked_block_n, hq=case.pop("hq"), hkv=case.pop("hkv"), **spec)
-    tensors = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor)}
-    infos = {n: (tuple(t.shape), "int32" if t.dtype == torch.int32 else "float32") for n, t in tensors.items()}
-    sizes = {n: kw[n] for n in ("max_seqlen_q", "max_seqlen_k") if n in kw}
-    shape, options = check_attention_args(q=(tuple(q.shape), "float32"), k=(tuple(k.shape), "float32"),
-                                          v=(tuple(v.shape), "float32"), **infos, **sizes, **case)
-    config = AttentionConfig(masked_block_n=masked_block_n)
-    plan = plan_attention_fwd(shape, options, target=target_for(q.device), config=config)
+    plan, runs = forward_with_config(q, k, v, kw, case, AttentionConfig(masked_block_n=masked_block_n))
     assert plan.launches[0].constexpr_dict()["MASKED_BLOCK_N"] == masked_block_n
-    inputs = {"q": q, "k": k, "v": v, **tensors}
     ro, rl = ref.flash_attention(np64(q), np64(k), np64(v), **ref_options(kw, **case))
     n_out, n_lse = naive_torch(q, k, v, **kw, **case)
     finite = np.isfinite(rl)
-    runs = {"torch": execute(plan, inputs),
-            "jax": jax_execute(lambda t: plan_attention_fwd(shape, options, target=t, config=config),
-                               {n: torch_to_jax(t) for n, t in inputs.items()})}
     for name, (out, lse) in runs.items():
         lse = np64(lse)
         assert_close(np64(out), ro, n_out, name=f"{name} out")

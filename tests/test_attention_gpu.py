@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import assert_close, np64, torch_to_jax
-from test_attention import naive_torch
+from test_attention import forward_with_config, naive_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -104,29 +104,17 @@ def test_gpu_torch(name):
 def test_gpu_masked_block_n(name):
     """AttentionConfig.masked_block_n=64 (D=128's masked segments in 64-key blocks inside 128-key tiles):
     forward out and lse against float64 in both runtimes, on the diagonal, window edges and ragged tails."""
-    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_fwd
-    from flashbridge.jax_api._runtime import execute as jax_execute
-    from flashbridge.torch_api._runtime import execute, target_for
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
 
     spec, options = CASES[name]
     q, k, v, kw = _inputs(hash(name) % 1000 + 1, **spec)
-    tensors = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor)}
-    infos = {n: (tuple(t.shape), "int32" if t.dtype == torch.int32 else "float32") for n, t in tensors.items()}
-    sizes = {n: kw[n] for n in ("max_seqlen_q", "max_seqlen_k") if n in kw}
-    shape, opts = check_attention_args(q=(tuple(q.shape), "bfloat16"), k=(tuple(k.shape), "bfloat16"),
-                                       v=(tuple(v.shape), "bfloat16"), **infos, **sizes, **options)
-    config = AttentionConfig(masked_block_n=64)
-    plan = plan_attention_fwd(shape, opts, target=target_for(q.device), config=config)
+    plan, runs = forward_with_config(q, k, v, kw, options, AttentionConfig(masked_block_n=64))
     assert plan.launches[0].constexpr_dict()["MASKED_BLOCK_N"] == 64
-    inputs = {"q": q, "k": k, "v": v, **tensors}
     dout = torch.randn_like(q[..., :v.shape[-1]])
     r_out, r_lse, _ = _run_naive(q, k, v, kw, options, dout, torch.float64)
     n_out, _, _ = _run_naive(q, k, v, kw, options, dout, q.dtype)
     r_lse = np64(r_lse)
     finite = np.isfinite(r_lse)
-    runs = {"torch": execute(plan, inputs),
-            "jax": jax_execute(lambda t: plan_attention_fwd(shape, opts, target=t, config=config),
-                               {n: torch_to_jax(t) for n, t in inputs.items()})}
     for framework, (out, lse) in runs.items():
         lse = np64(lse)
         assert_close(np64(out), np64(r_out), np64(n_out), name=f"{framework} out", floor=1e-3)
