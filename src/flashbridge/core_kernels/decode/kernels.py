@@ -154,14 +154,14 @@ def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK
     KEY_GROUPS > 1 (one chunk only): q [G, M, Dqk] (the same rows for every group), ``K_row`` / ``key_ok``
     [G, N / G], scores [G, M, N / G].
     """
-    if KEY_GROUPS > 1:
+    if DQK_CHUNKS == 1:
         k = load_tile(tl.expand_dims(K_row, -1) + offs_dqk, key_ok, offs_dqk < DQK, CHECK_KEYS,
-                      BLOCK_DQK != DQK)  # [G, N / G, Dqk]
-        qk = tl.dot(q, tl.permute(k.to(q.dtype), (0, 2, 1)), input_precision=DOT_PRECISION)
-    elif DQK_CHUNKS == 1:
-        k = load_tile(K_row[:, None] + offs_dqk[None, :], key_ok, offs_dqk < DQK, CHECK_KEYS,
-                      BLOCK_DQK != DQK)  # [N, Dqk]
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                      BLOCK_DQK != DQK).to(q.dtype)  # [N, Dqk] or [G, N / G, Dqk]
+        if KEY_GROUPS == 1:
+            k_t = tl.trans(k)
+        else:
+            k_t = tl.permute(k, (0, 2, 1))
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     else:
         qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(DQK_CHUNKS):
