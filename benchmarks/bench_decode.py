@@ -241,15 +241,27 @@ def run_rows(with_jax=True):
 
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
-# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages) tiles, help)
+# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups])
+# tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
     # 128-key tiles halve the iterations of each split's dependent chain (load, dot, softmax, dot)
     "s16k": ([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
-             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)),
+             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
+              (64, 4, 3, 4), (64, 4, 4, 4), (128, 4, 2, 4)),
              "only B=1 S=16k (its bar is the furthest off): split counts around the default and deeper "
-             "pipelines / smaller key blocks"),
+             "pipelines / smaller key blocks, with and without key groups"),
+    # DecodeConfig.key_groups at the default tiles and split counts (None): one softmax state per group of a
+    # key block's keys, so that the step's row max / sum stay inside a warp (9 -> 2 CTA barriers per step)
+    "groups": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
+                ("B32 S8k", 32, 8192, False, False), ("B1 S128k paged64", 1, 131072, True, False),
+                ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
+                ("B32 S8k fp8", 32, 8192, False, True)], (None,),
+               ((None, None, None, 1), (None, None, None, 2), (None, None, None, 4), (128, 8, 3, 8),
+                (128, 8, 2, 8)) * 2,
+               "only DecodeConfig.key_groups 1 / 2 / 4 at the default tiles and 8 at 128 keys and 8 warps (one "
+               "16-key group per warp; sm_90: no spills), twice, alternating, at the default split counts"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -284,8 +296,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
         shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
-            for block_n, warps, stages in tiles:
-                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+            for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
+                block_n, warps, stages, groups = (*tile, None)[:4]
+                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)
@@ -296,11 +309,10 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
 
                     step()
                     ms = _graph_time(step)
-                    out.append({"case": label, "splits": splits, "tile": (block_n, warps, stages), "ms": ms,
+                    out.append({"case": label, "splits": splits, "tile": tile, "ms": ms,
                                 "tbs": kv_bytes(b, s, 1 if fp8 else 2) / (ms * 1e-3) / 1e12})
                 except Exception as exc:
-                    out.append({"case": label, "splits": splits, "tile": (block_n, warps, stages),
-                                "error": str(exc)[:120]})
+                    out.append({"case": label, "splits": splits, "tile": tile, "error": str(exc)[:120]})
                 print(out[-1])
     return out
 

@@ -719,6 +719,74 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(fused_backward=0)  # nor a 0 that is not False
 
 
+def forward_with_config(q, k, v, kw, options, config):
+    """The forward planned with an AttentionConfig (the public ops take none), run through the torch and the
+    JAX runtime: (the plan, {"torch": (out, lse), "jax": (out, lse)})."""
+    from flashbridge.core_kernels.flash_attn.plan import check_attention_args, plan_attention_fwd
+    from flashbridge.jax_api._runtime import execute as jax_execute
+    from flashbridge.torch_api._runtime import dtype_name, execute, target_for
+
+    tensors = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor)}
+    infos = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+    sizes = {n: kw[n] for n in ("max_seqlen_q", "max_seqlen_k") if n in kw}
+    shape, opts = check_attention_args(**infos, **sizes, **options)
+    plan = plan_attention_fwd(shape, opts, target=target_for(q.device), config=config)
+    inputs = {"q": q, "k": k, "v": v, **tensors}
+    return plan, {"torch": execute(plan, inputs),
+                  "jax": jax_execute(lambda t: plan_attention_fwd(shape, opts, target=t, config=config),
+                                     {n: torch_to_jax(t) for n, t in inputs.items()})}
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=2, sq=130, sk=130, hq=4, hkv=2, causal=True),
+    dict(b=2, sq=63, sk=130, hq=2, hkv=1, causal=True, window_size=(40, 7)),
+    dict(b=1, sq=130, sk=17, hq=2, hkv=2, causal=True, softcap=5.0, alibi=True, sinks=True),
+    dict(seqlens=[(5, 5), (130, 130), (63, 90)], hq=4, hkv=2, causal=True),
+], ids=["causal", "window", "sq>sk-mods", "varlen"])
+@pytest.mark.parametrize("masked_block_n", [16, 32])
+def test_masked_block_n_matches_the_reference(case, masked_block_n):
+    """AttentionConfig.masked_block_n: the forward's masked segments (causal diagonal, both window edges,
+    ragged tails, rows that see nothing) walk their keys in narrower blocks than the visible segment's (the
+    interpreter's 64): out and lse against the float64 reference, through the torch and the JAX runtime."""
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
+    case = dict(case)
+    spec = {n: case.pop(n) for n in ("b", "sq", "sk", "seqlens", "alibi", "sinks") if n in case}
+    q, k, v, kw = make_inputs(masked_block_n, hq=case.pop("hq"), hkv=case.pop("hkv"), **spec)
+    plan, runs = forward_with_config(q, k, v, kw, case, AttentionConfig(masked_block_n=masked_block_n))
+    assert plan.launches[0].constexpr_dict()["MASKED_BLOCK_N"] == masked_block_n
+    ro, rl = ref.flash_attention(np64(q), np64(k), np64(v), **ref_options(kw, **case))
+    n_out, n_lse = naive_torch(q, k, v, **kw, **case)
+    finite = np.isfinite(rl)
+    for name, (out, lse) in runs.items():
+        lse = np64(lse)
+        assert_close(np64(out), ro, n_out, name=f"{name} out")
+        assert np.array_equal(np.isfinite(lse), finite), f"{name} lse: -inf pattern differs from the reference"
+        assert_close(np.where(finite, lse, 0.0), np.where(finite, rl, 0.0), np.where(finite, np64(n_lse), 0.0),
+                     name=f"{name} lse")
+
+
+def test_masked_block_n_defaults_to_the_forward_block():
+    """None (the default) and any width >= the forward's block_n give MASKED_BLOCK_N = block_n: the kernel the
+    option did not exist for. Not a power of two: an error naming the field."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_fwd
+
+    info = ((2, 512, 4, 128), "bfloat16")
+    shape, options = check_attention_args(q=info, k=info, v=info, causal=True)
+    gpu = Target(interpret=False, num_sms=132)
+
+    def widths(config):
+        c = plan_attention_fwd(shape, options, target=gpu, config=config).launches[0].constexpr_dict()
+        return c["BLOCK_N"], c["MASKED_BLOCK_N"]
+
+    assert widths(AttentionConfig()) == (128, 128)
+    assert widths(AttentionConfig(masked_block_n=256)) == (128, 128)
+    assert widths(AttentionConfig(masked_block_n=64)) == (128, 64)
+    with pytest.raises(ValueError, match="AttentionConfig.masked_block_n"):
+        AttentionConfig(masked_block_n=48)
+
+
 def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
     """The program order of every main kernel (forward, dK/dV, dQ): longest-first over 4 heads for causal
     attention on a GPU (the H200 order sweep), grid order for full attention and on the interpreter, and an

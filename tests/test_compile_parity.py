@@ -238,13 +238,14 @@ def _vector_loads(ptx: str) -> int:
     return len(re.findall(r"ld\.global[^\n]*\.v4|cp\.async\.cg\.shared\.global[^\n]*0x10", ptx))
 
 
-@pytest.mark.parametrize("masked_num_stages", [None, 1])
-def test_attention_forward_compiles_identically_and_vectorised(masked_num_stages):
+@pytest.mark.parametrize("masked_num_stages,masked_block_n", [(None, None), (1, None), (None, 64)])
+def test_attention_forward_compiles_identically_and_vectorised(masked_num_stages, masked_block_n):
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
 
     shape, options = _attn_case(causal=True)
     plan = plan_attention_fwd(shape, options, target=H200,
-                              config=AttentionConfig(masked_num_stages=masked_num_stages))
+                              config=AttentionConfig(masked_num_stages=masked_num_stages,
+                                                     masked_block_n=masked_block_n))
     assert plan.launches[0].constexpr_dict()["MASKED_STAGES"] == (masked_num_stages or 0)
     ptx = _assert_same_ptx(plan.launches[0], _attn_dtypes("bfloat16"))
     if masked_num_stages != 1:  # depth 1 serialises (sm_90, Triton 3.6 and 3.9): why it measured slower

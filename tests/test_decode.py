@@ -665,6 +665,80 @@ def test_torch_bad_merge_cascade_append(op, override, error, match):
         fn(*pos, **args)
 
 
+@pytest.fixture
+def decode_config(monkeypatch):
+    """Route both front-ends' decode plans through a DecodeConfig: ``decode_config(**fields)`` returns the
+    list of plans built from then on (so that a test can check its config was used)."""
+    from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
+    from flashbridge.torch_api import decode as tdecode
+
+    def use(**fields):
+        built = []
+
+        def routed(*args, **kwargs):
+            built.append(plan_decode(*args, **kwargs, config=DecodeConfig(**fields)))
+            return built[-1]
+
+        monkeypatch.setattr(tdecode, "plan_decode", routed)
+        monkeypatch.setattr(_japi(), "plan_decode", routed)
+        tdecode._decode_plan.cache_clear()
+        return built
+
+    yield use
+    tdecode._decode_plan.cache_clear()
+
+
+def _key_groups(plans) -> set:
+    return {launch.constexpr_dict()["KEY_GROUPS"] for plan in plans for launch in plan.launches
+            if launch.kernel.endswith(":decode_fwd_kernel")}
+
+
+KEY_GROUP_CASES = ["nhd-contig-mha-sq1", "hnd-contig-gqa4-sq3", "nhd-paged16-gqa8-sq8", "sq8-mqa16-two-row-blocks",
+                   "softcap", "negative-scale", "sinks", "sinks-split", "alibi-batch-paged", "window-both-sides",
+                   "fp8-head-paged-hnd", "dqk-dv-differ", "all"]
+
+
+@pytest.mark.parametrize("groups,block_n", [(2, None), (4, 64)], ids=["2x16", "4x16"])
+@pytest.mark.parametrize("name", KEY_GROUP_CASES)
+def test_torch_decode_key_groups(name, groups, block_n, decode_config):
+    """DecodeConfig.key_groups: each key block walked as groups of keys with a softmax state each, merged at
+    the end of the split (sinks counted once, empty groups and empty sequences, ragged tails, every mask and
+    score modifier, paged / HND / FP8 caches, several splits): against the float64 reference."""
+    built = decode_config(key_groups=groups, block_n=block_n)
+    spec, options, splits = CASES[name]
+    q, k, v, kw = make_case(_seed(name) + groups, **spec)
+    check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
+    assert _key_groups(built) == {groups}
+
+
+def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
+    built = decode_config(key_groups=2)
+    ja = _japi()
+    spec, options, splits = CASES["all"]
+    q, k, v, kw = make_case(_seed("key-groups"), **spec)
+    out, lse = tapi.decode_attention(q, k, v, num_splits=splits, **kw, **options, return_lse=True)
+    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
+    jout, jlse = jax.jit(lambda q, k, v, jkw: ja.decode_attention(q, k, v, num_splits=splits, **jkw, **options,
+                                                                  return_lse=True))(
+        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
+    np.testing.assert_array_equal(np64(jout), np64(out))
+    np.testing.assert_array_equal(np64(jlse), np64(lse))
+    assert len(built) >= 2 and _key_groups(built) == {2}  # both front-ends planned with key groups
+
+
+def test_decode_key_groups_are_checked():
+    from flashbridge.core_kernels import INTERPRETER
+    from flashbridge.core_kernels.decode.plan import DecodeConfig, decode_tiles
+
+    with pytest.raises(ValueError, match="DecodeConfig.key_groups"):
+        DecodeConfig(key_groups=3)
+    with pytest.raises(ValueError, match="DecodeConfig.key_groups: 4 groups of a 32-key block"):
+        decode_tiles(4, 64, 64, INTERPRETER, DecodeConfig(key_groups=4))
+    with pytest.raises(ValueError, match="DecodeConfig.key_groups: head dims above 256"):
+        decode_tiles(16, 576, 512, INTERPRETER, DecodeConfig(key_groups=2))
+    assert decode_tiles(4, 64, 64, INTERPRETER).key_groups == 1
+
+
 def test_decode_config_rejects_bad_blocks():
     from flashbridge.core_kernels.decode.plan import DecodeConfig
     with pytest.raises(ValueError, match="DecodeConfig.block_n"):
@@ -821,8 +895,9 @@ def _decode_plans():
     from flashbridge.core_kernels.decode import plan as P
     h200 = Target(interpret=False, num_sms=132)
     plans = []
-    for cache_dtype, paged, layout, splits in (("bfloat16", False, "NHD", None), ("bfloat16", True, "HND", 1),
-                                               ("float8_e4m3fn", True, "NHD", 4)):
+    for cache_dtype, paged, layout, splits, groups in (
+            ("bfloat16", False, "NHD", None, 1), ("bfloat16", True, "HND", 1, 1), ("float8_e4m3fn", True, "NHD", 4, 1),
+            ("bfloat16", False, "NHD", None, 4), ("float8_e4m3fn", False, "NHD", None, 4)):
         kshape = (512, 64, 8, 128) if paged else (4, 8192, 8, 128)
         if layout == "HND":
             kshape = (kshape[0], kshape[2], kshape[1], kshape[3])
@@ -832,8 +907,11 @@ def _decode_plans():
             q=((4, 1, 32, 128), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
             cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None, kv_layout=layout,
             sinks=((32,), "float32"), **scales)
-        plans.append((f"decode {cache_dtype} {layout} paged={paged}",
-                      P.plan_decode(shape, options, target=h200, num_splits=splits), cache_dtype))
+        plans.append((f"decode {cache_dtype} {layout} paged={paged} key_groups={groups}",
+                      P.plan_decode(shape, options, target=h200, num_splits=splits,
+                                    config=P.DecodeConfig(key_groups=groups)), cache_dtype))
+        if groups > 1:
+            continue
         append = P.check_append_args(k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
                                      k_new=((4, 3, 8, 128), "bfloat16"), v_new=((4, 3, 8, 128), "bfloat16"),
                                      cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None,
@@ -848,7 +926,7 @@ def _decode_plans():
     return plans
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(10))
 def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
     # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
     parity = pytest.importorskip("test_compile_parity")
@@ -869,6 +947,7 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
                 assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, f"{name}: byte reads of V"
                 assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, f"{name}: V not read with ldmatrix.trans"
                 assert "cvt.rn.f16x2.e4m3x2" in ptx
+            parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 
 def test_automatic_split_count_on_the_h200():

@@ -15,7 +15,7 @@ import torch
 
 from helpers import assert_close, np64
 from test_attention import naive_torch
-from test_decode import make_case
+from test_decode import decode_config, make_case  # noqa: F401  (decode_config: a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -217,10 +217,37 @@ def test_gpu_torch_compile_and_cuda_graph():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("name", ["b1-s16k", "fp8-head-b1-s128k", "b4-paged16-hnd-sq3", "sq8-all-options",
+                                  "fp8-tensor-b1-s16k"])
+def test_gpu_decode_key_groups(name, decode_config):
+    """DecodeConfig.key_groups=4 (one softmax state per group of a key block's keys; 64-key steps of
+    16-key groups, FP8 contiguous caches 128-key steps of 32): against float64, as the default kernel."""
+    built = decode_config(key_groups=4)
+    spec, options, splits = CASES.get(name) or (dict(BENCH, lens=(16384, 3), fp8="tensor"), dict(causal=True), None)
+    q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 4, **spec))
+    check(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
+    assert {launch.constexpr_dict()["KEY_GROUPS"] for plan in built for launch in plan.launches
+            if launch.kernel.endswith(":decode_fwd_kernel")} == {4}
+
+
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer)."""
+    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4."""
+    import functools
+
+    from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
     from flashbridge.torch_api import decode as tapi
+    for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
+                 dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor")):
+        q, k, v, kw = _cuda(*make_case(3, **spec))
+        tapi.plan_decode = functools.partial(plan_decode, config=DecodeConfig(key_groups=4))
+        tapi._decode_plan.cache_clear()
+        try:
+            for splits in (None, 1, 3):
+                tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
+        finally:
+            tapi.plan_decode = plan_decode
+            tapi._decode_plan.cache_clear()
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),

@@ -8,6 +8,11 @@
   normalised partial ``(out, lse)`` and :func:`merge_states_kernel` merges them. With one split the kernel
   writes the final output directly. Split boundaries depend only on the sequence's own length, the split
   count and the block size: a fixed split count gives bitwise batch-invariant results.
+* KEY_GROUPS > 1: each key block is walked as that many groups of keys, each with its own running softmax
+  state (a leading group axis on the scores, the output accumulator and the row max / sum; batched dots),
+  merged once at the end of the split. With one state per block, the row max and sum over the block's keys
+  and the hand-over of p to ``p @ V`` cross the warps, which split the keys between them: nine CTA barriers
+  per iteration of a 4-warp 64-key step (sm_90); with four groups two remain (the pipeline's own).
 * The cache is addressed as pages: row ``j`` of sequence ``b`` lives in page ``block_table[b, j //
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
@@ -56,7 +61,7 @@ _E4M3X4_TO_F16X4 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
 
 @triton.jit
 def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    APPLY_MASK: tl.constexpr, V_WORDS: tl.constexpr):
+                    APPLY_MASK: tl.constexpr, V_WORDS: tl.constexpr, KEY_GROUPS: tl.constexpr = 1):
     """An FP8 V tile [N, Dv] widened to float16, for 16-bit queries (``p @ V`` then runs in f16: exact for
     e4m3 values, and p in [0, 1] keeps more mantissa bits in f16 than in bf16; float32 queries widen V to
     float32 instead).
@@ -67,12 +72,13 @@ def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.conste
     tile, Hopper has no 8-bit ``ldmatrix.trans``: every thread read its bytes one at a time (192
     ``ld.shared.b8`` per tile; FP8 decode ran at half the bf16 rate per byte). Words reach the dot as f16
     through ``ldmatrix.trans`` like a bf16 cache (sm_90 SASS of the B=1, S=128k split kernel: 3904 -> 2968
-    instructions, bf16 2808). Triton's interpreter cannot run inline PTX: it takes the plain path."""
+    instructions, bf16 2808). Triton's interpreter cannot run inline PTX: it takes the plain path.
+    KEY_GROUPS > 1: ``V_row`` / ``key_ok`` are [G, N / G] and the tile [G, N / G, Dv]."""
     if V_WORDS:
         W: tl.constexpr = BLOCK_DV // 4
         offs_w = tl.arange(0, W)
         words_row = V_row.to(tl.pointer_type(tl.uint32), bitcast=True)
-        words = load_tile(words_row[:, None] + offs_w[None, :], key_ok, offs_w * 4 < DV, APPLY_MASK,
+        words = load_tile(tl.expand_dims(words_row, -1) + offs_w, key_ok, offs_w * 4 < DV, APPLY_MASK,
                           BLOCK_DV != DV)  # [N, W]: bytes 4w .. 4w+3 of each row
         lo, hi = tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
                                            is_pure=True, pack=1)
@@ -81,9 +87,12 @@ def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.conste
         e2 = hi.to(tl.uint16).to(tl.float16, bitcast=True)
         e3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         quad = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [N, W, i, p] holds element 4w + 2p + i
-        v = tl.reshape(tl.permute(quad, (0, 1, 3, 2)), [BLOCK_N, BLOCK_DV])
+        if KEY_GROUPS == 1:
+            v = tl.reshape(tl.permute(quad, (0, 1, 3, 2)), [BLOCK_N, BLOCK_DV])
+        else:
+            v = tl.reshape(tl.permute(quad, (0, 1, 2, 4, 3)), [KEY_GROUPS, BLOCK_N // KEY_GROUPS, BLOCK_DV])
     else:
-        v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK,
+        v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK,
                       BLOCK_DV != DV).to(tl.float16)
     return v
 
@@ -136,17 +145,23 @@ def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, P
 @triton.jit
 def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
-             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_GROUPS: tl.constexpr = 1):
     """Raw scores q k^T [M, N] (float32). ``Q_row`` [M] / ``K_row`` [N] point at each row's first element.
 
     One chunk: q [M, BLOCK_DQK] is already in registers. Several (head dims above 256, e.g. a 576-dim
     latent + rope key): the dot is summed over ``DQK_CHUNKS`` column chunks of q and K, q reloaded (it is a
     few KB, L1-resident) so that no register tile is padded to the next power of two.
+    KEY_GROUPS > 1 (one chunk only): q [G, M, Dqk] (the same rows for every group), ``K_row`` / ``key_ok``
+    [G, N / G], scores [G, M, N / G].
     """
     if DQK_CHUNKS == 1:
-        k = load_tile(K_row[:, None] + offs_dqk[None, :], key_ok, offs_dqk < DQK, CHECK_KEYS,
-                      BLOCK_DQK != DQK)  # [N, Dqk]
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        k = load_tile(tl.expand_dims(K_row, -1) + offs_dqk, key_ok, offs_dqk < DQK, CHECK_KEYS,
+                      BLOCK_DQK != DQK).to(q.dtype)  # [N, Dqk] or [G, N / G, Dqk]
+        if KEY_GROUPS == 1:
+            k_t = tl.trans(k)
+        else:
+            k_t = tl.permute(k, (0, 2, 1))
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     else:
         qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(DQK_CHUNKS):
@@ -166,28 +181,35 @@ def decode_kv_range(
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_WORDS: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+    KEY_GROUPS: tl.constexpr = 1,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
-    block is inside the sequence and visible from every row."""
-    offs_n = tl.arange(0, BLOCK_N)
+    block is inside the sequence and visible from every row. KEY_GROUPS > 1: the block's keys as [G, N / G]
+    (group g holds keys g * N / G ..), one softmax state per group (see the module docstring)."""
+    if KEY_GROUPS == 1:
+        offs_n = tl.arange(0, BLOCK_N)
+    else:
+        NG: tl.constexpr = BLOCK_N // KEY_GROUPS
+        offs_n = tl.arange(0, KEY_GROUPS)[:, None] * NG + tl.arange(0, NG)[None, :]  # [G, N / G]
     kh64 = tl.cast(kh, tl.int64)
     for blk in range(blk_lo, blk_hi):
         n_start = blk * BLOCK_N
-        offs_k = n_start + offs_n  # [N]
+        offs_k = n_start + offs_n  # [N] or [G, N / G]
         key_ok = offs_k < length
         page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
                                  PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
-        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N]
+        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N] or [G, N / G]
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
         qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
-                      APPLY_MASK, DOT_PRECISION)
+                      APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
         if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
-            v = load_v_tile_f16(V_row, key_ok, offs_dv, DV, BLOCK_N, BLOCK_DV, APPLY_MASK, V_WORDS)
+            v = load_v_tile_f16(V_row, key_ok, offs_dv, DV, BLOCK_N, BLOCK_DV, APPLY_MASK, V_WORDS, KEY_GROUPS)
         else:
-            v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
+            v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
             v = v.to(Q.dtype.element_ty)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v, tok[:, None], offs_k[None, :],
+        # q index [M, 1] against key index [1, N] (or [G, 1, N / G]): broadcast to the scores' shape
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v, tok[:, None], tl.expand_dims(offs_k, -2),
                                      qk_scale, cap2, slope2, diag, length, window_left, window_right,
                                      APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE)
     return acc, m_i, l_i
@@ -208,7 +230,7 @@ def decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_WORDS: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -269,7 +291,14 @@ def decode_fwd_kernel(
     else:
         slope2 = 0.0
     m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if KEY_GROUPS == 1:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    else:  # one state per key group; a sink joins group 0's only
+        q = tl.broadcast_to(q[None, :, :], (KEY_GROUPS, BLOCK_M, BLOCK_DQK))
+        first = (tl.arange(0, KEY_GROUPS) == 0)[:, None]
+        m_i = tl.where(first, m_i[None, :], float("-inf"))
+        l_i = tl.where(first, l_i[None, :], 0.0)
+        acc = tl.zeros([KEY_GROUPS, BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
     # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi).
@@ -280,7 +309,13 @@ def decode_fwd_kernel(
             tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
-            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS, POSITIVE_SCALE)
+            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS, POSITIVE_SCALE, KEY_GROUPS)
+    if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
+        m_all = tl.max(m_i, 0)
+        weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]
+        l_i = tl.sum(l_i * weight, 0)
+        acc = tl.sum(acc * weight[:, :, None], 0)
+        m_i = m_all
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALES:
         out = out * tl.load(V_SCALE + kh * stride_sc).to(tl.float32)

@@ -55,6 +55,11 @@ class DecodeConfig:
       fill the GPU on its own, ``min_blocks_per_split`` keeps each split at least that many key blocks long;
     * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
       ``merge_block_states`` states per step.
+    * ``key_groups``: the decode kernel walks each key block as this many groups of keys with a softmax
+      state each, merged once per split (see ``decode/kernels.py``): the row max / sum and the hand-over of p
+      to ``p @ V`` then stay inside a warp instead of crossing the 4 warps every step. sm_90, Triton 3.6,
+      4 warps, 64-key steps, bf16: 9 CTA barriers per step with one group, 2 with four. Each group needs at
+      least 16 keys; head dims above 256 (chunked q.k) take one group. Default 1 (not yet timed on a GPU).
 
     The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
     interpreter pays per program and per operation, not per element.
@@ -68,11 +73,12 @@ class DecodeConfig:
     min_blocks_per_split: Optional[int] = None
     merge_block_elements: Optional[int] = None
     merge_block_states: Optional[int] = None
+    key_groups: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states"):
+        for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
             value = getattr(self, name)
-            minimum = 1 if name.startswith("merge") else 16
+            minimum = 1 if name.startswith("merge") or name == "key_groups" else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
 
@@ -455,6 +461,7 @@ class DecodeTiles:
     block_dv: int
     num_warps: int
     num_stages: int
+    key_groups: int = 1
 
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
@@ -489,8 +496,14 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
               and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
     bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
-    return DecodeTiles(bm, config.block_n or bn, block_dqk, chunks, block_dv, config.num_warps or warps,
-                       config.num_stages or stages)
+    bn = config.block_n or bn
+    groups = config.key_groups or 1
+    if groups > 1 and (chunks > 1 or bn // groups < 16):
+        raise ValueError(f"DecodeConfig.key_groups: {groups} groups of a {bn}-key block leave fewer than 16 keys "
+                         f"per group" if chunks == 1 else
+                         f"DecodeConfig.key_groups: head dims above 256 (q.k in chunks) take one group, got {groups}")
+    return DecodeTiles(bm, bn, block_dqk, chunks, block_dv, config.num_warps or warps, config.num_stages or stages,
+                       groups)
 
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
@@ -605,7 +618,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_WORDS", v_words),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -156,14 +156,15 @@ def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """Load a [R, C] tile, masking rows and/or columns only when the caller cannot rule them out (masks
-    cost instructions in the inner loop). ``rows_ok`` [R], ``cols_ok`` [C]; masked elements read 0."""
+    """Load a [R, C] tile (or [G, R, C]: rows in groups), masking rows and/or columns only when the caller
+    cannot rule them out (masks cost instructions in the inner loop). ``rows_ok`` [R] (or [G, R]),
+    ``cols_ok`` [C]; masked elements read 0."""
     if CHECK_ROWS and CHECK_COLS:
-        x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+        x = tl.load(ptrs, mask=tl.expand_dims(rows_ok, -1) & cols_ok, other=0.0)
     elif CHECK_ROWS:
-        x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        x = tl.load(ptrs, mask=tl.expand_dims(rows_ok, -1), other=0.0)
     elif CHECK_COLS:
-        x = tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+        x = tl.load(ptrs, mask=cols_ok, other=0.0)
     else:
         x = tl.load(ptrs)
     return x
@@ -319,15 +320,16 @@ def online_softmax_step(acc, m_i, l_i, s, scale, v, DOT_PRECISION: tl.constexpr)
     """Fold one KV block into the running softmax: scores ``s * scale`` [M, N] (log2 units, -inf = masked;
     ``scale`` > 0, or the literal 1.0 for scores already scaled, which the compiler folds away), v [N, Dv].
     The row max is taken on ``s`` and scaled once per row; ``s * scale - max`` is one fused multiply-add.
+    With a leading group axis (s [G, M, N], v [G, N, Dv], acc [G, M, Dv]) each group keeps its own state.
 
     A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    m_new = tl.maximum(m_i, tl.max(s, -1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale - m_use[:, None])  # [M, N]
+    p = tl.exp2(s * scale - tl.expand_dims(m_use, -1))  # [M, N]
     alpha = tl.exp2(m_i - m_use)  # [M]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    l_i = l_i * alpha + tl.sum(p, -1)
+    acc = acc * tl.expand_dims(alpha, -1)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

@@ -3,7 +3,9 @@
 ``out = softmax(mods(softmax_scale * q k^T)) v`` and ``lse = log(sum exp(...))`` for one block of
 ``BLOCK_M`` query rows of one (sequence, query head) per program. The KV axis is walked in three segments
 (see :func:`kv_block_range`): masked blocks before the fully visible ones, the fully visible blocks
-without any mask arithmetic, masked blocks after (the causal diagonal, a ragged tail). Grid:
+without any mask arithmetic, masked blocks after (the causal diagonal, a ragged tail). The masked segments
+may walk their keys in narrower blocks of ``MASKED_BLOCK_N`` (a divisor of ``BLOCK_N``): the same keys, a
+smaller score tile for the loop that also carries the mask arithmetic. Grid:
 ``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``, its order set by ``HEAD_GROUP`` (see :func:`block_schedule`);
 GQA maps query head h to kv head ``h // GROUP``.
 """
@@ -33,6 +35,7 @@ def attn_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    MASKED_BLOCK_N: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -67,11 +70,14 @@ def attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LOCAL)
-    bounds = (lo, full_lo, full_hi, hi)  # masked, fully visible (no mask arithmetic), masked
+    bounds = (lo, full_lo, full_hi, hi)  # masked, fully visible (no mask arithmetic), masked (BLOCK_N units)
     for seg in tl.static_range(3):
-        acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, bounds[seg], bounds[seg + 1], offs_m,
-                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
-                                     window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
+        # key blocks of this segment's width: BLOCK_N for the visible one, MASKED_BLOCK_N for the masked ones
+        split = 1 if seg == 1 else BLOCK_N // MASKED_BLOCK_N
+        acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, bounds[seg] * split, bounds[seg + 1] * split,
+                                     offs_m, offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag,
+                                     len_k, window_left, window_right, DQK, DV,
+                                     BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
                                      HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
                                      POSITIVE_SCALE)
     out, lse = softmax_finalize(acc, m_i, l_i)
