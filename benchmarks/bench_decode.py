@@ -262,6 +262,11 @@ FOCUSED_SWEEPS = {
                 (128, 8, 2, 8)) * 2,
                "only DecodeConfig.key_groups 1 / 2 / 4 at the default tiles and 8 at 128 keys and 8 warps (one "
                "16-key group per warp; sm_90: no spills), twice, alternating, at the default split counts"),
+    # FP8 key groups against the key blocks each split walks (B=1: 512 keys per split at S=16k, 4096 at 128k)
+    "fp8groups": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S32k fp8", 1, 32768, False, True),
+                   ("B1 S64k fp8", 1, 65536, False, True), ("B1 S128k fp8", 1, 131072, False, True)],
+                  (8, 16, 32, 64), ((None, None, None, 1), (None, None, None, 4), (None, None, None, 2)),
+                  "only FP8 caches at B=1, S=16k..128k: split counts x key_groups 1 / 4 / 2 (default tiles)"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),

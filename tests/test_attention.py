@@ -766,23 +766,28 @@ def test_masked_block_n_matches_the_reference(case, masked_block_n):
                      name=f"{name} lse")
 
 
-def test_masked_block_n_defaults_to_the_forward_block():
-    """None (the default) and any width >= the forward's block_n give MASKED_BLOCK_N = block_n: the kernel the
-    option did not exist for. Not a power of two: an error naming the field."""
+def test_masked_block_n_defaults():
+    """None (the default): 64 for D=128's causal / windowed forward on a GPU (the H200 A/B), the forward's
+    block_n for the full forward and on the interpreter (the kernel the option did not exist for); any width
+    >= block_n gives block_n. Not a power of two: an error naming the field."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_fwd
 
     info = ((2, 512, 4, 128), "bfloat16")
-    shape, options = check_attention_args(q=info, k=info, v=info, causal=True)
     gpu = Target(interpret=False, num_sms=132)
 
-    def widths(config):
-        c = plan_attention_fwd(shape, options, target=gpu, config=config).launches[0].constexpr_dict()
+    def widths(config, target=gpu, **kw):
+        shape, options = check_attention_args(q=info, k=info, v=info, **kw)
+        c = plan_attention_fwd(shape, options, target=target, config=config).launches[0].constexpr_dict()
         return c["BLOCK_N"], c["MASKED_BLOCK_N"]
 
-    assert widths(AttentionConfig()) == (128, 128)
-    assert widths(AttentionConfig(masked_block_n=256)) == (128, 128)
-    assert widths(AttentionConfig(masked_block_n=64)) == (128, 64)
+    assert widths(AttentionConfig(), causal=True) == (128, 64)
+    assert widths(AttentionConfig(), window_size=(256, 0)) == (128, 64)
+    assert widths(AttentionConfig(), causal=False) == (128, 128)
+    assert widths(AttentionConfig(), Target(interpret=True, num_sms=1), causal=True) == (64, 64)
+    assert widths(AttentionConfig(masked_block_n=256), causal=True) == (128, 128)
+    assert widths(AttentionConfig(masked_block_n=128), causal=True) == (128, 128)
+    assert widths(AttentionConfig(masked_block_n=32), causal=False) == (128, 32)
     with pytest.raises(ValueError, match="AttentionConfig.masked_block_n"):
         AttentionConfig(masked_block_n=48)
 

@@ -42,7 +42,8 @@ class AttentionConfig:
       blocks, whose smaller score tile leaves the mask arithmetic room in registers. sm_90, Triton 3.6, causal
       D=128 forward (128 x 128 tiles) with 64: masked loop 1244 instructions per 128 keys with 7 local loads
       -> 2 x 611 with none, and the fully visible loop (the hot one) 600 -> 544 with 6 -> 3 local loads (stack
-      32 -> 24 B). Not yet timed on a GPU: off by default.
+      32 -> 24 B). None = the default of :data:`GPU_MASKED_BLOCK_N` (64 for D=128's causal / windowed
+      forward), else ``block_n``.
     * ``head_group``: the order in which the programs of the forward, dK/dV and dQ kernels start (see
       ``block_schedule`` in kernels_common.py): 1 = grid order, every block of a head before the next head;
       G > 1 = the longest causal blocks of G (head, sequence) pairs first, then the next-longest, ... None =
@@ -125,6 +126,13 @@ GPU_TILES = {
 # S=4096 with 2 (491 with 1), although at that length no masked segment runs: with 3 the kernel as a whole
 # spills 16 bytes (sm_90, Triton 3.6), with 2 it does not (same sweep as above).
 GPU_MASKED_STAGES = {128: {"fwd": 2}}
+# Key block width of the masked segments per forward entry where the H200 timed a narrower one faster
+# (AttentionConfig.masked_block_n overrides it): D=128 causal, S=4096, alternating three times in one process
+# (bench_attention.py --ab 3 --ab-config '{"masked_block_n": 64}', attention_ab_masked_block_n-64_h200.json),
+# median forward MHA 419.6 -> 425.3 TFLOP/s, GQA 32/8 432.4 -> 443.5. Not for the full forward ("fwd": its
+# masked segments are the ragged tails): there the narrower masked loop costs the visible loop 32 bytes of
+# stack, and MHA 498.6 -> 475.8, GQA 503.5 -> 493.0.
+GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
@@ -388,6 +396,16 @@ def _masked_stages(kernel: str, shape: AttnShape, target: Target, config: Attent
     return GPU_MASKED_STAGES.get(key, {}).get(kernel, 0) if table is GPU_TILES else 0
 
 
+def _masked_block_n(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig, block_n: int) -> int:
+    """The forward's ``MASKED_BLOCK_N`` constexpr: a divisor of ``block_n`` (``block_n`` itself in the
+    interpreter and wherever no narrower width was timed faster)."""
+    width = config.masked_block_n
+    if width is None and not target.interpret:
+        table, key = _gpu_key(shape)
+        width = GPU_MASKED_BLOCK_N.get(key, {}).get(kernel) if table is GPU_TILES else None
+    return min(width or block_n, block_n)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(batch, row, head) element strides of a contiguous dense ``(B, S, H, D)`` or packed ``(T, H, D)``
     tensor; the batch stride of a packed tensor is 0 (rows are addressed through cu_seqlens)."""
@@ -489,7 +507,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("HEAD_GROUP", _head_group(config, options, target)),
-                    ("MASKED_BLOCK_N", min(config.masked_block_n or bn, bn))),
+                    ("MASKED_BLOCK_N", _masked_block_n(fwd_entry, shape, target, config, bn))),
         num_warps=warps,
         num_stages=stages,
     )
