@@ -982,3 +982,38 @@ def test_automatic_split_count_on_the_h200():
     assert block_n(True, page_size=64) == 64 and block_n(True, dtype="float32") == 32
     assert block_n(True, head_dim=256) == 32  # wide heads keep their narrower tile
     assert splits(1, 512) == 2  # short caches: at least 4 key blocks of 64 per split
+
+
+def test_fp8_key_groups_default_on_the_h200():
+    """Contiguous FP8 caches on 128-key tiles take 4 key groups once each split walks at least 16 key blocks
+    (decode_splits_fp8groups_h200.json: B=1 S=64k / 128k and B=32 S=8k gain, S=16k / 32k lose); 16-bit and
+    paged caches, the interpreter, explicit configs and short splits keep what they had."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.decode import plan as P
+
+    h200 = Target(interpret=False, num_sms=132)
+
+    def groups(batch, span, fp8=True, page_size=None, target=h200, config=P.DEFAULT_CONFIG):
+        paged = page_size is not None
+        kv = ((-(-batch * span // page_size) if paged else batch, page_size or span, 8, 128),
+              P.FP8_DTYPE if fp8 else "bfloat16")
+        extra = {"block_table": ((batch, -(-span // page_size)), "int32")} if paged else {}
+        if fp8:
+            extra.update(k_scale=((), "float32"), v_scale=((), "float32"))
+        shape, options, _ = P.check_decode_args(q=((batch, 1, 32, 128), "bfloat16"), k_cache=kv, v_cache=kv,
+                                                cache_seqlens=((batch,), "int32"), **extra)
+        plan = P.plan_decode(shape, options, target=target, config=config)
+        return {launch.constexpr_dict()["KEY_GROUPS"] for launch in plan.launches
+                if launch.kernel.endswith(":decode_fwd_kernel")}
+
+    assert groups(1, 131072) == {4} and groups(1, 65536) == {4} and groups(32, 8192) == {4}
+    assert groups(1, 32768) == {1} and groups(1, 16384) == {1}  # 32 splits of 8 / 4 key blocks
+    assert groups(1, 131072, fp8=False) == {1} and groups(32, 8192, fp8=False) == {1}
+    assert groups(1, 131072, page_size=256) == {1} and groups(1, 131072, page_size=64) == {1}
+    assert groups(1, 131072, target=Target(interpret=True, num_sms=1)) == {1}
+    assert groups(1, 131072, config=P.DecodeConfig(key_groups=2)) == {2}
+    assert groups(1, 131072, config=P.DecodeConfig(num_warps=8)) == {1}
+    assert P.decode_tiles(4, 128, 128, h200, dtype="bfloat16",
+                          cache=P.CacheShape(layout="NHD", paged=False, num_pages=1, page_size=4096, max_pages=1,
+                                             heads=8, head_dim_k=128, head_dim_v=128, dtype=P.FP8_DTYPE),
+                          split_span=2048).key_groups == 4
