@@ -267,6 +267,13 @@ FOCUSED_SWEEPS = {
                    ("B1 S64k fp8", 1, 65536, False, True), ("B1 S128k fp8", 1, 131072, False, True)],
                   (8, 16, 32, 64), ((None, None, None, 1), (None, None, None, 4), (None, None, None, 2)),
                   "only FP8 caches at B=1, S=16k..128k: split counts x key_groups 1 / 4 / 2 (default tiles)"),
+    # tiles around the FP8 key-group default (128 keys, 4 warps, 3 stages, 4 groups; sm_90: all spill-free,
+    # 64 KB of shared memory at 2 stages, 96 at 3, 128 at 4)
+    "fp8tiles": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (None,),
+                 ((None, None, None, 1), (None, None, None, 4), (128, 4, 2, 4), (128, 4, 4, 4), (128, 8, 2, 4),
+                  (256, 8, 2, 8)) * 2,
+                 "only FP8 caches at B=1 S=128k and B=32 S=8k: pipeline depth, warps and 256-key steps with key "
+                 "groups, twice, alternating, at the default split counts"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
