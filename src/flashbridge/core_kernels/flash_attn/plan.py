@@ -386,23 +386,28 @@ def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -
     return 4 if options.causal and not target.interpret else 1
 
 
+def _timed_default(per_dim: dict, kernel: str, shape: AttnShape, target: Target):
+    """The value an H200 timing set for ``kernel`` ("fwd", "fwd_masked", ...) in ``per_dim`` (keyed like
+    :data:`GPU_TILES`), or None: in the interpreter, for float32 inputs and where nothing was timed."""
+    if target.interpret:
+        return None
+    table, key = _gpu_key(shape)
+    return per_dim.get(key, {}).get(kernel) if table is GPU_TILES else None
+
+
 def _masked_stages(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig) -> int:
     """The forward's ``MASKED_STAGES`` constexpr: 0 = the forward's num_stages (and always in the interpreter)."""
     if target.interpret:
         return 0
     if config.masked_num_stages is not None:
         return config.masked_num_stages
-    table, key = _gpu_key(shape)
-    return GPU_MASKED_STAGES.get(key, {}).get(kernel, 0) if table is GPU_TILES else 0
+    return _timed_default(GPU_MASKED_STAGES, kernel, shape, target) or 0
 
 
 def _masked_block_n(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig, block_n: int) -> int:
     """The forward's ``MASKED_BLOCK_N`` constexpr: a divisor of ``block_n`` (``block_n`` itself in the
     interpreter and wherever no narrower width was timed faster)."""
-    width = config.masked_block_n
-    if width is None and not target.interpret:
-        table, key = _gpu_key(shape)
-        width = GPU_MASKED_BLOCK_N.get(key, {}).get(kernel) if table is GPU_TILES else None
+    width = config.masked_block_n or _timed_default(GPU_MASKED_BLOCK_N, kernel, shape, target)
     return min(width or block_n, block_n)
 
 
