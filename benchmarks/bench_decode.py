@@ -274,6 +274,14 @@ FOCUSED_SWEEPS = {
                   (256, 8, 2, 8)) * 2,
                  "only FP8 caches at B=1 S=128k and B=32 S=8k: pipeline depth, warps and 256-key steps with key "
                  "groups, twice, alternating, at the default split counts"),
+    # FP8 V read as column pairs straight from the pipeline's buffer (no widened copy in shared memory: 64 KB
+    # per program at 3 stages, 168 registers without key groups, 244 with 4): depth, groups and warps again
+    "fp8pairs": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
+                  ("B32 S8k fp8", 32, 8192, False, True)], (None,),
+                 ((None, None, None, 1), (None, None, None, 4), (128, 4, 2, 1), (128, 4, 4, 1), (128, 4, 2, 4),
+                  (128, 4, 4, 4), (64, 4, 3, 1), (128, 8, 3, 1)) * 2,
+                 "only FP8 caches at B=1 S=16k / 128k and B=32 S=8k: depth, key groups and warps for the "
+                 "column-pair V path, twice, alternating, at the default split counts"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),

@@ -80,6 +80,10 @@ CASES = {
     "b4-paged16-hnd-sq3": (dict(BENCH, sq=3, lens=(4096, 1, 0, 3000), page_size=16, layout="HND"),
                            dict(causal=True), 7),
     "fp8-head-b1-s128k": (dict(BENCH, lens=(131072,), fp8="head", page_size=64), dict(causal=True), None),
+    # the benchmark's FP8 path: contiguous, 128-key steps in 4 key groups, V as column pairs
+    "fp8-tensor-b1-s128k-contig": (dict(BENCH, lens=(131072,), fp8="tensor"), dict(causal=True), None),
+    "fp8-dv40-b4-paged16-hnd-sq3": (dict(hq=32, hkv=8, dqk=64, dv=40, dtype="bfloat16", sq=3, fp8="head",
+                                         lens=(4096, 1, 0, 3000), page_size=16, layout="HND"), dict(causal=True), 7),
     "sq8-all-options": (dict(BENCH, sq=8, lens=(4096, 33, 0, 2500), page_size=16, sinks=True, alibi="batch"),
                         dict(causal=True, window_size=(1000, -1), softcap=30.0), None),
     "mla-576-512": (dict(hq=16, hkv=1, dqk=576, dv=512, dtype="bfloat16", lens=(4096, 1, 2000), page_size=64),
@@ -252,6 +256,8 @@ def _memcheck_case():
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),
                  dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
+                 dict(hq=8, hkv=2, dqk=64, dv=40, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor",
+                      page_size=16),
                  dict(hq=16, hkv=1, dqk=576, dv=512, dtype="bfloat16", lens=(5, 0, 333)),
                  dict(sq=5, hq=4, hkv=4, dqk=72, dv=40, dtype="float16", lens=(3, 1, 0, 200), page_size=32,
                       sinks=True, alibi="batch")):
@@ -295,9 +301,9 @@ def _memcheck_case():
 
 
 def test_fp8_v_cache_views():
-    """Compiled kernels read an FP8 V cache as 32-bit words: a view whose first byte is off a 4-byte boundary
-    (strides still multiples of 4) is refused with a message naming v_cache; a word-aligned view of the same
-    storage gives the plain decode's result."""
+    """Compiled kernels read an FP8 V cache as 16-bit pairs of columns: a view whose first byte is off a
+    2-byte boundary (strides still even) is refused with a message naming v_cache; pair-aligned views of the
+    same storage give the plain decode's result."""
     from flashbridge.torch_api.decode import decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -306,10 +312,11 @@ def test_fp8_v_cache_views():
     lens = torch.tensor([200], device="cuda", dtype=torch.int32)
     k = base[..., 4:68]
     with pytest.raises(ValueError, match="v_cache: an FP8 cache"):
-        decode_attention(q, k, base[..., 2:66], cache_seqlens=lens)
-    out = decode_attention(q, k, base[..., 4:68], cache_seqlens=lens)
-    want = decode_attention(q, k.contiguous(), base[..., 4:68].contiguous(), cache_seqlens=lens)
-    assert torch.equal(out, want)
+        decode_attention(q, k, base[..., 1:65], cache_seqlens=lens)
+    for start in (2, 4):
+        out = decode_attention(q, k, base[..., start:start + 64], cache_seqlens=lens)
+        want = decode_attention(q, k.contiguous(), base[..., start:start + 64].contiguous(), cache_seqlens=lens)
+        assert torch.equal(out, want)
 
 
 if __name__ == "__main__":

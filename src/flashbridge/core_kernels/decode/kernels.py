@@ -17,7 +17,7 @@
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
 * FP8 (e4m3) caches: K tiles are widened to q's dtype for ``q @ K^T``, V tiles to float16 for ``p @ V``
-  with 16-bit queries (see :func:`load_v_tile_f16`), to float32 with float32 queries; the per-tensor /
+  with 16-bit queries (as its even and odd columns, see :func:`load_v_pairs`), to float32 with float32 queries; the per-tensor /
   per-kv-head scales fold into the score scale (K) and the output (V), so dequantisation costs no extra
   pass.
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
@@ -30,8 +30,8 @@ All score modifiers, the online softmax and the merge step come from ``flash_att
 import triton
 import triton.language as tl
 
-from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, attend_block, kv_key_range,
-                                         load_tile, merge_states_block, score_params, softmax_finalize,
+from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, fold_values,
+                                         kv_key_range, load_tile, merge_states_block, score_params, softmax_finalize,
                                          softmax_init, softmax_normaliser)
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
@@ -54,47 +54,43 @@ APPEND_INT_SCALARS = (
 
 # ----------------------------------------------------------------------------------------------- caches
 
-# Four e4m3 bytes of one 32-bit word -> two f16x2 words (exact: every e4m3 value is an f16 value).
-_E4M3X4_TO_F16X4 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+# Two 16-bit elements of one 32-bit register, each a pair of e4m3 bytes (an even column in its low byte,
+# the next odd column in its high byte) -> the two elements' even columns as f16x2 ($0) and their odd
+# columns as f16x2 ($1): one byte permute and two paired conversions (exact: every e4m3 value is an f16 value).
+_E4M3_PAIRS_TO_F16 = tl.constexpr("{ .reg .b32 t; .reg .b16 even, odd; prmt.b32 t, $2, 0, 0x3120; "
+                                  "mov.b32 {even, odd}, t; cvt.rn.f16x2.e4m3x2 $0, even; "
+                                  "cvt.rn.f16x2.e4m3x2 $1, odd; }")
 
 
 @triton.jit
-def load_v_tile_f16(V_row, key_ok, offs_dv, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    APPLY_MASK: tl.constexpr, V_WORDS: tl.constexpr, KEY_GROUPS: tl.constexpr = 1):
-    """An FP8 V tile [N, Dv] widened to float16, for 16-bit queries (``p @ V`` then runs in f16: exact for
-    e4m3 values, and p in [0, 1] keeps more mantissa bits in f16 than in bf16; float32 queries widen V to
-    float32 instead).
+def load_v_pairs(V_row, key_ok, DV: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr,
+                 WIDEN_ASM: tl.constexpr):
+    """An FP8 V tile [N, Dv] for 16-bit queries as two float16 tiles [N, Dv / 2], its even and its odd
+    columns (``p @ V`` runs in f16: exact for e4m3 values, and p in [0, 1] keeps more mantissa bits in f16
+    than in bf16). The caller folds each into its own accumulator and interleaves them once per split.
 
-    V_WORDS (compiled GPU kernels; Dv and the V strides multiples of 4 bytes, the base 4-byte aligned):
-    load 32-bit words and widen them with inline PTX. With a plain ``v.to(f16)`` the compiler folds the
-    conversion into the dot operand's shared-memory read, and for V, whose dot operand is the transposed
-    tile, Hopper has no 8-bit ``ldmatrix.trans``: every thread read its bytes one at a time (192
-    ``ld.shared.b8`` per tile; FP8 decode ran at half the bf16 rate per byte). Words reach the dot as f16
-    through ``ldmatrix.trans`` like a bf16 cache (sm_90 SASS of the B=1, S=128k split kernel: 3904 -> 2968
-    instructions, bf16 2808). Triton's interpreter cannot run inline PTX: it takes the plain path.
-    KEY_GROUPS > 1: ``V_row`` / ``key_ok`` are [G, N / G] and the tile [G, N / G, Dv]."""
-    if V_WORDS:
-        W: tl.constexpr = BLOCK_DV // 4
-        offs_w = tl.arange(0, W)
-        words_row = V_row.to(tl.pointer_type(tl.uint32), bitcast=True)
-        words = load_tile(tl.expand_dims(words_row, -1) + offs_w, key_ok, offs_w * 4 < DV, APPLY_MASK,
-                          BLOCK_DV != DV)  # [N, W]: bytes 4w .. 4w+3 of each row
-        lo, hi = tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [words], dtype=(tl.uint32, tl.uint32),
-                                           is_pure=True, pack=1)
-        e0 = lo.to(tl.uint16).to(tl.float16, bitcast=True)
-        e1 = (lo >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        e2 = hi.to(tl.uint16).to(tl.float16, bitcast=True)
-        e3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        quad = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [N, W, i, p] holds element 4w + 2p + i
-        if KEY_GROUPS == 1:
-            v = tl.reshape(tl.permute(quad, (0, 1, 3, 2)), [BLOCK_N, BLOCK_DV])
-        else:
-            v = tl.reshape(tl.permute(quad, (0, 1, 2, 4, 3)), [KEY_GROUPS, BLOCK_N // KEY_GROUPS, BLOCK_DV])
+    Why: ``p @ V`` needs V's dot operand with pairs of consecutive keys in each register, i.e. the tile
+    transposed, and Hopper's ``ldmatrix.trans`` moves 16-bit elements only. Read as 16-bit elements (two
+    adjacent columns of one key each) the tile goes from the pipeline's shared-memory buffer straight into
+    registers through ``ldmatrix.trans``; there each register holds the same column pair of two consecutive
+    keys, and one byte permute plus two conversions give the even and the odd column's key pairs in f16.
+    Widening the tile to f16 before the dot instead costs a trip back through shared memory (a store, a
+    barrier and a second buffer per stage), and a plain ``v.to(f16)`` reads the transposed tile a byte at a
+    time. WIDEN_ASM (compiled kernels) does the widening in inline PTX; the interpreter, which cannot run
+    PTX, the same with Triton's bit casts. Needs Dv even, even V strides and a 2-byte aligned base
+    (the plan's ``V_PAIRS``). KEY_GROUPS > 1: ``V_row`` / ``key_ok`` are [G, N / G], the tiles
+    [G, N / G, Dv / 2]."""
+    offs_p = tl.arange(0, BLOCK_DV // 2)
+    pairs_row = V_row.to(tl.pointer_type(tl.uint16), bitcast=True)
+    pairs = load_tile(tl.expand_dims(pairs_row, -1) + offs_p, key_ok, offs_p * 2 < DV, APPLY_MASK,
+                      BLOCK_DV != DV)  # [N, Dv / 2]: columns 2j (low byte) and 2j + 1 (high byte)
+    if WIDEN_ASM:
+        even, odd = tl.inline_asm_elementwise(_E4M3_PAIRS_TO_F16, "=r,=r,r", [pairs],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     else:
-        v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK,
-                      BLOCK_DV != DV).to(tl.float16)
-    return v
+        even = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
 
 
 @triton.jit
@@ -174,19 +170,21 @@ def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK
 
 @triton.jit
 def decode_kv_range(
-    acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
+    acc, acc_odd, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
     length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_WORDS: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
-    KEY_GROUPS: tl.constexpr = 1,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
     block is inside the sequence and visible from every row. KEY_GROUPS > 1: the block's keys as [G, N / G]
-    (group g holds keys g * N / G ..), one softmax state per group (see the module docstring)."""
+    (group g holds keys g * N / G ..), one softmax state per group (see the module docstring). V_PAIRS:
+    ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_v_pairs`); otherwise ``acc_odd``
+    is unused."""
     if KEY_GROUPS == 1:
         offs_n = tl.arange(0, BLOCK_N)
     else:
@@ -203,16 +201,22 @@ def decode_kv_range(
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
         qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
                       APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
-        if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
-            v = load_v_tile_f16(V_row, key_ok, offs_dv, DV, BLOCK_N, BLOCK_DV, APPLY_MASK, V_WORDS, KEY_GROUPS)
+        if V_PAIRS:
+            v, v_odd = load_v_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
         else:
             v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
-            v = v.to(Q.dtype.element_ty)
+            if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
+                v = v.to(tl.float16)  # odd head dims or strides (see load_v_pairs)
+            else:
+                v = v.to(Q.dtype.element_ty)
         # q index [M, 1] against key index [1, N] (or [G, 1, N / G]): broadcast to the scores' shape
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, qk, v, tok[:, None], tl.expand_dims(offs_k, -2),
-                                     qk_scale, cap2, slope2, diag, length, window_left, window_right,
-                                     APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE)
-    return acc, m_i, l_i
+        p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, tok[:, None], tl.expand_dims(offs_k, -2), qk_scale, cap2,
+                                         slope2, diag, length, window_left, window_right, APPLY_MASK, HAS_LOCAL,
+                                         HAS_SOFTCAP, HAS_ALIBI, POSITIVE_SCALE)
+        acc = fold_values(acc, p, alpha, v, DOT_PRECISION)
+        if V_PAIRS:
+            acc_odd = fold_values(acc_odd, p, alpha, v_odd, DOT_PRECISION)
+    return acc, acc_odd, m_i, l_i
 
 
 # ----------------------------------------------------------------------------------------------- decode
@@ -229,8 +233,8 @@ def decode_fwd_kernel(
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_WORDS: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
+    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -291,31 +295,38 @@ def decode_fwd_kernel(
     else:
         slope2 = 0.0
     m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
+    ACC_D: tl.constexpr = BLOCK_DV // 2 if V_PAIRS else BLOCK_DV  # V_PAIRS: even / odd columns apart
     if KEY_GROUPS == 1:
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, ACC_D], dtype=tl.float32)
     else:  # one state per key group; a sink joins group 0's only
         q = tl.broadcast_to(q[None, :, :], (KEY_GROUPS, BLOCK_M, BLOCK_DQK))
         first = (tl.arange(0, KEY_GROUPS) == 0)[:, None]
         m_i = tl.where(first, m_i[None, :], float("-inf"))
         l_i = tl.where(first, l_i[None, :], 0.0)
-        acc = tl.zeros([KEY_GROUPS, BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc = tl.zeros([KEY_GROUPS, BLOCK_M, ACC_D], dtype=tl.float32)
+    acc_odd = acc
 
     # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
     # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi).
     bounds = (lo, full_lo, full_hi, hi)
     for seg in tl.static_range(3):
-        acc, m_i, l_i = decode_kv_range(
-            acc, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
+        acc, acc_odd, m_i, l_i = decode_kv_range(
+            acc, acc_odd, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
             tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
-            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_WORDS, POSITIVE_SCALE, KEY_GROUPS)
+            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE,
+            KEY_GROUPS)
     if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
         m_all = tl.max(m_i, 0)
         weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]
         l_i = tl.sum(l_i * weight, 0)
         acc = tl.sum(acc * weight[:, :, None], 0)
+        if V_PAIRS:
+            acc_odd = tl.sum(acc_odd * weight[:, :, None], 0)
         m_i = m_all
+    if V_PAIRS:  # columns 2j and 2j + 1 side by side again
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_DV])
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALES:
         out = out * tl.load(V_SCALE + kh * stride_sc).to(tl.float32)

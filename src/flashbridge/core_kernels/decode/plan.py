@@ -602,10 +602,11 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
                    target: Target) -> Launch:
     left, right = _window_scalars(options)
-    # FP8 V read as 32-bit words (see load_v_tile_f16): compiled kernels, rows of whole words; the base must
-    # be 4-byte aligned (JAX arrays are; torch_api.decode._check_v_words_base refuses a misaligned view)
-    v_words = (not target.interpret and cache.fp8 and dtype != "float32" and head_dim_v % 4 == 0
-               and pow2_divisor(*v_strides, cap=4) == 4)
+    # FP8 V read as pairs of columns (see load_v_pairs) for 16-bit queries: even head dims and strides (two
+    # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
+    # are; torch_api.decode._check_v_pairs_base refuses a misaligned view)
+    v_pairs = (cache.fp8 and dtype != "float32" and head_dim_v % 2 == 0 and tiles.block_dv >= 32
+               and pow2_divisor(*v_strides, cap=2) == 2)
     qo = (*q_strides, *out_strides)
     kv = (*k_strides, *v_strides)
     return Launch(
@@ -632,7 +633,8 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("HAS_ALIBI", options.has_alibi), ("HAS_SINKS", has_sinks),
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
-                    ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_WORDS", v_words),
+                    ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
+                    ("WIDEN_ASM", v_pairs and not target.interpret),
                     ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -316,11 +316,12 @@ def softmax_init(SINKS, h, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, s, scale, v, DOT_PRECISION: tl.constexpr):
-    """Fold one KV block into the running softmax: scores ``s * scale`` [M, N] (log2 units, -inf = masked;
-    ``scale`` > 0, or the literal 1.0 for scores already scaled, which the compiler folds away), v [N, Dv].
+def online_softmax_probs(m_i, l_i, s, scale):
+    """One KV block's softmax weights against the running state: scores ``s * scale`` [M, N] (log2 units,
+    -inf = masked; ``scale`` > 0, or the literal 1.0 for scores already scaled, which the compiler folds
+    away) -> (p [M, N], alpha [M], m_new, l_new), where alpha rescales everything accumulated so far.
     The row max is taken on ``s`` and scaled once per row; ``s * scale - max`` is one fused multiply-add.
-    With a leading group axis (s [G, M, N], v [G, N, Dv], acc [G, M, Dv]) each group keeps its own state.
+    With a leading group axis (s [G, M, N], states [G, M]) each group keeps its own state.
 
     A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
     """
@@ -329,16 +330,23 @@ def online_softmax_step(acc, m_i, l_i, s, scale, v, DOT_PRECISION: tl.constexpr)
     p = tl.exp2(s * scale - tl.expand_dims(m_use, -1))  # [M, N]
     alpha = tl.exp2(m_i - m_use)  # [M]
     l_i = l_i * alpha + tl.sum(p, -1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def fold_values(acc, p, alpha, v, DOT_PRECISION: tl.constexpr):
+    """``acc * alpha + p @ v``: acc [M, Dv], p [M, N] from :func:`online_softmax_probs`, v [N, Dv] (or all
+    with a leading group axis). Callers holding V in column slices fold each slice into its own
+    accumulator with the same p and alpha (decode's FP8 V, see decode/kernels.py)."""
     acc = acc * tl.expand_dims(alpha, -1)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def merge_states_block(acc, m_i, l_i, lse, o):
     """Fold a block of normalised partial states into a running merge, element by element: ``lse`` [N, E]
     (natural log, -inf = the part saw nothing or is padding), ``o`` [N, E] the parts' outputs, axis 0 the
-    parts; acc, m_i (log2 units), l_i are [E]. The same algebra as :func:`online_softmax_step` with each
+    parts; acc, m_i (log2 units), l_i are [E]. The same algebra as :func:`online_softmax_probs` with each
     part standing for one key of weight ``exp(lse)`` and value ``o``: after every block,
     ``acc / l_i`` is the exact merge ``sum_n exp(lse_n - lse) o_n`` and ``m_i + log2(l_i)`` its lse
     (log2 units). Parts with lse = -inf contribute exactly 0 (even if their o is NaN)."""
@@ -369,11 +377,11 @@ def softmax_finalize(acc, m_i, l_i):
 
 
 @triton.jit
-def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
-                 window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
-    """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> fold ``v`` [N, Dv] into the
-    running (acc, m_i, l_i). Shared by every forward iteration strategy (dense ranges, paged decode).
+def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
+    """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> the block's softmax weights
+    and the updated running state: (p, alpha, m_i, l_i), see :func:`online_softmax_probs`.
 
     POSITIVE_SCALE (softmax_scale > 0, known when planning) without softcap or ALiBi: the scores stay raw,
     masked as they are (a positive scale commutes with the mask and the row max), and the scale is applied
@@ -383,10 +391,23 @@ def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, dia
         if APPLY_MASK:
             qk = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL),
                           qk, float("-inf"))
-        return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, DOT_PRECISION)
+        return online_softmax_probs(m_i, l_i, qk, qk_scale)
     s2, _ = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                        APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-    return online_softmax_step(acc, m_i, l_i, s2, 1.0, v, DOT_PRECISION)
+    return online_softmax_probs(m_i, l_i, s2, 1.0)
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
+                 window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
+    """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers (:func:`block_probs`) -> fold
+    ``v`` [N, Dv] into the running (acc, m_i, l_i). Shared by every forward iteration strategy (dense
+    ranges, paged decode)."""
+    p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k,
+                                     window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                                     POSITIVE_SCALE)
+    return fold_values(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
 
 @triton.jit
