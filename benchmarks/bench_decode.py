@@ -282,6 +282,13 @@ FOCUSED_SWEEPS = {
                   (128, 4, 4, 4), (64, 4, 3, 1), (128, 8, 3, 1)) * 2,
                  "only FP8 caches at B=1 S=16k / 128k and B=32 S=8k: depth, key groups and warps for the "
                  "column-pair V path, twice, alternating, at the default split counts"),
+    # the same path with one key group (the pair sweep's best): split counts against depth and key-block width
+    # (168 registers per thread: up to 3 programs per SM by registers, 64 KB of shared memory at 3 stages)
+    "fp8pairsplits": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)],
+                      (16, 32, 48, 64), ((None, None, None, 1), (128, 4, 4, 1), (128, 4, 2, 1), (64, 4, 3, 1),
+                                         (64, 4, 4, 1)),
+                      "only FP8 caches at B=1 S=16k / 128k, one key group: split counts 16-64 x depth and key "
+                      "block width"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
