@@ -1011,11 +1011,11 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
         if launch.kernel.endswith("decode_fwd_kernel"):
             assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
             if cache_dtype == "float8_e4m3fn":
-                # the FP8 V tile reaches p @ V as f16 through ldmatrix.trans, not byte by byte from shared
-                # memory (load_v_tile_f16: this is what halved FP8 decode's rate per byte)
+                # the FP8 V tile reaches p @ V as column pairs through ldmatrix.trans, widened in registers
+                # (load_v_pairs), not byte by byte from shared memory (that halved FP8 decode's rate per byte)
                 assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, f"{name}: byte reads of V"
                 assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, f"{name}: V not read with ldmatrix.trans"
-                assert "cvt.rn.f16x2.e4m3x2" in ptx
+                assert "cvt.rn.f16x2.e4m3x2" in ptx and "prmt.b32" in ptx, f"{name}: V not widened as pairs"
             parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 
@@ -1053,16 +1053,16 @@ def test_automatic_split_count_on_the_h200():
     assert splits(1, 512) == 2  # short caches: at least 4 key blocks of 64 per split
 
 
-def test_fp8_key_groups_default_on_the_h200():
-    """Contiguous FP8 caches on 128-key tiles take 4 key groups once each split walks at least 16 key blocks
-    (decode_splits_fp8groups_h200.json: B=1 S=64k / 128k and B=32 S=8k gain, S=16k / 32k lose); 16-bit and
-    paged caches, the interpreter, explicit configs and short splits keep what they had."""
+def test_key_groups_are_off_by_default_on_the_h200():
+    """One key group by default for every cache (decode_splits_fp8pairs_h200.json: with V as column pairs
+    FP8 caches lost with 4 groups too; 16-bit caches lost in decode_splits_groups_h200.json); an explicit
+    DecodeConfig.key_groups is honoured."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
 
     h200 = Target(interpret=False, num_sms=132)
 
-    def groups(batch, span, fp8=True, page_size=None, target=h200, config=P.DEFAULT_CONFIG):
+    def groups(batch, span, fp8=True, page_size=None, config=P.DEFAULT_CONFIG):
         paged = page_size is not None
         kv = ((-(-batch * span // page_size) if paged else batch, page_size or span, 8, 128),
               P.FP8_DTYPE if fp8 else "bfloat16")
@@ -1071,18 +1071,11 @@ def test_fp8_key_groups_default_on_the_h200():
             extra.update(k_scale=((), "float32"), v_scale=((), "float32"))
         shape, options, _ = P.check_decode_args(q=((batch, 1, 32, 128), "bfloat16"), k_cache=kv, v_cache=kv,
                                                 cache_seqlens=((batch,), "int32"), **extra)
-        plan = P.plan_decode(shape, options, target=target, config=config)
+        plan = P.plan_decode(shape, options, target=h200, config=config)
         return {launch.constexpr_dict()["KEY_GROUPS"] for launch in plan.launches
                 if launch.kernel.endswith(":decode_fwd_kernel")}
 
-    assert groups(1, 131072) == {4} and groups(1, 65536) == {4} and groups(32, 8192) == {4}
-    assert groups(1, 32768) == {1} and groups(1, 16384) == {1}  # 32 splits of 8 / 4 key blocks
-    assert groups(1, 131072, fp8=False) == {1} and groups(32, 8192, fp8=False) == {1}
-    assert groups(1, 131072, page_size=256) == {1} and groups(1, 131072, page_size=64) == {1}
-    assert groups(1, 131072, target=Target(interpret=True, num_sms=1)) == {1}
-    assert groups(1, 131072, config=P.DecodeConfig(key_groups=2)) == {2}
-    assert groups(1, 131072, config=P.DecodeConfig(num_warps=8)) == {1}
-    assert P.decode_tiles(4, 128, 128, h200, dtype="bfloat16",
-                          cache=P.CacheShape(layout="NHD", paged=False, num_pages=1, page_size=4096, max_pages=1,
-                                             heads=8, head_dim_k=128, head_dim_v=128, dtype=P.FP8_DTYPE),
-                          split_span=2048).key_groups == 4
+    assert groups(1, 131072) == {1} and groups(1, 16384) == {1} and groups(32, 8192) == {1}
+    assert groups(1, 131072, fp8=False) == {1} and groups(1, 131072, page_size=64) == {1}
+    assert groups(1, 131072, config=P.DecodeConfig(key_groups=4)) == {4}
+    assert groups(32, 8192, fp8=False, config=P.DecodeConfig(key_groups=2)) == {2}

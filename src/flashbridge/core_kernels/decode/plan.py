@@ -59,9 +59,8 @@ class DecodeConfig:
       state each, merged once per split (see ``decode/kernels.py``): the row max / sum and the hand-over of p
       to ``p @ V`` then stay inside a warp instead of crossing the 4 warps every step. sm_90, Triton 3.6,
       4 warps, 64-key steps, bf16: 9 CTA barriers per step with one group, 2 with four. Each group needs at
-      least 16 keys; head dims above 256 (chunked q.k) take one group. None = the default of
-      :func:`decode_tiles`: 4 for contiguous FP8 caches on 128-key tiles whose splits walk at least 16 key
-      blocks, else 1.
+      least 16 keys; head dims above 256 (chunked q.k) take one group. None = 1: every timed default is
+      faster with one group (see :func:`decode_tiles`).
 
     The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
     interpreter pays per program and per operation, not per element.
@@ -468,7 +467,7 @@ class DecodeTiles:
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
                  config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *,
-                 cache: Optional[CacheShape] = None, split_span: int = 0) -> DecodeTiles:
+                 cache: Optional[CacheShape] = None) -> DecodeTiles:
     """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``. Head dims up to 256 are one
     power-of-two tile; above, q.k runs in 64-wide chunks. GPU: 4 warps for head dims up to 128 (the tiles
     are small: decode is memory-bound and wants many programs in flight), 8 above; 3 pipeline stages.
@@ -481,14 +480,13 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     whole 128-key tiles (``cache``: None = a 16-bit cache). Every default is checked by
     ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB).
 
-    Key groups (``split_span``: the most keys one split walks; 0 = unknown, one group): contiguous FP8 caches
-    on 128-key tiles take 4 groups once a split walks at least 16 key blocks, where the shorter per-step chain
-    (2 CTA barriers instead of 8) pays for the final merge of the group states. H200, Hq=32, Hkv=8, D=128,
-    32 splits (``decode_splits_fp8groups_h200.json``), 1 -> 4 groups: 4 blocks per split (S=16k) 21.5 ->
-    25.0 us, 8 (S=32k) 31.7 -> 33.3, 16 (S=64k) 51.2 -> 48.8, 32 (S=128k) 90.7 -> 80.5; B=32, S=8k, 1 split
-    (64 blocks) 175 -> 145 (``decode_splits_groups_h200.json``). 16-bit caches lost with groups on every row
-    of that sweep (B=1 S=16k 25.6 -> 30.7 us, S=128k 126.5 -> 131.1, B=32 S=8k 239.6 -> 243.8, paged
-    129.8 -> 147.3), and paged FP8 caches were not timed: one group."""
+    Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
+    (``load_v_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
+    and splits (``decode_splits_fp8pairs_h200.json``, twice), 1 -> 4 groups: FP8 B=1 S=16k 17.3 -> 22.9 us,
+    S=128k 73.3 -> 78.3, B=32 S=8k 128.5 / 132.8 -> 134.1 / 134.7 (before the pairs, when V went back
+    through shared memory as f16, 4 groups had won at S=128k, 90.7 -> 80.5). 16-bit caches lost with groups on
+    every row (``decode_splits_groups_h200.json``: B=1 S=16k 25.6 -> 30.7 us, S=128k 126.5 -> 131.1,
+    B=32 S=8k 239.6 -> 243.8, paged 129.8 -> 147.3)."""
     if head_dim_qk <= 256:
         block_dqk, chunks = _pad(head_dim_qk), 1
     else:
@@ -508,11 +506,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
             bn = 128
     bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
     bn = config.block_n or bn
-    groups = config.key_groups
-    if groups is None:
-        contiguous_fp8 = cache is not None and cache.fp8 and not cache.paged and dtype != "float32"
-        groups = 4 if (contiguous_fp8 and not target.interpret and bn == 128 and chunks == 1
-                       and (config.num_warps or warps) == 4 and split_span >= 16 * bn) else 1
+    groups = config.key_groups or 1
     if groups > 1 and (chunks > 1 or bn // groups < 16):
         raise ValueError(f"DecodeConfig.key_groups: {groups} groups of a {bn}-key block leave fewer than 16 keys "
                          f"per group" if chunks == 1 else
@@ -694,8 +688,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
     cache = shape.cache
     splits = resolve_num_splits(shape, options, num_splits, target, config)
     rows = shape.seqlen_q * shape.group
-    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype, cache=cache,
-                         split_span=cdiv(_span(shape, options), splits))
+    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype, cache=cache)
     present = {"q": True, "k_cache": True, "v_cache": True, "cache_seqlens": True, "block_table": cache.paged,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
                "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
@@ -770,8 +763,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
                                                head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
                                                config=config, dtype=shape.dtype, cache=shared)
-    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared,
-                           split_span=cdiv(shared_len, splits_a))
+    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared)
     oa, la = _partial_strides(1, b * sq, hq, dv)
     shared_launch = _decode_launch(
         **{**common, "cache": shared}, inputs=("q", "shared_k", "shared_v", "q", "q", "q", "q", name("k_scale"),
@@ -784,8 +776,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     # 2. each request's own cache
     rows_b = sq * shape.group
     splits_b = resolve_num_splits(shape, options, num_splits, target, config)
-    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, cache=cache,
-                           split_span=cdiv(_span(shape, options), splits_b))
+    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, cache=cache)
     ob, lb = _partial_strides(b, sq, hq, dv)
     own_launch = _decode_launch(
         **{**common, "cache": cache}, inputs=("q", "k_cache", "v_cache", "cache_seqlens", name("block_table"),
