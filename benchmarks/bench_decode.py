@@ -241,8 +241,8 @@ def run_rows(with_jax=True):
 
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
-# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups])
-# tiles, help)
+# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
+# scores_ahead]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -289,6 +289,14 @@ FOCUSED_SWEEPS = {
                                          (64, 4, 4, 1)),
                       "only FP8 caches at B=1 S=16k / 128k, one key group: split counts 16-64 x depth and key "
                       "block width"),
+    # DecodeConfig.scores_ahead (the next block's q @ K^T issued before this block's softmax) at the defaults
+    "ahead": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
+               ("B32 S8k", 32, 8192, False, False), ("B1 S128k paged64", 1, 131072, True, False),
+               ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
+               ("B32 S8k fp8", 32, 8192, False, True)], (None,),
+              ((None, None, None, None, False), (None, None, None, None, True)) * 3,
+              "only DecodeConfig.scores_ahead off / on at the default tiles and split counts, three times, "
+              "alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -324,8 +332,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
             for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
-                block_n, warps, stages, groups = (*tile, None)[:4]
-                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups)
+                block_n, warps, stages, groups, ahead = (*tile, None, None)[:5]
+                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
+                                   scores_ahead=ahead)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)
