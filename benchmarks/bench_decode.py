@@ -297,6 +297,11 @@ FOCUSED_SWEEPS = {
               ((None, None, None, None, False), (None, None, None, None, True)) * 3,
               "only DecodeConfig.scores_ahead off / on at the default tiles and split counts, three times, "
               "alternating"),
+    # fewer warps per program, more programs per SM: 1-warp programs need no CTA barrier for the row max /
+    # sum or the hand-over of p (sm_90, spill-free: 64 keys x 2 warps 246 registers, 32 x 1 180, 32 x 2 128)
+    "fp8warps": ([("B1 S128k fp8", 1, 131072, False, True)], (32, 64, 128),
+                 ((None, None, None, 1), (64, 2, 3, 1), (64, 2, 4, 1), (32, 1, 3, 1), (32, 1, 4, 1), (32, 2, 4, 1)),
+                 "only FP8 at B=1 S=128k: 1- and 2-warp programs against split counts 32-128"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
