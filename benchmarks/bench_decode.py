@@ -242,7 +242,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# scores_ahead]]) tiles, help)
+# scores_ahead[, merge_block_states[, merge_block_elements]]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -302,6 +302,13 @@ FOCUSED_SWEEPS = {
     "fp8warps": ([("B1 S128k fp8", 1, 131072, False, True)], (32, 64, 128),
                  ((None, None, None, 1), (64, 2, 3, 1), (64, 2, 4, 1), (32, 1, 3, 1), (32, 1, 4, 1), (32, 2, 4, 1)),
                  "only FP8 at B=1 S=128k: 1- and 2-warp programs against split counts 32-128"),
+    # the merge kernel's states per step and elements per program (B=1: 4096 elements, 32 per program, 32
+    # split states in two steps of 16 by default)
+    "merge": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
+               ("B1 S128k fp8", 1, 131072, False, True)], (None,),
+              tuple((None,) * 5 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128))) * 2,
+              "only the merge kernel's states per step (16 / 32) and elements per program (32-128) at the "
+              "default split counts, twice, alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -337,9 +344,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
             for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
-                block_n, warps, stages, groups, ahead = (*tile, None, None)[:5]
+                block_n, warps, stages, groups, ahead, merge_n, merge_e = (*tile, None, None, None, None)[:7]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   scores_ahead=ahead)
+                                   scores_ahead=ahead, merge_block_states=merge_n, merge_block_elements=merge_e)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)
