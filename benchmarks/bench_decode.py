@@ -306,9 +306,10 @@ FOCUSED_SWEEPS = {
     # split states in two steps of 16 by default)
     "merge": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
                ("B1 S128k fp8", 1, 131072, False, True)], (None,),
-              tuple((None,) * 5 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128))) * 2,
-              "only the merge kernel's states per step (16 / 32) and elements per program (32-128) at the "
-              "default split counts, twice, alternating"),
+              tuple((None,) * 5 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128), (16, 16),
+                                               (16, 8), (8, 16), (32, 16))) * 2,
+              "only the merge kernel's states per step (8-32) and elements per program (8-128) at the default "
+              "split counts, twice, alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
