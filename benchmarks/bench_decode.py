@@ -242,7 +242,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# scores_ahead[, merge_block_states[, merge_block_elements]]]]) tiles, help)
+# merge_block_states[, merge_block_elements]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -289,14 +289,6 @@ FOCUSED_SWEEPS = {
                                          (64, 4, 4, 1)),
                       "only FP8 caches at B=1 S=16k / 128k, one key group: split counts 16-64 x depth and key "
                       "block width"),
-    # DecodeConfig.scores_ahead (the next block's q @ K^T issued before this block's softmax) at the defaults
-    "ahead": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
-               ("B32 S8k", 32, 8192, False, False), ("B1 S128k paged64", 1, 131072, True, False),
-               ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
-               ("B32 S8k fp8", 32, 8192, False, True)], (None,),
-              ((None, None, None, None, False), (None, None, None, None, True)) * 3,
-              "only DecodeConfig.scores_ahead off / on at the default tiles and split counts, three times, "
-              "alternating"),
     # fewer warps per program, more programs per SM: 1-warp programs need no CTA barrier for the row max /
     # sum or the hand-over of p (sm_90, spill-free: 64 keys x 2 warps 246 registers, 32 x 1 180, 32 x 2 128)
     "fp8warps": ([("B1 S128k fp8", 1, 131072, False, True)], (32, 64, 128),
@@ -306,7 +298,7 @@ FOCUSED_SWEEPS = {
     # split states in two steps of 16 by default)
     "merge": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
                ("B1 S128k fp8", 1, 131072, False, True)], (None,),
-              tuple((None,) * 5 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128), (16, 16),
+              tuple((None,) * 4 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128), (16, 16),
                                                (16, 8), (8, 16), (32, 16))) * 2,
               "only the merge kernel's states per step (8-32) and elements per program (8-128) at the default "
               "split counts, twice, alternating"),
@@ -345,9 +337,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
             for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
-                block_n, warps, stages, groups, ahead, merge_n, merge_e = (*tile, None, None, None, None)[:7]
+                block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   scores_ahead=ahead, merge_block_states=merge_n, merge_block_elements=merge_e)
+                                   merge_block_states=merge_n, merge_block_elements=merge_e)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)

@@ -712,33 +712,6 @@ def test_torch_decode_key_groups(name, groups, block_n, decode_config):
     assert _key_groups(built) == {groups}
 
 
-AHEAD_CASES = ["nhd-contig-mha-sq1", "nhd-paged16-gqa8-sq8", "sq8-mqa16-two-row-blocks", "sinks-split",
-               "window-both-sides", "fp8-head-paged-hnd", "mla-576-512", "all"]
-
-
-@pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("name", AHEAD_CASES)
-def test_torch_decode_scores_ahead(name, groups, decode_config):
-    """DecodeConfig.scores_ahead: each step scores the next key block before folding the current one (first
-    block before the loop, last after it; empty segments skipped) -- masked and unmasked segments, ragged and
-    empty sequences, several row blocks and splits, paged caches, key groups: against the float64 reference."""
-    spec, options, splits = CASES[name]
-    if groups > 1 and spec.get("dqk", 64) > 256:
-        pytest.skip("key groups need head dims <= 256")
-    built = decode_config(scores_ahead=True, key_groups=groups)
-    q, k, v, kw = make_case(_seed(name) + 7 * groups, **spec)
-    check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert {launch.constexpr_dict()["SCORES_AHEAD"] for plan in built for launch in plan.launches
-            if launch.kernel.endswith(":decode_fwd_kernel")} == {True}
-
-
-def test_torch_fp8_v_pairs_scores_ahead(decode_config):
-    decode_config(scores_ahead=True)
-    spec, options, splits, _ = FP8_PAIR_CASES["hnd-paged16-dv40-sq3"]
-    q, k, v, kw = make_case(_seed("ahead-pairs"), dtype="bfloat16", **spec)
-    check_decode(q, k, v, kw, options, kv_layout="HND", num_splits=splits, floor=1e-3)
-
-
 def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
     built = decode_config(key_groups=2)
     ja = _japi()
@@ -777,8 +750,6 @@ def test_decode_config_rejects_bad_blocks():
         DecodeConfig(merge_block_states=3)
     with pytest.raises(ValueError, match="DecodeConfig.merge_block_elements"):
         DecodeConfig(merge_block_elements=0)
-    with pytest.raises(ValueError, match="DecodeConfig.scores_ahead"):
-        DecodeConfig(scores_ahead=1)
 
 
 # FP8 caches with 16-bit queries: V read as pairs of columns into two accumulators (kernels.load_v_pairs)

@@ -234,23 +234,9 @@ def test_gpu_decode_key_groups(name, decode_config):
             if launch.kernel.endswith(":decode_fwd_kernel")} == {4}
 
 
-@pytest.mark.parametrize("name", ["b1-s16k", "b1-s128k", "fp8-tensor-b1-s128k-contig", "b4-paged16-hnd-sq3",
-                                  "sq8-all-options", "mla-576-512", "fp8-dv40-b4-paged16-hnd-sq3"])
-def test_gpu_decode_scores_ahead(name, decode_config):
-    """DecodeConfig.scores_ahead (the next key block scored before the current one is folded): against
-    float64, as the default kernel."""
-    built = decode_config(scores_ahead=True)
-    spec, options, splits = CASES[name]
-    q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 5, **spec))
-    check(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert {launch.constexpr_dict()["SCORES_AHEAD"] for plan in built for launch in plan.launches
-            if launch.kernel.endswith(":decode_fwd_kernel")} == {True}
-
-
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and with
-    DecodeConfig.scores_ahead."""
+    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4."""
     import functools
 
     from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
@@ -258,15 +244,14 @@ def _memcheck_case():
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor")):
         q, k, v, kw = _cuda(*make_case(3, **spec))
-        for config in (DecodeConfig(key_groups=4), DecodeConfig(scores_ahead=True)):
-            tapi.plan_decode = functools.partial(plan_decode, config=config)
+        tapi.plan_decode = functools.partial(plan_decode, config=DecodeConfig(key_groups=4))
+        tapi._decode_plan.cache_clear()
+        try:
+            for splits in (None, 1, 3):
+                tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
+        finally:
+            tapi.plan_decode = plan_decode
             tapi._decode_plan.cache_clear()
-            try:
-                for splits in (None, 1, 3):
-                    tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
-            finally:
-                tapi.plan_decode = plan_decode
-                tapi._decode_plan.cache_clear()
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),

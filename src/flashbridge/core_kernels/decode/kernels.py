@@ -169,52 +169,6 @@ def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK
 
 
 @triton.jit
-def block_scores(blk, offs_n, q, Q_row, K, V, BLOCK_TABLE, b, kh64, row_ok, offs_dqk, length, num_pages, stride_tb,
-                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
-                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KEY_GROUPS: tl.constexpr):
-    """Key block ``blk`` of one (sequence, kv head): its rows through the page table and its raw scores.
-    Returns (qk [M, N], V_row [N], offs_k [N], key_ok [N]) (or [G, ...] with key groups)."""
-    n_start = blk * BLOCK_N
-    offs_k = n_start + offs_n  # [N] or [G, N / G]
-    key_ok = offs_k < length
-    page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
-                             PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
-    K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N] or [G, N / G]
-    V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
-    qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
-                  APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
-    return qk, V_row, offs_k, key_ok
-
-
-@triton.jit
-def block_fold(acc, acc_odd, m_i, l_i, qk, V_row, offs_k, key_ok, Q, V, tok, offs_dv, length, qk_scale, cap2,
-               slope2, diag, window_left, window_right, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-               APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr,
-               WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
-    """Load the V rows of a scored block (:func:`block_scores`), apply the score modifiers and fold the block
-    into the running softmax (acc, acc_odd, m_i, l_i)."""
-    if V_PAIRS:
-        v, v_odd = load_v_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
-    else:
-        v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
-        if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
-            v = v.to(tl.float16)  # odd head dims or strides (see load_v_pairs)
-        else:
-            v = v.to(Q.dtype.element_ty)
-    # q index [M, 1] against key index [1, N] (or [G, 1, N / G]): broadcast to the scores' shape
-    p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, tok[:, None], tl.expand_dims(offs_k, -2), qk_scale, cap2,
-                                     slope2, diag, length, window_left, window_right, APPLY_MASK, HAS_LOCAL,
-                                     HAS_SOFTCAP, HAS_ALIBI, POSITIVE_SCALE)
-    acc = fold_values(acc, p, alpha, v, DOT_PRECISION)
-    if V_PAIRS:
-        acc_odd = fold_values(acc_odd, p, alpha, v_odd, DOT_PRECISION)
-    return acc, acc_odd, m_i, l_i
-
-
-@triton.jit
 def decode_kv_range(
     acc, acc_odd, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
     length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
@@ -223,54 +177,45 @@ def decode_kv_range(
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1, SCORES_AHEAD: tl.constexpr = False,
+    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
     block is inside the sequence and visible from every row. KEY_GROUPS > 1: the block's keys as [G, N / G]
     (group g holds keys g * N / G ..), one softmax state per group (see the module docstring). V_PAIRS:
     ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_v_pairs`); otherwise ``acc_odd``
-    is unused.
-
-    SCORES_AHEAD: each step scores the next block before folding the current one (the first block scored
-    before the loop, the last folded after it), so that the next ``q @ K^T`` (and an FP8 K tile's widening)
-    does not depend on this block's softmax and can issue while it waits."""
+    is unused."""
     if KEY_GROUPS == 1:
         offs_n = tl.arange(0, BLOCK_N)
     else:
         NG: tl.constexpr = BLOCK_N // KEY_GROUPS
         offs_n = tl.arange(0, KEY_GROUPS)[:, None] * NG + tl.arange(0, NG)[None, :]  # [G, N / G]
     kh64 = tl.cast(kh, tl.int64)
-    if SCORES_AHEAD:
-        if blk_lo < blk_hi:
-            qk, V_row, offs_k, key_ok = block_scores(
-                blk_lo, offs_n, q, Q_row, K, V, BLOCK_TABLE, b, kh64, row_ok, offs_dqk, length, num_pages,
-                stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, BLOCK_M, BLOCK_N,
-                BLOCK_DQK, DQK_CHUNKS, PAGED, PAGE_SIZE, APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
-            for blk in range(blk_lo + 1, blk_hi):
-                qk_next, V_next, offs_next, ok_next = block_scores(
-                    blk, offs_n, q, Q_row, K, V, BLOCK_TABLE, b, kh64, row_ok, offs_dqk, length, num_pages,
-                    stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, BLOCK_M,
-                    BLOCK_N, BLOCK_DQK, DQK_CHUNKS, PAGED, PAGE_SIZE, APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
-                acc, acc_odd, m_i, l_i = block_fold(
-                    acc, acc_odd, m_i, l_i, qk, V_row, offs_k, key_ok, Q, V, tok, offs_dv, length, qk_scale, cap2,
-                    slope2, diag, window_left, window_right, DV, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
-                    HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE)
-                qk, V_row, offs_k, key_ok = qk_next, V_next, offs_next, ok_next
-            acc, acc_odd, m_i, l_i = block_fold(
-                acc, acc_odd, m_i, l_i, qk, V_row, offs_k, key_ok, Q, V, tok, offs_dv, length, qk_scale, cap2,
-                slope2, diag, window_left, window_right, DV, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
-                HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE)
-    else:
-        for blk in range(blk_lo, blk_hi):
-            qk, V_row, offs_k, key_ok = block_scores(
-                blk, offs_n, q, Q_row, K, V, BLOCK_TABLE, b, kh64, row_ok, offs_dqk, length, num_pages,
-                stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, BLOCK_M, BLOCK_N,
-                BLOCK_DQK, DQK_CHUNKS, PAGED, PAGE_SIZE, APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
-            acc, acc_odd, m_i, l_i = block_fold(
-                acc, acc_odd, m_i, l_i, qk, V_row, offs_k, key_ok, Q, V, tok, offs_dv, length, qk_scale, cap2,
-                slope2, diag, window_left, window_right, DV, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
-                HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE)
+    for blk in range(blk_lo, blk_hi):
+        n_start = blk * BLOCK_N
+        offs_k = n_start + offs_n  # [N] or [G, N / G]
+        key_ok = offs_k < length
+        page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
+                                 PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
+        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N] or [G, N / G]
+        V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
+        qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
+                      APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
+        if V_PAIRS:
+            v, v_odd = load_v_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
+        else:
+            v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
+            if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
+                v = v.to(tl.float16)  # odd head dims or strides (see load_v_pairs)
+            else:
+                v = v.to(Q.dtype.element_ty)
+        # q index [M, 1] against key index [1, N] (or [G, 1, N / G]): broadcast to the scores' shape
+        p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, tok[:, None], tl.expand_dims(offs_k, -2), qk_scale, cap2,
+                                         slope2, diag, length, window_left, window_right, APPLY_MASK, HAS_LOCAL,
+                                         HAS_SOFTCAP, HAS_ALIBI, POSITIVE_SCALE)
+        acc = fold_values(acc, p, alpha, v, DOT_PRECISION)
+        if V_PAIRS:
+            acc_odd = fold_values(acc_odd, p, alpha, v_odd, DOT_PRECISION)
     return acc, acc_odd, m_i, l_i
 
 
@@ -289,7 +234,7 @@ def decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr, SCORES_AHEAD: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -371,7 +316,7 @@ def decode_fwd_kernel(
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
             seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE,
-            KEY_GROUPS, SCORES_AHEAD)
+            KEY_GROUPS)
     if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
         m_all = tl.max(m_i, 0)
         weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]

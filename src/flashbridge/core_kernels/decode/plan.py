@@ -61,9 +61,6 @@ class DecodeConfig:
       4 warps, 64-key steps, bf16: 9 CTA barriers per step with one group, 2 with four. Each group needs at
       least 16 keys; head dims above 256 (chunked q.k) take one group. None = 1: every timed default is
       faster with one group (see :func:`decode_tiles`).
-    * ``scores_ahead``: each loop step scores the next key block before folding the current one into the
-      softmax (``decode_kv_range``), so that the next ``q @ K^T`` can issue while this step's softmax
-      waits on its barriers. None = the default of :func:`decode_tiles`.
 
     The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
     interpreter pays per program and per operation, not per element.
@@ -78,7 +75,6 @@ class DecodeConfig:
     merge_block_elements: Optional[int] = None
     merge_block_states: Optional[int] = None
     key_groups: Optional[int] = None
-    scores_ahead: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
@@ -86,8 +82,6 @@ class DecodeConfig:
             minimum = 1 if name.startswith("merge") or name == "key_groups" else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
-        if not (self.scores_ahead is None or isinstance(self.scores_ahead, bool)):
-            raise ValueError(f"DecodeConfig.scores_ahead: must be None, True or False, got {self.scores_ahead!r}")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -469,7 +463,6 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     key_groups: int = 1
-    scores_ahead: bool = False
 
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
@@ -518,9 +511,8 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         raise ValueError(f"DecodeConfig.key_groups: {groups} groups of a {bn}-key block leave fewer than 16 keys "
                          f"per group" if chunks == 1 else
                          f"DecodeConfig.key_groups: head dims above 256 (q.k in chunks) take one group, got {groups}")
-    ahead = bool(config.scores_ahead)
     return DecodeTiles(bm, bn, block_dqk, chunks, block_dv, config.num_warps or warps, config.num_stages or stages,
-                       groups, ahead)
+                       groups)
 
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
@@ -637,8 +629,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
                     ("WIDEN_ASM", v_pairs and not target.interpret),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups),
-                    ("SCORES_AHEAD", tiles.scores_ahead)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
