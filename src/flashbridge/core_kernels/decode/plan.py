@@ -639,11 +639,14 @@ def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Op
                   n_rows: int, seqlen_q: int, heads: int, head_dim_v: int, lse_strides: tuple[int, int, int],
                   target: Target, config: DecodeConfig) -> Launch:
     # Elements per program: enough programs for two per SM when the merge is small (decode of one
-    # sequence merges only Hq * Dv elements per split), at most 512 (16 states x 512 fp32 per step in
-    # registers); states per step: 16 (a 64-split merge is four dependent round trips to memory).
+    # sequence merges only Hq * Dv elements per split), at least 16, at most 512 (16 states x 512 fp32 per
+    # step in registers); states per step: 16 (a 64-split merge is four dependent round trips to memory).
+    # H200, B=1, Hq=32, Dv=128 (4096 elements, 32 splits; decode_splits_merge_h200.json), elements per
+    # program 32 -> 16: S=16k 25.6 -> 25.1 us per step, S=128k 126.8 -> 126.5, FP8 70.5 -> 70.3; 8 and 64-128
+    # slower, and 32 or 8 states per step too.
     elements = n_rows * head_dim_v
     block_e = config.merge_block_elements or (
-        256 if target.interpret else max(32, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
+        256 if target.interpret else max(16, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
     block_n = config.merge_block_states or min(16, next_power_of_2(max(n_a, n_b, 1)))
     state_stride = elements  # states are contiguous (rows, Dv) slabs
     return Launch(
