@@ -476,7 +476,8 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     up to 128 packed rows. FP8 caches (16-bit queries, head dims up to 128) take 128-key tiles: each
     iteration of a split is a dependent chain (load, convert, dot, softmax, dot) that a wider tile runs half
     as often (H200, B=1, S=128k: 90.4 us against 97.2 with 64 keys; B=32, S=8k: 175 against 184 --
-    ``benchmarks/results/decode_splits_fp8_h200.json``); paged FP8 caches keep 64 keys unless a page holds
+    ``benchmarks/results/decode_splits_fp8_h200.json``; with V as column pairs 73.2 against 75.5 at 32
+    splits, ``decode_splits_fp8pairsplits_h200.json``); paged FP8 caches keep 64 keys unless a page holds
     whole 128-key tiles (``cache``: None = a 16-bit cache). Every default is checked by
     ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB).
 
