@@ -15,7 +15,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from flashbridge._timing import time_jax, time_jax_steady, time_torch, time_torch_steady  # noqa: E402,F401
+from flashbridge._timing import (jax_dispatch_ms, time_jax, time_jax_steady, time_torch,  # noqa: E402,F401
+                                 time_torch_steady)
 
 COPY_CEILING_TBS = 4.24  # device-to-device copy measured on the H200 (shared/GPU.md); re-measured per run
 

@@ -17,9 +17,9 @@
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
 * FP8 (e4m3) caches: K tiles are widened to q's dtype for ``q @ K^T``, V tiles to float16 for ``p @ V``
-  with 16-bit queries (as its even and odd columns, see :func:`load_v_pairs`), to float32 with float32 queries; the per-tensor /
-  per-kv-head scales fold into the score scale (K) and the output (V), so dequantisation costs no extra
-  pass.
+  with 16-bit queries (as their even and odd columns, see :func:`load_v_pairs`), to float32 with float32
+  queries; the per-tensor / per-kv-head scales fold into the score scale (K) and the output (V), so
+  dequantisation costs no extra pass.
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
   ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
   were computed without them.
