@@ -784,6 +784,13 @@ def test_torch_fp8_v_pairs(name, groups, decode_config):
             if launch.kernel.endswith(":decode_fwd_kernel")} == {pairs}
 
 
+def test_torch_fp8_v_pairs_float16_queries():
+    """float16 queries take the column-pair path too (no bf16 -> f16 rescaling of q)."""
+    spec, options, splits, _ = FP8_PAIR_CASES["hnd-paged16-dv40-sq3"]
+    q, k, v, kw = make_case(_seed("pairs-f16"), dtype="float16", **spec)
+    check_decode(q, k, v, kw, options, kv_layout="HND", num_splits=splits, floor=1e-3)
+
+
 def test_jax_fp8_v_pairs_match_torch_bitwise():
     ja = _japi()
     spec, options, splits, _ = FP8_PAIR_CASES["hnd-paged16-dv40-sq3"]
