@@ -364,7 +364,8 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
 
 def verdicts(rows):
     """The issue's bars, measured against this run's own baselines."""
-    by = {(r["case"], r["provider"]): r.get("tbs") for r in rows}
+    row_of = {(r["case"], r["provider"]): r for r in rows}
+    by = {key: r.get("tbs") for key, r in row_of.items()}
     lines = []
     for label, target in TARGETS.items():
         ours = by.get((label, "flashbridge-torch NHD"))
@@ -386,7 +387,7 @@ def verdicts(rows):
             lines.append(f"{label}: fp8 speedup over bf16 = {2 * fp8 / ours:.3f}x (bar >= 1.8x)")
         jx = by.get((label, "flashbridge-jax NHD"))
         if jx:
-            jr = next(r for r in rows if (r["case"], r["provider"]) == (label, "flashbridge-jax NHD"))
+            jr = row_of[(label, "flashbridge-jax NHD")]
             host = (f"; host {jr['host_ms'] * 1e3:.1f} us per step against {jr['ms'] * 1e3:.1f}"
                     if "host_ms" in jr else "")
             lines.append(f"{label}: jax/torch = {jx / ours:.2f} (bar >= 0.95){host}")

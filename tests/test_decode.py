@@ -689,8 +689,9 @@ def decode_config(monkeypatch):
     tdecode._decode_plan.cache_clear()
 
 
-def _key_groups(plans) -> set:
-    return {launch.constexpr_dict()["KEY_GROUPS"] for plan in plans for launch in plan.launches
+def decode_constexpr(plans, name: str) -> set:
+    """The values of constexpr ``name`` over the decode kernel launches of ``plans``."""
+    return {launch.constexpr_dict()[name] for plan in plans for launch in plan.launches
             if launch.kernel.endswith(":decode_fwd_kernel")}
 
 
@@ -709,7 +710,7 @@ def test_torch_decode_key_groups(name, groups, block_n, decode_config):
     spec, options, splits = CASES[name]
     q, k, v, kw = make_case(_seed(name) + groups, **spec)
     check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert _key_groups(built) == {groups}
+    assert decode_constexpr(built, "KEY_GROUPS") == {groups}
 
 
 def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
@@ -724,7 +725,7 @@ def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
         torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
     np.testing.assert_array_equal(np64(jout), np64(out))
     np.testing.assert_array_equal(np64(jlse), np64(lse))
-    assert len(built) >= 2 and _key_groups(built) == {2}  # both front-ends planned with key groups
+    assert len(built) >= 2 and decode_constexpr(built, "KEY_GROUPS") == {2}  # both front-ends planned with key groups
 
 
 def test_decode_key_groups_are_checked():
@@ -780,8 +781,7 @@ def test_torch_fp8_v_pairs(name, groups, decode_config):
     built = decode_config(key_groups=groups, block_n=64)
     q, k, v, kw = make_case(_seed(name) + groups, dtype="bfloat16", **spec)
     check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits, floor=1e-3)
-    assert {launch.constexpr_dict()["V_PAIRS"] for plan in built for launch in plan.launches
-            if launch.kernel.endswith(":decode_fwd_kernel")} == {pairs}
+    assert decode_constexpr(built, "V_PAIRS") == {pairs}
 
 
 def test_torch_fp8_v_pairs_float16_queries():
@@ -1079,8 +1079,7 @@ def test_key_groups_are_off_by_default_on_the_h200():
         shape, options, _ = P.check_decode_args(q=((batch, 1, 32, 128), "bfloat16"), k_cache=kv, v_cache=kv,
                                                 cache_seqlens=((batch,), "int32"), **extra)
         plan = P.plan_decode(shape, options, target=h200, config=config)
-        return {launch.constexpr_dict()["KEY_GROUPS"] for launch in plan.launches
-                if launch.kernel.endswith(":decode_fwd_kernel")}
+        return decode_constexpr([plan], "KEY_GROUPS")
 
     assert groups(1, 131072) == {1} and groups(1, 16384) == {1} and groups(32, 8192) == {1}
     assert groups(1, 131072, fp8=False) == {1} and groups(1, 131072, page_size=64) == {1}

@@ -15,7 +15,7 @@ import torch
 
 from helpers import assert_close, np64
 from test_attention import naive_torch
-from test_decode import decode_config, make_case  # noqa: F401  (decode_config: a fixture)
+from test_decode import decode_config, decode_constexpr, make_case  # noqa: F401  (decode_config: a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -230,8 +230,7 @@ def test_gpu_decode_key_groups(name, decode_config):
     spec, options, splits = CASES.get(name) or (dict(BENCH, lens=(16384, 3), fp8="tensor"), dict(causal=True), None)
     q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 4, **spec))
     check(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert {launch.constexpr_dict()["KEY_GROUPS"] for plan in built for launch in plan.launches
-            if launch.kernel.endswith(":decode_fwd_kernel")} == {4}
+    assert decode_constexpr(built, "KEY_GROUPS") == {4}
 
 
 def _memcheck_case():

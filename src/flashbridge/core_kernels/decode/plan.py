@@ -764,10 +764,10 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group
+    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared)
     splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
                                                head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
                                                config=config, dtype=shape.dtype, cache=shared)
-    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared)
     oa, la = _partial_strides(1, b * sq, hq, dv)
     shared_launch = _decode_launch(
         **{**common, "cache": shared}, inputs=("q", "shared_k", "shared_v", "q", "q", "q", "q", name("k_scale"),
