@@ -46,38 +46,12 @@ def n_copies(nbytes):
     return max(2, math.ceil(4 * L2_BYTES / nbytes))
 
 
-def _graph_time(fn, *, rep_ms: float = 100.0, reps: int = 10):
-    """Median milliseconds per call of ``fn`` replayed from a CUDA graph of back-to-back calls (as
-    ``triton.testing.do_bench_cudagraph``, but captured in the stream that ran the warm-up: the torch
-    runtime's zeroed scratch for the in-kernel merge's counters is then allocated outside the capture, as
-    in a serving loop that warms up in its capture stream, not zero-filled inside the graph per call)."""
-    import statistics
-
+def _graph_time(fn):
     import torch
+    from triton.testing import do_bench_cudagraph
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        end.synchronize()
-        calls = max(1, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3)))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        samples = []
-        for _ in range(reps):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / calls)
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 # ------------------------------------------------------------------------------------------------ caches
@@ -272,7 +246,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# merge_block_states[, merge_block_elements[, merge_in_kernel]]]]) tiles, help)
+# merge_block_states[, merge_block_elements]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -332,18 +306,6 @@ FOCUSED_SWEEPS = {
                                                (16, 8), (8, 16), (32, 16))) * 2,
               "only the merge kernel's states per step (8-32) and elements per program (8-128) at the default "
               "split counts, twice, alternating"),
-    # the split partials merged by the split kernel's last program per row block (one launch) against the merge
-    # kernel, at the default split counts; 16 and 32 states per merge step (B=1: 32-33 splits)
-    "inkernel": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
-                  ("B1 S128k paged64", 1, 131072, True, False), ("B32 S8k paged64", 32, 8192, True, False),
-                  ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
-                 ((None,) * 6 + (False,), (None,) * 6 + (True,), (None,) * 4 + (32, None, True)) * 2,
-                 "only the in-kernel merge (DecodeConfig.merge_in_kernel) against the merge kernel, 16 / 32 states "
-                 "per step, twice, alternating, at the default split counts"),
-    "inkernelsplits": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
-                        ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)],
-                       (16, 24, 32, 48, 64), ((None,) * 6 + (True,),),
-                       "only the in-kernel merge at B=1: split counts 16-64"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -378,11 +340,10 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
         shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
-            for tile in tiles:  # (block_n, warps, stages[, key_groups[, ...]]); None = the plan's default
-                block_n, warps, stages, groups, merge_n, merge_e, in_kernel = (*tile, None, None, None, None)[:7]
+            for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
+                block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   merge_block_states=merge_n, merge_block_elements=merge_e,
-                                   merge_in_kernel=in_kernel)
+                                   merge_block_states=merge_n, merge_block_elements=merge_e)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)

@@ -692,12 +692,7 @@ def decode_config(monkeypatch):
 def decode_constexpr(plans, name: str) -> set:
     """The values of constexpr ``name`` over the decode kernel launches of ``plans``."""
     return {launch.constexpr_dict()[name] for plan in plans for launch in plan.launches
-            if launch.kernel.endswith((":decode_fwd_kernel", ":decode_fwd_merge_kernel"))}
-
-
-def plan_kernels(plans) -> set:
-    """The kernel names launched by ``plans`` (without the module)."""
-    return {launch.kernel.split(":")[1] for plan in plans for launch in plan.launches}
+            if launch.kernel.endswith(":decode_fwd_kernel")}
 
 
 KEY_GROUP_CASES = ["nhd-contig-mha-sq1", "hnd-contig-gqa4-sq3", "nhd-paged16-gqa8-sq8", "sq8-mqa16-two-row-blocks",
@@ -731,71 +726,6 @@ def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
     np.testing.assert_array_equal(np64(jout), np64(out))
     np.testing.assert_array_equal(np64(jlse), np64(lse))
     assert len(built) >= 2 and decode_constexpr(built, "KEY_GROUPS") == {2}  # both front-ends planned with key groups
-
-
-MERGE_IN_KERNEL_CASES = ["hnd-contig-gqa4-sq3", "nhd-paged16-gqa8-sq8", "sq8-mqa16-two-row-blocks", "negative-scale",
-                         "sinks-split", "alibi-batch-paged", "window-both-sides", "fp8-head-paged-hnd", "dqk-dv-differ",
-                         "mla-576-512", "all"]
-
-
-@pytest.mark.parametrize("name", MERGE_IN_KERNEL_CASES)
-def test_torch_decode_merge_in_kernel(name, decode_config):
-    """DecodeConfig.merge_in_kernel: the split kernel's last program per row block merges the partials (one
-    launch): against the float64 reference with 2 and 7 splits (7: more splits than some sequences have key
-    blocks, empty splits, two steps of 4 states), sinks added by the merge, several row blocks, every cache
-    kind; and to rounding the two-kernel path's result."""
-    spec, options, _ = CASES[name]
-    q, k, v, kw = make_case(_seed(name) + 11, **spec)
-    layout = spec.get("layout", "NHD")
-    built = decode_config(merge_in_kernel=True, merge_block_states=4)
-    merged = {s: check_decode(q, k, v, kw, options, kv_layout=layout, num_splits=s) for s in (2, 7)}
-    assert plan_kernels(built) == {"decode_fwd_merge_kernel"} and {len(p.launches) for p in built} == {1}
-    decode_config(merge_in_kernel=False)
-    for splits, (out, lse) in merged.items():
-        two = tapi.decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options, return_lse=True)
-        torch.testing.assert_close(out, two[0], atol=2e-6, rtol=2e-6)
-        torch.testing.assert_close(lse, two[1], atol=2e-6, rtol=2e-6)
-
-
-def test_merge_in_kernel_leaves_its_counters_zero():
-    """The merging program sets its arrival counter back to zero (the torch runtime keeps one zeroed counter
-    buffer per stream and relies on it); one split plans no merge at all."""
-    from flashbridge.core_kernels import INTERPRETER
-    from flashbridge.core_kernels.decode.plan import DecodeConfig, check_decode_args, plan_decode
-    from flashbridge.torch_api._runtime import dtype_name, execute
-
-    spec, options, _ = CASES["sq8-mqa16-two-row-blocks"]
-    q, k, v, kw = make_case(_seed("counters"), **spec)
-    info = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in dict(kw, q=q, k_cache=k, v_cache=v).items()}
-    shape, opts, _ = check_decode_args(**info, **options)
-    config = DecodeConfig(merge_in_kernel=True)
-    plan = plan_decode(shape, opts, target=INTERPRETER, num_splits=5, config=config)
-    arrivals = torch.full(plan.spec("arrivals").shape, 0, dtype=torch.int32)
-    assert arrivals.shape == (3, 2) and plan.spec("arrivals").reset_by_launches  # 2 row blocks of 128 rows
-    out, lse = execute(plan, dict(kw, q=q, k_cache=k, v_cache=v), out={"arrivals": arrivals})
-    assert torch.equal(arrivals, torch.zeros_like(arrivals))
-    expect = tapi.decode_attention(q, k, v, num_splits=5, **kw, **options, return_lse=True)
-    torch.testing.assert_close(out, expect[0], atol=2e-6, rtol=2e-6)
-    assert [launch.kernel for launch in plan_decode(shape, opts, target=INTERPRETER, num_splits=1,
-                                                    config=config).launches] == ["decode.kernels:decode_fwd_kernel"]
-    with pytest.raises(ValueError, match="reset_by_launches needs zero=True"):
-        from flashbridge.core_kernels import Spec
-        Spec("x", (1,), "int32", reset_by_launches=True)
-
-
-def test_jax_decode_merge_in_kernel_matches_torch_bitwise(decode_config):
-    built = decode_config(merge_in_kernel=True)
-    ja = _japi()
-    spec, options, _ = CASES["all"]
-    q, k, v, kw = make_case(_seed("merge-in-kernel"), **spec)
-    out, lse = tapi.decode_attention(q, k, v, num_splits=3, **kw, **options, return_lse=True)
-    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
-    jout, jlse = jax.jit(lambda q, k, v, jkw: ja.decode_attention(q, k, v, num_splits=3, **jkw, **options,
-                                                                  return_lse=True))(
-        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
-    np.testing.assert_array_equal(np64(jout), np64(out))
-    np.testing.assert_array_equal(np64(jlse), np64(lse))
-    assert len(built) >= 2 and plan_kernels(built) == {"decode_fwd_merge_kernel"}
 
 
 def test_decode_key_groups_are_checked():
@@ -1041,11 +971,9 @@ def _decode_plans():
     from flashbridge.core_kernels.decode import plan as P
     h200 = Target(interpret=False, num_sms=132)
     plans = []
-    for cache_dtype, paged, layout, splits, groups, in_kernel in (
-            ("bfloat16", False, "NHD", None, 1, False), ("bfloat16", True, "HND", 1, 1, False),
-            ("float8_e4m3fn", True, "NHD", 4, 1, False), ("bfloat16", False, "NHD", None, 4, False),
-            ("float8_e4m3fn", False, "NHD", None, 4, False), ("bfloat16", True, "NHD", 8, 1, True),
-            ("float8_e4m3fn", False, "NHD", 32, 1, True)):
+    for cache_dtype, paged, layout, splits, groups in (
+            ("bfloat16", False, "NHD", None, 1), ("bfloat16", True, "HND", 1, 1), ("float8_e4m3fn", True, "NHD", 4, 1),
+            ("bfloat16", False, "NHD", None, 4), ("float8_e4m3fn", False, "NHD", None, 4)):
         kshape = (512, 64, 8, 128) if paged else (4, 8192, 8, 128)
         if layout == "HND":
             kshape = (kshape[0], kshape[2], kshape[1], kshape[3])
@@ -1055,10 +983,10 @@ def _decode_plans():
             q=((4, 1, 32, 128), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
             cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None, kv_layout=layout,
             sinks=((32,), "float32"), **scales)
-        plans.append((f"decode {cache_dtype} {layout} paged={paged} key_groups={groups} merge_in_kernel={in_kernel}",
+        plans.append((f"decode {cache_dtype} {layout} paged={paged} key_groups={groups}",
                       P.plan_decode(shape, options, target=h200, num_splits=splits,
-                                    config=P.DecodeConfig(key_groups=groups, merge_in_kernel=in_kernel)), cache_dtype))
-        if groups > 1 or in_kernel:
+                                    config=P.DecodeConfig(key_groups=groups)), cache_dtype))
+        if groups > 1:
             continue
         append = P.check_append_args(k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
                                      k_new=((4, 3, 8, 128), "bfloat16"), v_new=((4, 3, 8, 128), "bfloat16"),
@@ -1074,7 +1002,7 @@ def _decode_plans():
     return plans
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(10))
 def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
     # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
     parity = pytest.importorskip("test_compile_parity")
@@ -1087,7 +1015,7 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
     dtypes.update({s.name: s.dtype for s in plan.buffers})
     for launch in plan.launches:
         ptx = parity._assert_same_ptx(launch, dtypes)
-        if launch.kernel.endswith(("decode_fwd_kernel", "decode_fwd_merge_kernel")):
+        if launch.kernel.endswith("decode_fwd_kernel"):
             assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
             if cache_dtype == "float8_e4m3fn":
                 # the FP8 V tile reaches p @ V as column pairs through ldmatrix.trans, widened in registers

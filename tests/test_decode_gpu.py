@@ -15,7 +15,7 @@ import torch
 
 from helpers import assert_close, np64
 from test_attention import naive_torch
-from test_decode import decode_config, decode_constexpr, make_case, plan_kernels  # noqa: F401  (decode_config: a fixture)
+from test_decode import decode_config, decode_constexpr, make_case  # noqa: F401  (decode_config: a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -233,97 +233,9 @@ def test_gpu_decode_key_groups(name, decode_config):
     assert decode_constexpr(built, "KEY_GROUPS") == {4}
 
 
-def _scratch_is_zero() -> bool:
-    from flashbridge.torch_api._runtime import _ZEROED_SCRATCH
-    torch.cuda.synchronize()
-    return all(not t.any() for kept in _ZEROED_SCRATCH.values() for t in kept)
-
-
-@pytest.mark.parametrize("name", ["b1-s16k", "fp8-tensor-b1-s128k-contig", "b4-paged16-hnd-sq3", "sq8-all-options",
-                                  "mla-576-512", "fp32", "fp8-dv40-b4-paged16-hnd-sq3", "b32-s8k-ragged-paged64"])
-def test_gpu_decode_merge_in_kernel(name, decode_config):
-    """DecodeConfig.merge_in_kernel (the split kernel's last program per row block merges; arrival counters in
-    the runtime's zeroed scratch): against float64; bitwise the same over repeated calls, whichever program
-    arrives last; to rounding the two-kernel path; the counters zero again after every call."""
-    from flashbridge.torch_api.decode import decode_attention
-    built = decode_config(merge_in_kernel=True)
-    spec, options, splits = CASES[name]
-    splits = splits or (8 if len(spec["lens"]) > 1 else None)  # B=1: the automatic 32-33 splits
-    q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 5, **spec))
-    layout = spec.get("layout", "NHD")
-    out, lse = check(q, k, v, kw, options, kv_layout=layout, num_splits=splits,
-                     floor=1e-5 if spec["dtype"] == "float32" else 1e-3)
-    assert plan_kernels(built) == {"decode_fwd_merge_kernel"}
-    for _ in range(3):
-        again = decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options, return_lse=True)
-        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    assert _scratch_is_zero()
-    decode_config(merge_in_kernel=False)
-    two = decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options, return_lse=True)
-    torch.testing.assert_close(out.float(), two[0].float(), atol=2e-2 if out.dtype != torch.float32 else 1e-5,
-                               rtol=0)
-    torch.testing.assert_close(lse, two[1], atol=1e-5, rtol=1e-5)
-
-
-def test_gpu_merge_in_kernel_streams_and_cuda_graphs(decode_config):
-    """The counters' scratch per stream: two streams decoding at once each get their own; a capture in a
-    warmed-up stream reuses its scratch (nothing allocated during the capture); a capture in a cold stream
-    zero-fills a buffer inside the graph. Every replay equals eager."""
-    from flashbridge.torch_api._runtime import _ZEROED_SCRATCH
-    from flashbridge.torch_api.decode import decode_attention
-    decode_config(merge_in_kernel=True)
-    q, k, v, kw = _cuda(*make_case(21, **BENCH, lens=(4096, 1, 0, 3000), page_size=64, sinks=True))
-    qs = [q * (1 + i / 8) for i in range(6)]
-    eager = [decode_attention(x, k, v, num_splits=16, **kw) for x in qs]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for st in streams:
-        st.wait_stream(torch.cuda.current_stream())
-    outs = {}
-    for _ in range(3):  # the two streams' launches interleave
-        for i, x in enumerate(qs):
-            with torch.cuda.stream(streams[i % 2]):
-                outs[i] = decode_attention(x, k, v, num_splits=16, **kw)
-    torch.cuda.synchronize()
-    assert all(torch.equal(outs[i], eager[i]) for i in outs)
-    warm = streams[0]
-    kept = {key: len(v) for key, v in _ZEROED_SCRATCH.items()}
-    warm_graph, cold_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(warm_graph, stream=warm):
-        warm_out = [decode_attention(x, k, v, num_splits=16, **kw) for x in qs]
-    assert {key: len(v) for key, v in _ZEROED_SCRATCH.items()} == kept  # nothing allocated in the capture
-    with torch.cuda.graph(cold_graph, stream=torch.cuda.Stream()):
-        cold_out = [decode_attention(x, k, v, num_splits=16, **kw) for x in qs]
-    for _ in range(3):
-        warm_graph.replay()
-        cold_graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(warm_out, eager))
-        assert all(torch.equal(a, b) for a, b in zip(cold_out, eager))
-    assert _scratch_is_zero()
-
-
-def test_gpu_jax_merge_in_kernel_matches_torch_bitwise(decode_config):
-    import jax
-    from flashbridge.jax_api import decode as japi
-    from flashbridge.torch_api.decode import decode_attention
-    from helpers import torch_to_jax
-    built = decode_config(merge_in_kernel=True)
-    spec, options, _ = CASES["sq8-all-options"]
-    q, k, v, kw = _cuda(*make_case(22, **spec))
-    out, lse = decode_attention(q, k, v, num_splits=8, **kw, **options, return_lse=True)
-    jkw = {n: torch_to_jax(t) for n, t in kw.items()}
-    jout, jlse = jax.jit(lambda q, k, v, kw: japi.decode_attention(q, k, v, num_splits=8, **kw, **options,
-                                                                   return_lse=True))(
-        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
-    np.testing.assert_array_equal(np64(jout), np64(out))
-    np.testing.assert_array_equal(np64(jlse), np64(lse))
-    assert len(built) >= 2 and plan_kernels(built) == {"decode_fwd_merge_kernel"}
-
-
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and with the in-kernel
-    merge (two states per merge step)."""
+    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4."""
     import functools
 
     from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
@@ -331,15 +243,14 @@ def _memcheck_case():
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor")):
         q, k, v, kw = _cuda(*make_case(3, **spec))
-        for config in (DecodeConfig(key_groups=4), DecodeConfig(merge_in_kernel=True, merge_block_states=2)):
-            tapi.plan_decode = functools.partial(plan_decode, config=config)
+        tapi.plan_decode = functools.partial(plan_decode, config=DecodeConfig(key_groups=4))
+        tapi._decode_plan.cache_clear()
+        try:
+            for splits in (None, 1, 3):
+                tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
+        finally:
+            tapi.plan_decode = plan_decode
             tapi._decode_plan.cache_clear()
-            try:
-                for splits in (None, 1, 3):
-                    tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
-            finally:
-                tapi.plan_decode = plan_decode
-                tapi._decode_plan.cache_clear()
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),

@@ -55,14 +55,6 @@ class Spec:
     shape: tuple[int, ...]
     dtype: str
     zero: bool = False  # must be zero-filled before the launch that writes it
-    # With ``zero``: the launches leave the buffer all zero again (counters that their last user resets), so
-    # a runtime may keep one zero-filled buffer and reuse it for every call in one stream instead of
-    # zero-filling a fresh one per call.
-    reset_by_launches: bool = False
-
-    def __post_init__(self):
-        if self.reset_by_launches and not self.zero:
-            raise ValueError(f"plan buffer {self.name!r}: reset_by_launches needs zero=True")
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Mapping
 
 import torch
@@ -51,34 +50,7 @@ def _compile_options(launch, interpret: bool) -> dict:
     return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
 
 
-# Zero-filled scratch that the launches leave zero again (Spec.reset_by_launches), one per (device, stream):
-# every buffer ever handed out stays referenced, because a captured CUDA graph may still point at it.
-_ZEROED_SCRATCH: dict[tuple[int, int], list[torch.Tensor]] = {}
-_ZEROED_SCRATCH_MIN_BYTES = 1 << 16
-
-
-def _zeroed_scratch(spec, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zero-filled buffer for ``spec`` (``reset_by_launches``) without a fill per call: a view of the
-    current stream's scratch, which the plan's launches leave zero. Launches in one stream run in order,
-    so calls in that stream never overlap in it; other streams get scratch of their own. Two CUDA graphs
-    captured in one stream share its scratch and must not be replayed concurrently (as with cuBLAS'
-    workspace). A capture in a stream without scratch (warm up in the capture stream to avoid it) gets a
-    buffer zero-filled inside the graph, per call and not kept: a buffer allocated during a capture holds
-    its zeros only once the graph runs."""
-    nbytes = math.prod(spec.shape) * torch.empty((), dtype=dtype).element_size()
-    stream = torch.cuda.current_stream(device)
-    kept = _ZEROED_SCRATCH.setdefault((stream.device.index, stream.cuda_stream), [])
-    if not kept or kept[-1].numel() < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(spec.shape, dtype=dtype, device=device)
-        kept.append(torch.zeros(max(nbytes, 2 * kept[-1].numel() if kept else 0, _ZEROED_SCRATCH_MIN_BYTES),
-                                dtype=torch.uint8, device=device))
-    return kept[-1][:nbytes].view(dtype).view(spec.shape)
-
-
 def _alloc(spec, dtype: torch.dtype, device) -> torch.Tensor:
-    if spec.reset_by_launches and device.type == "cuda":
-        return _zeroed_scratch(spec, dtype, device)
     if spec.zero:
         return torch.zeros(spec.shape, dtype=dtype, device=device)
     if poisoning():

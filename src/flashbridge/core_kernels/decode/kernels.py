@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, fold_values,
-                                         kv_key_range, load_tile, merge_states_block, merge_states_rows, score_params,
-                                         softmax_finalize, softmax_init, softmax_normaliser)
+                                         kv_key_range, load_tile, merge_states_block, score_params, softmax_finalize,
+                                         softmax_init, softmax_normaliser)
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -44,8 +44,6 @@ DECODE_INT_SCALARS = (
     "stride_qb", "stride_qs", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
     "stride_vh", "stride_tb", "stride_ab", "stride_sc", "stride_on", "stride_ob", "stride_os", "stride_oh",
     "stride_ln", "stride_lb", "stride_ls", "stride_lh")
-DECODE_MERGE_INT_SCALARS = DECODE_INT_SCALARS + (
-    "stride_fob", "stride_fos", "stride_foh", "stride_flb", "stride_fls", "stride_flh")
 MERGE_INT_SCALARS = ("n_a", "n_b", "n_rows", "seqlen_q", "heads", "stride_oa", "stride_la", "stride_obn",
                      "stride_lbn", "stride_lse_b", "stride_lse_s", "stride_lse_h")
 APPEND_INT_SCALARS = (
@@ -223,13 +221,14 @@ def decode_kv_range(
 
 # ----------------------------------------------------------------------------------------------- decode
 
-@triton.jit
-def decode_split(
-    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,
+@triton.jit(do_not_specialize_on_alignment=DECODE_INT_SCALARS)
+def decode_fwd_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,  # inputs (absent ones: placeholders)
     seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_tb, stride_ab, stride_sc,
-    stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh, O, LSE,
+    stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,  # runtime scalars
+    O, LSE,  # outputs: final (out in q's dtype, lse) or float32 split partials, by their strides
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -237,8 +236,14 @@ def decode_split(
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
     WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
 ):
-    """The body of both decode kernels: this program's split of its row block's visible key blocks, its
-    normalised ``(out, lse)`` stored through the O / LSE strides (see :func:`decode_fwd_kernel`)."""
+    """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
+
+    Sequence ``b`` has ``SEQLENS[b]`` keys (clamped to ``[0, capacity]``), or ``fixed_len`` without
+    SEQLENS; query token ``i`` sits on key ``i + length - seqlen_q`` (causal / window as in
+    kernels_common). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
+    (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
+    KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
+    """
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
     stride_kp, stride_ks, stride_kh = aligned_strides(stride_kp, stride_ks, stride_kh, KV_ALIGN)
     stride_vp, stride_vs, stride_vh = aligned_strides(stride_vp, stride_vs, stride_vh, KV_ALIGN)
@@ -336,138 +341,6 @@ def decode_split(
     l_row = (tl.cast(split, tl.int64) * stride_ln + tl.cast(b, tl.int64) * stride_lb
              + tl.cast(tok, tl.int64) * stride_ls + h * stride_lh)
     tl.store(LSE + l_row, lse, mask=row_ok)
-
-
-@triton.jit(do_not_specialize_on_alignment=DECODE_INT_SCALARS)
-def decode_fwd_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,  # inputs (absent ones: placeholders)
-    seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
-    stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_tb, stride_ab, stride_sc,
-    stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,  # runtime scalars
-    O, LSE,  # outputs: final (out in q's dtype, lse) or float32 split partials, by their strides
-    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
-):
-    """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
-
-    Sequence ``b`` has ``SEQLENS[b]`` keys (clamped to ``[0, capacity]``), or ``fixed_len`` without
-    SEQLENS; query token ``i`` sits on key ``i + length - seqlen_q`` (causal / window as in
-    kernels_common). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
-    (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
-    KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
-    """
-    decode_split(
-        Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,
-        seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
-        stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        stride_tb, stride_ab, stride_sc,
-        stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh, O, LSE,
-        GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, HAS_SEQLENS, HAS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_SINKS, HAS_SCALES, DOT_PRECISION, QO_ALIGN, KV_ALIGN, LSE_ALIGN, V_PAIRS,
-        WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS)
-
-
-@triton.jit(do_not_specialize_on_alignment=DECODE_MERGE_INT_SCALARS)
-def decode_fwd_merge_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,  # inputs (absent ones: placeholders)
-    seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
-    stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_tb, stride_ab, stride_sc, stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb,
-    stride_ls, stride_lh, stride_fob, stride_fos, stride_foh, stride_flb, stride_fls, stride_flh,  # runtime scalars
-    O, LSE, ARRIVALS, OUT, OUT_LSE,  # outputs: float32 split partials, arrival counters, the final out / lse
-    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    MERGE_STATES: tl.constexpr,
-):
-    """:func:`decode_fwd_kernel` with the merge of the split partials inside: the grid and the partials as
-    there, and the last program of each row block to finish its split merges the row block's partials
-    into ``OUT`` (B, Sq, Hq, Dv) / ``OUT_LSE`` (B, Hq, Sq) through the final strides (``stride_fo*`` /
-    ``stride_fl*``), adding the sinks (HAS_SINKS; the splits run without them). One launch per step
-    instead of two: no merge kernel to launch and schedule after the last split, and in JAX one custom call.
-
-    Arrival: each program stores its partial, then counts itself in ``ARRIVALS[b, row block]`` (int32, zero
-    on entry) with one acquire-release atomic after a CTA barrier, so that the count orders every thread's
-    stores before it (the release is cumulative over what the barrier ordered before it, as in CUTLASS's
-    split-K semaphore). The program that sees ``num_splits - 1`` acquires them all, reads them past L1
-    (``.cg``: L1 is not coherent between SMs), merges in split order -- the result does not depend on which
-    program arrives last, so a fixed split count stays bitwise batch-invariant -- and sets its counter
-    back to zero, so that a runtime can keep one zeroed counter buffer for every call (the torch runtime
-    does, per device and stream; JAX zero-fills one per call).
-
-    MERGE_ROWS (a power of two <= BLOCK_M, >= the row block's real rows) rows of the row block are merged,
-    MERGE_STATES split states per step (all of a step's loads in flight together).
-    """
-    decode_split(
-        Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,
-        seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
-        stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        stride_tb, stride_ab, stride_sc,
-        stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh, O, LSE,
-        GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, HAS_SEQLENS, HAS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, False, HAS_SCALES, DOT_PRECISION, QO_ALIGN, KV_ALIGN, LSE_ALIGN, V_PAIRS,
-        WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS)
-    merge_row_block(O, LSE, ARRIVALS, OUT, OUT_LSE, SINKS, seqlen_q, stride_on, stride_ob, stride_os, stride_oh,
-                    stride_ln, stride_lb, stride_ls, stride_lh, stride_fob, stride_fos, stride_foh, stride_flb,
-                    stride_fls, stride_flh, GROUP, DV, BLOCK_M, BLOCK_DV, HAS_SINKS, QO_ALIGN, LSE_ALIGN,
-                    MERGE_ROWS, MERGE_STATES)
-
-
-@triton.jit
-def merge_row_block(O, LSE, ARRIVALS, OUT, OUT_LSE, SINKS, seqlen_q, stride_on, stride_ob, stride_os, stride_oh,
-                    stride_ln, stride_lb, stride_ls, stride_lh, stride_fob, stride_fos, stride_foh, stride_flb,
-                    stride_fls, stride_flh, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr, QO_ALIGN: tl.constexpr,
-                    LSE_ALIGN: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_STATES: tl.constexpr):
-    """The arrival count and, in the last program to arrive, the merge (see :func:`decode_fwd_merge_kernel`).
-    Partial ``n`` of row ``r`` (token ``r // GROUP``, head ``kh * GROUP + r % GROUP``) lives at
-    ``O[n * stride_on + b * stride_ob + tok * stride_os + h * stride_oh + d]`` (LSE alike)."""
-    stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, QO_ALIGN)
-    stride_on = aligned(stride_on, QO_ALIGN)
-    stride_lb, stride_ls, stride_lh = aligned_strides(stride_lb, stride_ls, stride_lh, LSE_ALIGN)
-    stride_ln = aligned(stride_ln, LSE_ALIGN)
-    n_splits = tl.num_programs(0)
-    b = tl.program_id(2)
-    counter = ARRIVALS + b * tl.num_programs(1) + tl.program_id(1)
-    tl.debug_barrier()  # every thread's partial stores come before the arrival below
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-        n_rows = seqlen_q * GROUP
-        m_blocks = tl.cdiv(n_rows, BLOCK_M)
-        kh = tl.program_id(1) // m_blocks
-        offs_r = (tl.program_id(1) % m_blocks) * BLOCK_M + tl.arange(0, MERGE_ROWS)
-        row_ok = offs_r < n_rows
-        tok = offs_r // GROUP
-        h = tl.where(row_ok, kh * GROUP + offs_r % GROUP, 0)
-        offs_d = tl.arange(0, BLOCK_DV)
-        ok = row_ok[:, None] & (offs_d < DV)[None, :]  # [R, Dv]
-        b64 = tl.cast(b, tl.int64)
-        tok64 = tl.cast(tok, tl.int64)
-        o_off = (b64 * stride_ob + tok64 * stride_os + h * stride_oh)[:, None] + offs_d[None, :]  # [R, Dv]
-        l_off = b64 * stride_lb + tok64 * stride_ls + h * stride_lh  # [R]
-        m_i, l_i = softmax_init(SINKS, h, MERGE_ROWS, HAS_SINKS)
-        acc = tl.zeros([MERGE_ROWS, BLOCK_DV], dtype=tl.float32)
-        offs_n = tl.arange(0, MERGE_STATES)
-        for n0 in range(0, n_splits, MERGE_STATES):
-            n64 = tl.cast(n0 + offs_n, tl.int64)
-            n_ok = (n0 + offs_n) < n_splits
-            lse = tl.load(LSE + (n64 * stride_ln)[:, None] + l_off[None, :], mask=n_ok[:, None] & row_ok[None, :],
-                          other=float("-inf"), cache_modifier=".cg")  # [N, R]
-            o = tl.load(O + (n64 * stride_on)[:, None, None] + o_off[None, :, :],
-                        mask=n_ok[:, None, None] & ok[None, :, :], other=0.0, cache_modifier=".cg")  # [N, R, Dv]
-            acc, m_i, l_i = merge_states_rows(acc, m_i, l_i, lse, o)
-        out, lse = softmax_finalize(acc, m_i, l_i)
-        f_off = b64 * stride_fob + tok64 * stride_fos + h * stride_foh
-        tl.store(OUT + f_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(OUT_LSE + b64 * stride_flb + tok64 * stride_fls + h * stride_flh, lse, mask=row_ok)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 # ------------------------------------------------------------------------------------------------ merge

@@ -54,10 +54,7 @@ class DecodeConfig:
     * ``programs_per_sm``: the auto split count aims at this many programs per SM when the batch does not
       fill the GPU on its own, ``min_blocks_per_split`` keeps each split at least that many key blocks long;
     * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
-      ``merge_block_states`` states per step (the in-kernel merge too: see ``merge_in_kernel``).
-    * ``merge_in_kernel``: with more than one split, the split kernel's last program per row block merges
-      the partials (``decode_fwd_merge_kernel``: an arrival counter per row block) instead of a merge
-      kernel launched after it. None = the default (see :func:`merge_in_kernel`).
+      ``merge_block_states`` states per step.
     * ``key_groups``: the decode kernel walks each key block as this many groups of keys with a softmax
       state each, merged once per split (see ``decode/kernels.py``): the row max / sum and the hand-over of p
       to ``p @ V`` then stay inside a warp instead of crossing the 4 warps every step. sm_90, Triton 3.6,
@@ -78,7 +75,6 @@ class DecodeConfig:
     merge_block_elements: Optional[int] = None
     merge_block_states: Optional[int] = None
     key_groups: Optional[int] = None
-    merge_in_kernel: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
@@ -592,43 +588,6 @@ def _window_scalars(options: DecodeOptions) -> tuple[int, int]:
     return clamp(options.window_left), clamp(options.window_right)
 
 
-@dataclasses.dataclass(frozen=True)
-class InKernelMerge:
-    """What ``decode_fwd_merge_kernel`` needs beyond the split kernel: the final out's (batch, token, head)
-    strides, the final lse's, the rows merged per row block and the states folded per step."""
-
-    out_strides: tuple[int, int, int]
-    lse_strides: tuple[int, int, int]
-    rows: int
-    states: int
-
-    def arguments(self):
-        scalars = (*((f"stride_fo{d}", int(s)) for d, s in zip("bsh", self.out_strides)),
-                   *((f"stride_fl{d}", int(s)) for d, s in zip("bsh", self.lse_strides)))
-        return scalars, (("MERGE_ROWS", self.rows), ("MERGE_STATES", self.states))
-
-
-# Split states folded per step of the in-kernel merge: as many as keep this many partial values per thread in
-# registers (all of a step's loads are issued together; the merge runs once, after the main loop's registers
-# are free).
-_MERGE_VALUES_PER_THREAD = 64
-
-
-def merge_in_kernel(splits: int, config: DecodeConfig = DEFAULT_CONFIG) -> bool:
-    """Whether a decode of ``splits`` splits merges inside the split kernel (``DecodeConfig.merge_in_kernel``,
-    default off)."""
-    return splits > 1 and bool(config.merge_in_kernel)
-
-
-def _in_kernel_merge(shape: DecodeShape, rows: int, splits: int, tiles: DecodeTiles,
-                     config: DecodeConfig) -> InKernelMerge:
-    merge_rows = min(tiles.block_m, next_power_of_2(rows))
-    fit = max(1, _MERGE_VALUES_PER_THREAD * 32 * tiles.num_warps // (merge_rows * tiles.block_dv))
-    states = config.merge_block_states or min(next_power_of_2(splits), next_power_of_2(fit + 1) // 2, 64)
-    return InKernelMerge(out_strides=contiguous_q_strides(shape.out_shape), lse_strides=_final_lse_strides(shape),
-                         rows=merge_rows, states=states)
-
-
 def _dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "float32" else "tf32"
 
@@ -636,9 +595,7 @@ def _dot_precision(dtype: str) -> str:
 def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
-                   target: Target, merge: Optional["InKernelMerge"] = None) -> Launch:
-    """The split kernel's launch; with ``merge`` the entry that also merges the splits (``outputs``: the
-    partials, the arrival counters, the final out and lse)."""
+                   target: Target) -> Launch:
     left, right = _window_scalars(options)
     # FP8 V read as pairs of columns (see load_v_pairs) for 16-bit queries: even head dims and strides (two
     # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
@@ -647,9 +604,8 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                and pow2_divisor(*v_strides, cap=2) == 2)
     qo = (*q_strides, *out_strides)
     kv = (*k_strides, *v_strides)
-    merge_scalars, merge_constexprs = ((), ()) if merge is None else merge.arguments()
     return Launch(
-        kernel=f"{_K}:decode_fwd_kernel" if merge is None else f"{_K}:decode_fwd_merge_kernel",
+        kernel=f"{_K}:decode_fwd_kernel",
         grid=grid,
         inputs=inputs,
         scalars=(("seqlen_q", seqlen_q), ("fixed_len", fixed_len), ("capacity", cache.capacity),
@@ -661,7 +617,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                  ("stride_tb", cache.max_pages if cache.paged else 0), ("stride_ab", alibi_stride),
                  ("stride_sc", 1 if options.scale_mode == "head" else 0),
                  *((f"stride_o{d}", int(s)) for d, s in zip("nbsh", out_strides)),
-                 *((f"stride_l{d}", int(s)) for d, s in zip("nbsh", lse_strides)), *merge_scalars),
+                 *((f"stride_l{d}", int(s)) for d, s in zip("nbsh", lse_strides))),
         outputs=outputs,
         constexprs=(("GROUP", group), ("DQK", head_dim_qk), ("DV", head_dim_v), ("BLOCK_M", tiles.block_m),
                     ("BLOCK_N", tiles.block_n), ("BLOCK_DQK", tiles.block_dqk), ("DQK_CHUNKS", tiles.dqk_chunks),
@@ -674,8 +630,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
                     ("WIDEN_ASM", v_pairs and not target.interpret),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups),
-                    *merge_constexprs),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -759,21 +714,15 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                                 lse_strides=(0, lb, ls, lh), has_sinks=options.has_sinks, **common)
         return Plan(inputs=inputs, buffers=finals, launches=(launch,), results=("out", "lse"))
     o_strides, l_strides = _partial_strides(shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
-    partials = _partial_specs("part", splits, shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
-    if merge_in_kernel(splits, config):
-        arrivals = Spec("arrivals", (shape.batch, common["grid"][1]), "int32", zero=True, reset_by_launches=True)
-        launch = _decode_launch(inputs=kernel_inputs, outputs=("part_out", "part_lse", "arrivals", "out", "lse"),
-                                out_strides=o_strides, lse_strides=l_strides, has_sinks=options.has_sinks,
-                                merge=_in_kernel_merge(shape, rows, splits, tiles, config), **common)
-        return Plan(inputs=inputs, buffers=(*partials, arrivals, *finals), launches=(launch,),
-                    results=("out", "lse"))
     decode = _decode_launch(inputs=kernel_inputs, outputs=("part_out", "part_lse"), out_strides=o_strides,
                             lse_strides=l_strides, has_sinks=False, **common)
     merge = _merge_launch(a=("part_out", "part_lse"), b=None, sinks="sinks" if options.has_sinks else None,
                           n_a=splits, n_b=0, n_rows=shape.batch * shape.seqlen_q * shape.heads_q,
                           seqlen_q=shape.seqlen_q, heads=shape.heads_q, head_dim_v=shape.head_dim_v,
                           lse_strides=_final_lse_strides(shape), target=target, config=config)
-    return Plan(inputs=inputs, buffers=(*partials, *finals), launches=(decode, merge), results=("out", "lse"))
+    buffers = (*_partial_specs("part", splits, shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v),
+               *finals)
+    return Plan(inputs=inputs, buffers=buffers, launches=(decode, merge), results=("out", "lse"))
 
 
 def plan_merge(n_states: int, rows: int, head_dim: int, dtype: str, *, target: Target,

@@ -350,31 +350,14 @@ def merge_states_block(acc, m_i, l_i, lse, o):
     part standing for one key of weight ``exp(lse)`` and value ``o``: after every block,
     ``acc / l_i`` is the exact merge ``sum_n exp(lse_n - lse) o_n`` and ``m_i + log2(l_i)`` its lse
     (log2 units). Parts with lse = -inf contribute exactly 0 (even if their o is NaN)."""
-    w, alpha, m_i, l_i = merge_weights(m_i, l_i, lse)  # [N, E], [E]
-    acc = acc * alpha + tl.sum(w * tl.where(w > 0.0, o, 0.0), 0)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def merge_states_rows(acc, m_i, l_i, lse, o):
-    """:func:`merge_states_block` for whole rows: ``lse`` [N, R], ``o`` [N, R, D], acc [R, D], m_i / l_i [R]
-    (each weight computed once per row, not once per element)."""
-    w, alpha, m_i, l_i = merge_weights(m_i, l_i, lse)  # [N, R], [R]
-    w3 = w[:, :, None]
-    acc = acc * alpha[:, None] + tl.sum(w3 * tl.where(w3 > 0.0, o, 0.0), 0)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def merge_weights(m_i, l_i, lse):
-    """The weights of a block of parts against a running merge: ``lse`` [N, X] (natural log), m_i (log2
-    units) / l_i [X] -> (w [N, X], alpha [X] for what was merged so far, m_new, l_new)."""
     lse2 = lse * LOG2E
     m_new = tl.maximum(m_i, tl.max(lse2, 0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    w = tl.exp2(lse2 - m_use[None, :])
+    w = tl.exp2(lse2 - m_use[None, :])  # [N, E]
     alpha = tl.exp2(m_i - m_use)
-    return w, alpha, m_new, l_i * alpha + tl.sum(w, 0)
+    l_i = l_i * alpha + tl.sum(w, 0)
+    acc = acc * alpha + tl.sum(w * tl.where(w > 0.0, o, 0.0), 0)
+    return acc, m_new, l_i
 
 
 @triton.jit
