@@ -2,7 +2,9 @@
 and FlashInfer (if installed) on the same contiguous cache, same run.
 
 TB/s = bytes of K and V actually read / time (``B * L * Hkv * (Dqk + Dv) * itemsize``: every sequence full,
-the queries, outputs and split partials are not counted). bf16 unless said; Hq=32, Hkv=8, D=128, Sq=1.
+the queries, outputs and split partials are not counted). bf16 unless said; Hq=32, Hkv=8, D=128, Sq=1. The
+``read-floor`` row times a bare Triton read of the same bytes (each program sums a contiguous chunk; the
+best of a few grid / tile / warp settings): what any kernel that reads them reaches at that size.
 
 Timing: decode steps last tens of microseconds, less than the host needs to issue them, so every torch
 provider is timed inside a CUDA graph (``triton.testing.do_bench_cudagraph``) and the JAX path as N steps
@@ -142,6 +144,61 @@ def torch_flashinfer(b, s):
     return _graph_time(step), nbytes
 
 
+_STREAM_KERNEL = None
+
+
+def _stream_read_kernel():
+    """A bare read: each program sums its contiguous chunk of K and of V (the sum is stored so the loads
+    stay live). No page table, no strides, no dots: what a kernel that only reads these bytes reaches."""
+    global _STREAM_KERNEL
+    if _STREAM_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def stream_read(K, V, OUT, chunk, TILE: tl.constexpr, STAGES: tl.constexpr):
+            start = tl.program_id(0).to(tl.int64) * chunk
+            offs = tl.arange(0, TILE)
+            acc = tl.zeros([TILE], dtype=tl.float32)
+            for i in tl.range(0, chunk, TILE, num_stages=STAGES):
+                acc += tl.load(K + start + i + offs).to(tl.float32) + tl.load(V + start + i + offs).to(tl.float32)
+            tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+
+        _STREAM_KERNEL = stream_read
+    return _STREAM_KERNEL
+
+
+# (programs, elements per tile, warps): the read floor is the best of these
+STREAM_CONFIGS = tuple(itertools.product((256, 512, 1024), (4096, 8192), (4, 8)))
+
+
+def stream_floor(b, s):
+    """The fastest bare read of the K and V bytes of a decode step (contiguous bf16 caches, rotated copies,
+    CUDA graph, as our rows): the floor the TB/s bars are read against. Returns the best config's time."""
+    import torch
+
+    kernel = _stream_read_kernel()
+    nbytes = kv_bytes(b, s, 2)
+    caches = make_caches(b, s, copies=n_copies(nbytes))
+    elements = caches[0][0].numel()
+    results = []
+    for programs, tile, warps in STREAM_CONFIGS:
+        if elements % (programs * tile):
+            continue
+        out = torch.empty(programs, device="cuda", dtype=torch.float32)
+        it = itertools.cycle(caches)
+
+        def step():
+            k, v, _ = next(it)
+            kernel[(programs,)](k, v, out, elements // programs, TILE=tile, STAGES=3, num_warps=warps)
+
+        step()
+        results.append(((programs, tile, warps), _graph_time(step)))
+    (config, ms) = min(results, key=lambda r: r[1])
+    return ms, nbytes, {"config": {"programs": config[0], "tile": config[1], "warps": config[2]},
+                        "all_ms": {"x".join(map(str, c)): t for c, t in results}}
+
+
 def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
     import jax
     import jax.numpy as jnp
@@ -231,6 +288,7 @@ def run_rows(with_jax=True):
         record(label, "flashbridge-torch HND", lambda: torch_ours(b, s, layout="HND"))
         record(label, "flashbridge-torch paged64", lambda: torch_ours(b, s, paged=True))
         record(label, "flashbridge-torch fp8", lambda: torch_ours(b, s, fp8=True))
+        record(label, "read-floor", lambda: stream_floor(b, s))
         record(label, "sdpa-flash", lambda: torch_sdpa(b, s, "flash"))
         record(label, "sdpa-cudnn", lambda: torch_sdpa(b, s, "cudnn"))
         try:
@@ -377,6 +435,9 @@ def verdicts(rows):
                 lines.append(f"{label}: {ours:.2f} TB/s = {ours / base:.2f}x {target[0]} (bar {target[1]}x)")
         else:
             lines.append(f"{label}: {ours:.2f} TB/s (bar {target})")
+        floor = by.get((label, "read-floor"))
+        if floor:
+            lines.append(f"{label}: a bare read of the same bytes {floor:.2f} TB/s; ours {ours / floor:.2f} of it")
         paged = by.get((label, "flashbridge-torch paged64"))
         if paged:
             lines.append(f"{label}: paged/contiguous = {paged / ours:.2f} (bar >= 0.90)")
