@@ -380,6 +380,7 @@ def jax_steady_table():
 
 
 def main():
+    global STEADY_SETS
     parser = argparse.ArgumentParser()
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
@@ -387,7 +388,6 @@ def main():
     parser.add_argument("--steady-sets", type=int, default=STEADY_SETS,
                         help="distinct input sets per steady timing (calls per CUDA graph / per jitted function)")
     args = parser.parse_args()
-    global STEADY_SETS
     STEADY_SETS = args.steady_sets
     if args.jax_only:
         jax_steady_table()

@@ -1,6 +1,9 @@
-"""Every docstring example of the public modules runs (on the CPU, through the interpreter)."""
+"""Every docstring example of the public modules runs (on the CPU, through the interpreter), and every
+benchmark and helper script at least compiles (they run only on the GPU machine, so CI would not see a
+syntax error in them otherwise)."""
 import doctest
 import importlib
+import pathlib
 
 import pytest
 
@@ -22,3 +25,13 @@ def test_docstring_examples_run(name):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0, f"{name} has no docstring example"
     assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples failed in {name}"
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for d in ("benchmarks", "scripts") for p in (ROOT / d).glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS)
+def test_scripts_compile(path):
+    source = (ROOT / path).read_text()
+    compile(source, path, "exec")  # a SyntaxError names the file and line
