@@ -149,7 +149,9 @@ _STREAM_KERNEL = None
 
 def _stream_read_kernel():
     """A bare read: each program sums its contiguous chunk of K and of V (the sum is stored so the loads
-    stay live). No page table, no strides, no dots: what a kernel that only reads these bytes reaches."""
+    stay live). No page table, no strides, no dots: what a kernel that only reads these bytes reaches.
+    (Triton 3.6 keeps these as plain 16-byte loads -- it pipelines through cp.async only loads that feed a
+    dot -- so the parallelism in flight comes from the programs, not from STAGES.)"""
     global _STREAM_KERNEL
     if _STREAM_KERNEL is None:
         import triton
