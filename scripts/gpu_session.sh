@@ -12,6 +12,8 @@ set -uo pipefail
 PACK=${OUT:-}
 export OUT=${PACK:+/tmp/fb-run}
 OUT=${OUT:-$PWD/gpu-out}
+# a fresh work folder per packed run (the machine's /tmp can outlive a run): the pack then holds this run's files only
+[ -n "$PACK" ] && rm -rf "$OUT"
 mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests memcheck check bench-norms)
