@@ -150,19 +150,19 @@ _STREAM_KERNEL = None
 def _stream_read_kernel():
     """A bare read: each program sums its contiguous chunk of K and of V (the sum is stored so the loads
     stay live). No page table, no strides, no dots: what a kernel that only reads these bytes reaches.
-    (Triton 3.6 keeps these as plain 16-byte loads -- it pipelines through cp.async only loads that feed a
-    dot -- so the parallelism in flight comes from the programs, not from STAGES.)"""
+    Plain 16-byte loads (Triton pipelines through cp.async only loads that feed a dot, so a num_stages here
+    would change nothing: sm_90 PTX identical): the loads in flight come from the programs."""
     global _STREAM_KERNEL
     if _STREAM_KERNEL is None:
         import triton
         import triton.language as tl
 
         @triton.jit
-        def stream_read(K, V, OUT, chunk, TILE: tl.constexpr, STAGES: tl.constexpr):
+        def stream_read(K, V, OUT, chunk, TILE: tl.constexpr):
             start = tl.program_id(0).to(tl.int64) * chunk
             offs = tl.arange(0, TILE)
             acc = tl.zeros([TILE], dtype=tl.float32)
-            for i in tl.range(0, chunk, TILE, num_stages=STAGES):
+            for i in range(0, chunk, TILE):
                 acc += tl.load(K + start + i + offs).to(tl.float32) + tl.load(V + start + i + offs).to(tl.float32)
             tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
 
@@ -192,7 +192,7 @@ def stream_floor(b, s):
 
         def step():
             k, v, _ = next(it)
-            kernel[(programs,)](k, v, out, elements // programs, TILE=tile, STAGES=3, num_warps=warps)
+            kernel[(programs,)](k, v, out, elements // programs, TILE=tile, num_warps=warps)
 
         step()
         results.append(((programs, tile, warps), _graph_time(step)))

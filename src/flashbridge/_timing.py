@@ -144,4 +144,3 @@ def jax_dispatch_ms(fn, *args, calls: int = 4) -> float:
     elapsed = time.perf_counter() - start
     jax.block_until_ready(outs)
     return elapsed / calls * 1e3
-
