@@ -306,7 +306,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# merge_block_states[, merge_block_elements[, dependent_merge]]]]) tiles, help)
+# merge_block_states[, merge_block_elements]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -366,14 +366,6 @@ FOCUSED_SWEEPS = {
                                                (16, 8), (8, 16), (32, 16))) * 2,
               "only the merge kernel's states per step (8-32) and elements per program (8-128) at the default "
               "split counts, twice, alternating"),
-    # DecodeConfig.dependent_merge: the merge launched as a programmatic dependent of the split kernel (its
-    # launch overlaps the splits' tail); torch only, as the whole table's torch rows (CUDA graphs)
-    "pdl": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
-             ("B1 S128k paged64", 1, 131072, True, False), ("B1 S16k fp8", 1, 16384, False, True),
-             ("B1 S128k fp8", 1, 131072, False, True)], (None,),
-            ((None,) * 6 + (False,), (None,) * 6 + (True,)) * 3,
-            "only DecodeConfig.dependent_merge off / on at the default tiles and split counts, three times, "
-            "alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -409,10 +401,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
             for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
-                block_n, warps, stages, groups, merge_n, merge_e, dependent = (*tile, None, None, None, None)[:7]
+                block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   merge_block_states=merge_n, merge_block_elements=merge_e,
-                                   dependent_merge=dependent)
+                                   merge_block_states=merge_n, merge_block_elements=merge_e)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)

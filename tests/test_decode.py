@@ -999,44 +999,10 @@ def _decode_plans():
         block_table=((32, 16), "int32"))
     plans.append(("cascade", P.plan_cascade(shape, shared_len, options, target=h200), "bfloat16"))
     plans.append(("merge", P.plan_merge(3, 4096, 128, "bfloat16", target=h200), "bfloat16"))
-    shape, options, _ = P.check_decode_args(q=((1, 1, 32, 128), "bfloat16"), k_cache=((1, 16384, 8, 128), "bfloat16"),
-                                            v_cache=((1, 16384, 8, 128), "bfloat16"), cache_seqlens=((1,), "int32"))
-    plans.append(("decode, dependent merge", P.plan_decode(shape, options, target=h200,
-                                                           config=P.DecodeConfig(dependent_merge=True)), "bfloat16"))
     return plans
 
 
-def test_dependent_merge_plans():
-    """DecodeConfig.dependent_merge: compiled split plans let their merge launch as a programmatic dependent
-    (the split kernel signals, the merge waits and is launched with launch_pdl); single-split plans have no
-    merge, the interpreter never does it, and the default is off."""
-    from flashbridge.core_kernels import INTERPRETER, Target
-    from flashbridge.core_kernels.decode import plan as P
-
-    h200 = Target(interpret=False, num_sms=132)
-    shape, options, _ = P.check_decode_args(q=((1, 1, 32, 128), "bfloat16"), k_cache=((1, 16384, 8, 128), "bfloat16"),
-                                            v_cache=((1, 16384, 8, 128), "bfloat16"), cache_seqlens=((1,), "int32"))
-    on = P.DecodeConfig(dependent_merge=True)
-
-    def flags(plan):
-        return [(launch.constexpr_dict().get("LAUNCH_DEPENDENTS", launch.constexpr_dict().get("WAIT_PRIOR")),
-                 launch.pdl) for launch in plan.launches]
-
-    assert flags(P.plan_decode(shape, options, target=h200, config=on)) == [(True, False), (True, True)]
-    assert flags(P.plan_decode(shape, options, target=h200)) == [(False, False), (False, False)]
-    assert flags(P.plan_decode(shape, options, target=h200, num_splits=1, config=on)) == [(False, False)]
-    assert flags(P.plan_decode(shape, options, target=INTERPRETER, num_splits=4, config=on)) == \
-        [(False, False), (False, False)]
-    shape, shared_len, options, _ = P.check_cascade_args(
-        q=((4, 1, 8, 64), "bfloat16"), shared_k=((512, 2, 64), "bfloat16"), shared_v=((512, 2, 64), "bfloat16"),
-        k_cache=((4, 256, 2, 64), "bfloat16"), v_cache=((4, 256, 2, 64), "bfloat16"), cache_seqlens=((4,), "int32"))
-    assert flags(P.plan_cascade(shape, shared_len, options, target=h200, num_splits=4, config=on)) == \
-        [(False, False), (True, False), (True, True)]
-    with pytest.raises(ValueError, match="DecodeConfig.dependent_merge"):
-        P.DecodeConfig(dependent_merge="yes")
-
-
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(10))
 def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
     # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
     parity = pytest.importorskip("test_compile_parity")
@@ -1058,11 +1024,6 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
                 assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, f"{name}: V not read with ldmatrix.trans"
                 assert "cvt.rn.f16x2.e4m3x2" in ptx and "prmt.b32" in ptx, f"{name}: V not widened as pairs"
             parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
-        # a dependent merge: the split kernel lets it launch, the merge waits before reading the partials
-        dependent = launch.constexpr_dict().get("LAUNCH_DEPENDENTS") or launch.constexpr_dict().get("WAIT_PRIOR")
-        instruction = "griddepcontrol.launch_dependents" if launch.kernel.endswith("decode_fwd_kernel") else \
-            "griddepcontrol.wait"
-        assert (instruction in ptx) == bool(dependent), f"{name}: {instruction} in the PTX of {launch.kernel}"
 
 
 def test_automatic_split_count_on_the_h200():

@@ -233,39 +233,9 @@ def test_gpu_decode_key_groups(name, decode_config):
     assert decode_constexpr(built, "KEY_GROUPS") == {4}
 
 
-@pytest.mark.parametrize("name", ["b1-s16k", "fp8-tensor-b1-s128k-contig", "b4-paged16-hnd-sq3", "sq8-all-options",
-                                  "mla-576-512"])
-def test_gpu_decode_dependent_merge(name, decode_config):
-    """DecodeConfig.dependent_merge (the merge launched as a programmatic dependent of the split kernel):
-    against float64; the same bits as the plainly launched merge, eagerly and replayed from a CUDA graph, and
-    from JAX (which launches the merge plainly: its wait then returns at once)."""
-    from flashbridge.torch_api.decode import decode_attention
-    spec, options, splits = CASES[name]
-    q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 6, **spec))
-    layout = spec.get("layout", "NHD")
-    plain = decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options)
-    built = decode_config(dependent_merge=True)
-    out, _ = check(q, k, v, kw, options, kv_layout=layout, num_splits=splits)
-    assert torch.equal(out, plain)
-    assert any(launch.pdl for plan in built for launch in plan.launches)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = decode_attention(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, plain)
-    jax = pytest.importorskip("jax")
-    from flashbridge.jax_api.decode import decode_attention as jdecode
-    from helpers import torch_to_jax
-    jout = jax.jit(lambda q, k, v, kw: jdecode(q, k, v, kv_layout=layout, num_splits=splits, **kw, **options))(
-        *(torch_to_jax(t.cpu()) for t in (q, k, v)), {n: torch_to_jax(t.cpu()) for n, t in kw.items()})
-    np.testing.assert_array_equal(np64(jout), np64(plain.cpu()))
-
-
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and with the merge as a
-    programmatic dependent (DecodeConfig.dependent_merge)."""
+    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4."""
     import functools
 
     from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
@@ -273,15 +243,14 @@ def _memcheck_case():
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor")):
         q, k, v, kw = _cuda(*make_case(3, **spec))
-        for config in (DecodeConfig(key_groups=4), DecodeConfig(dependent_merge=True)):
-            tapi.plan_decode = functools.partial(plan_decode, config=config)
+        tapi.plan_decode = functools.partial(plan_decode, config=DecodeConfig(key_groups=4))
+        tapi._decode_plan.cache_clear()
+        try:
+            for splits in (None, 1, 3):
+                tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
+        finally:
+            tapi.plan_decode = plan_decode
             tapi._decode_plan.cache_clear()
-            try:
-                for splits in (None, 1, 3):
-                    tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
-            finally:
-                tapi.plan_decode = plan_decode
-                tapi._decode_plan.cache_clear()
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),

@@ -73,10 +73,6 @@ class Launch:
     constexprs: tuple[tuple[str, Any], ...] = ()
     num_warps: int = 4
     num_stages: int = 2
-    # Hopper programmatic dependent launch: this kernel may start before the previous launch has finished
-    # (its programs must wait with ``gdc_wait`` before reading what that launch wrote). The torch runtime
-    # launches it so; jax-triton cannot, and then the wait returns at once (a plain stream-ordered launch).
-    pdl: bool = False
 
     def scalar_values(self) -> list[int | float]:
         return [v for _, v in self.scalars]

@@ -47,10 +47,7 @@ def _compile_options(launch, interpret: bool) -> dict:
     the two launchers' defaults need not agree, and the bits of the results depend on it)."""
     if interpret:
         return {}
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
-    if launch.pdl:  # a launch option only: the compiled code is the same
-        options["launch_pdl"] = True
-    return options
+    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
 
 
 def _alloc(spec, dtype: torch.dtype, device) -> torch.Tensor:

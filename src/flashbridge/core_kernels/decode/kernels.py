@@ -29,7 +29,6 @@ All score modifiers, the online softmax and the merge step come from ``flash_att
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, fold_values,
                                          kv_key_range, load_tile, merge_states_block, score_params, softmax_finalize,
@@ -236,7 +235,6 @@ def decode_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
     WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -245,13 +243,7 @@ def decode_fwd_kernel(
     kernels_common). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
     (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
     KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
-
-    LAUNCH_DEPENDENTS (split partials followed by a merge launched as a programmatic dependent): every
-    program lets the merge kernel launch as soon as it starts, so that the merge's programs are resident
-    and waiting (``gdc_wait``) when the last split finishes, instead of being launched after it.
     """
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
     stride_kp, stride_ks, stride_kh = aligned_strides(stride_kp, stride_ks, stride_kh, KV_ALIGN)
     stride_vp, stride_vs, stride_vh = aligned_strides(stride_vp, stride_vs, stride_vh, KV_ALIGN)
@@ -377,7 +369,7 @@ def merge_states_kernel(
     stride_lse_b, stride_lse_s, stride_lse_h,  # runtime scalars
     O, LSE,  # outputs: out (rows, DV) contiguous, lse through its (batch, token, head) strides
     DV: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, HAS_B: tl.constexpr,
-    HAS_SINKS: tl.constexpr, O_ALIGN: tl.constexpr, L_ALIGN: tl.constexpr, WAIT_PRIOR: tl.constexpr,
+    HAS_SINKS: tl.constexpr, O_ALIGN: tl.constexpr, L_ALIGN: tl.constexpr,
 ):
     """``out = sum_n exp(lse_n - lse) o_n``, ``lse = log(sum_n exp(lse_n) [+ exp(sink_h)])`` over the
     ``n_a`` states of A then the ``n_b`` states of B, in that fixed order (deterministic).
@@ -389,8 +381,6 @@ def merge_states_kernel(
     each element recomputing its row's weights from the (cached) lse: a few extra exp2s buy tiles that do
     not depend on DV and programs for every SM even when there are few rows. The lanes with ``d == 0``
     store the row's lse. State strides are multiples of O_ALIGN (outs) and L_ALIGN (lses) elements.
-    WAIT_PRIOR: launched as a programmatic dependent of the kernel that wrote the states (``Launch.pdl``):
-    the address arithmetic and the sinks run before ``gdc_wait``, the state loads after it.
     """
     stride_oa = aligned(stride_oa, O_ALIGN)
     stride_obn = aligned(stride_obn, O_ALIGN)
@@ -402,8 +392,6 @@ def merge_states_kernel(
     h = r % heads
     m_i, l_i = softmax_init(SINKS, tl.where(e_ok, h, 0), BLOCK_E, HAS_SINKS)
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    if WAIT_PRIOR:
-        gdc_wait()
     acc, m_i, l_i = merge_stack(acc, m_i, l_i, O_A, L_A, n_a, stride_oa, stride_la, offs_e, r, e_ok, BLOCK_N)
     if HAS_B:
         acc, m_i, l_i = merge_stack(acc, m_i, l_i, O_B, L_B, n_b, stride_obn, stride_lbn, offs_e, r, e_ok,

@@ -61,10 +61,6 @@ class DecodeConfig:
       4 warps, 64-key steps, bf16: 9 CTA barriers per step with one group, 2 with four. Each group needs at
       least 16 keys; head dims above 256 (chunked q.k) take one group. None = 1: every timed default is
       faster with one group (see :func:`decode_tiles`).
-    * ``dependent_merge``: launch the merge of split partials as a programmatic dependent of the split
-      kernel (Hopper PDL; torch only -- jax-triton launches it plainly): its programs become resident
-      while the last splits run and wait on ``gdc_wait``, so the merge's launch latency overlaps the split
-      kernel's tail. None = off.
 
     The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
     interpreter pays per program and per operation, not per element.
@@ -79,7 +75,6 @@ class DecodeConfig:
     merge_block_elements: Optional[int] = None
     merge_block_states: Optional[int] = None
     key_groups: Optional[int] = None
-    dependent_merge: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
@@ -87,9 +82,6 @@ class DecodeConfig:
             minimum = 1 if name.startswith("merge") or name == "key_groups" else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
-        if not (self.dependent_merge is None or isinstance(self.dependent_merge, bool)):
-            raise ValueError(f"DecodeConfig.dependent_merge: must be None, True or False, got "
-                             f"{self.dependent_merge!r}")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -603,7 +595,7 @@ def _dot_precision(dtype: str) -> str:
 def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
-                   target: Target, launch_dependents: bool = False) -> Launch:
+                   target: Target) -> Launch:
     left, right = _window_scalars(options)
     # FP8 V read as pairs of columns (see load_v_pairs) for 16-bit queries: even head dims and strides (two
     # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
@@ -638,8 +630,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
                     ("WIDEN_ASM", v_pairs and not target.interpret),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups),
-                    ("LAUNCH_DEPENDENTS", launch_dependents)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -647,7 +638,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
 
 def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Optional[str], n_a: int, n_b: int,
                   n_rows: int, seqlen_q: int, heads: int, head_dim_v: int, lse_strides: tuple[int, int, int],
-                  target: Target, config: DecodeConfig, dependent: bool = False) -> Launch:
+                  target: Target, config: DecodeConfig) -> Launch:
     # Elements per program: enough programs for two per SM when the merge is small (decode of one
     # sequence merges only Hq * Dv elements per split), at least 16, at most 512 (16 states x 512 fp32 per
     # step in registers); states per step: 16 (a 64-split merge is four dependent round trips to memory).
@@ -670,16 +661,10 @@ def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Op
         outputs=("out", "lse"),
         constexprs=(("DV", head_dim_v), ("BLOCK_E", block_e), ("BLOCK_N", block_n), ("HAS_B", b is not None),
                     ("HAS_SINKS", sinks is not None), ("O_ALIGN", pow2_divisor(state_stride)),
-                    ("L_ALIGN", pow2_divisor(n_rows)), ("WAIT_PRIOR", dependent)),
+                    ("L_ALIGN", pow2_divisor(n_rows))),
         num_warps=4,
         num_stages=1,
-        pdl=dependent,
     )
-
-
-def _dependent_merge(target: Target, config: DecodeConfig) -> bool:
-    """Whether a merge follows its split kernel as a programmatic dependent (compiled kernels only)."""
-    return bool(config.dependent_merge) and not target.interpret
 
 
 def _final_lse_strides(shape: DecodeShape) -> tuple[int, int, int]:
@@ -729,13 +714,12 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                                 lse_strides=(0, lb, ls, lh), has_sinks=options.has_sinks, **common)
         return Plan(inputs=inputs, buffers=finals, launches=(launch,), results=("out", "lse"))
     o_strides, l_strides = _partial_strides(shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
-    dependent = _dependent_merge(target, config)
     decode = _decode_launch(inputs=kernel_inputs, outputs=("part_out", "part_lse"), out_strides=o_strides,
-                            lse_strides=l_strides, has_sinks=False, launch_dependents=dependent, **common)
+                            lse_strides=l_strides, has_sinks=False, **common)
     merge = _merge_launch(a=("part_out", "part_lse"), b=None, sinks="sinks" if options.has_sinks else None,
                           n_a=splits, n_b=0, n_rows=shape.batch * shape.seqlen_q * shape.heads_q,
                           seqlen_q=shape.seqlen_q, heads=shape.heads_q, head_dim_v=shape.head_dim_v,
-                          lse_strides=_final_lse_strides(shape), target=target, config=config, dependent=dependent)
+                          lse_strides=_final_lse_strides(shape), target=target, config=config)
     buffers = (*_partial_specs("part", splits, shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v),
                *finals)
     return Plan(inputs=inputs, buffers=buffers, launches=(decode, merge), results=("out", "lse"))
@@ -806,15 +790,13 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
                                                               window_right=0 if options.causal else None),
         q_strides=q_strides, k_strides=strides.get("k_cache") or cache.strides(cache.head_dim_k),
         v_strides=strides.get("v_cache") or cache.strides(cache.head_dim_v), out_strides=ob, lse_strides=lb,
-        tiles=tiles_b, has_seqlens=True, launch_dependents=_dependent_merge(target, config))
+        tiles=tiles_b, has_seqlens=True)
 
-    # 3. merge both sets of states (+ sinks); as a dependent it waits for the requests' kernel, which
-    # started (stream order) only after the shared prefix's had finished
+    # 3. merge both sets of states (+ sinks)
     merge = _merge_launch(a=("shared_out", "shared_lse"), b=("own_out", "own_lse"),
                           sinks="sinks" if options.has_sinks else None, n_a=splits_a, n_b=splits_b,
                           n_rows=b * sq * hq, seqlen_q=sq, heads=hq, head_dim_v=dv,
-                          lse_strides=_final_lse_strides(shape), target=target, config=config,
-                          dependent=_dependent_merge(target, config))
+                          lse_strides=_final_lse_strides(shape), target=target, config=config)
     buffers = (*_partial_specs("shared", splits_a, 1, b * sq, hq, dv), *_partial_specs("own", splits_b, b, sq, hq, dv),
                Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
     return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=buffers,
