@@ -366,6 +366,15 @@ FOCUSED_SWEEPS = {
                                                (16, 8), (8, 16), (32, 16))) * 2,
               "only the merge kernel's states per step (8-32) and elements per program (8-128) at the default "
               "split counts, twice, alternating"),
+    # deeper pipelines: Triton keeps num_stages - 1 buffers and refills the one a step read only after that
+    # step's compute, so during a step's compute just num_stages - 2 tiles are in flight (one at the default 3)
+    "deep": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
+              ("B32 S8k", 32, 8192, False, False)], (None,),
+             ((None, None, None), (64, 4, 4), (32, 4, 5), (32, 4, 6), (64, 4, 5)) * 2,
+             "only 16-bit caches: the default tile against deeper pipelines (3-4 buffers of 32-64 keys), twice"),
+    "fp8deep": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (32, 64),
+                ((None, None, None), (128, 4, 4), (64, 4, 5), (64, 4, 6), (32, 4, 8)) * 2,
+                "only FP8 caches: the default tile against deeper pipelines at 32 / 64 splits, twice"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -554,11 +563,13 @@ def main():
     if args.ptxas:
         ptxas_report()
         return
-    for name, (variants, splits_list, tiles, _) in FOCUSED_SWEEPS.items():
-        if getattr(args, f"splits_{name}"):
-            sweep = sweep_splits(variants, splits_list, tiles)
-            print(f"wrote {save(f'decode_splits_{name}_h200', {'environment': environment(), 'splits': sweep})}")
-            return
+    focused = [name for name in FOCUSED_SWEEPS if getattr(args, f"splits_{name}")]
+    for name in focused:  # each selected sweep in turn, each saved on its own
+        variants, splits_list, tiles, _ = FOCUSED_SWEEPS[name]
+        sweep = sweep_splits(variants, splits_list, tiles)
+        print(f"wrote {save(f'decode_splits_{name}_h200', {'environment': environment(), 'splits': sweep})}")
+    if focused:
+        return
     if args.jax_only:
         import os
         print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")

@@ -2,7 +2,7 @@
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
-#   jax-settings attention-jax-settings attention-steady profile-attention
+#   jax-settings attention-jax-settings attention-steady profile-attention profile-decode
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
 # 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
@@ -29,6 +29,7 @@ MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --s
 ATTN_DIMS=${ATTN_DIMS:-}
 # XLA command buffers (CUDA graphs) for every kind of thunk, ours included: the jax-settings stages
 CMDBUF_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+NCU_SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
 pack() { [ -n "$PACK" ] && tar czf "$PACK/.results.tgz" -C "$OUT" . 2>/dev/null && mv -f "$PACK/.results.tgz" "$PACK/results.tgz"; }
 if [ -n "$PACK" ]; then
   ( while sleep 30; do pack; done ) &
@@ -84,13 +85,19 @@ for stage in "${stages[@]}"; do
     # (STEADY_TAG names the results file, e.g. when XLA_FLAGS differ)
     attention-steady) python3 benchmarks/bench_attention.py --steady-diagnosis ${STEADY_DIAG:-64,1024} ${STEADY_TAG:+--tag $STEADY_TAG} 2>&1 | tee "$OUT/attention_steady${STEADY_TAG:+_$STEADY_TAG}.log" | grep -v Warning | tail -40 ;;
     # Nsight Compute on one backward of ours and of FlexAttention (PROFILE_ARGS, e.g. "--causal --d 64"), side by side
-    profile-attention) sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
-                       for which in ours flex; do
-                         ncu --clock-control none --profile-from-start off $sections --csv --page details \
+    profile-attention) for which in ours flex; do
+                         ncu --clock-control none --profile-from-start off $NCU_SECTIONS --csv --page details \
                            python3 benchmarks/profile_attention_bwd.py --which $which ${PROFILE_ARGS:-} > "$OUT/ncu_bwd_$which.csv" 2> "$OUT/ncu_bwd_$which.err"
                          tail -3 "$OUT/ncu_bwd_$which.err"
                        done
                        python3 benchmarks/ncu_summary.py "$OUT/ncu_bwd_ours.csv" "$OUT/ncu_bwd_flex.csv" > "$OUT/ncu_bwd_summary.txt" 2>&1; tail -5 "$OUT/ncu_bwd_summary.txt" ;;
+    # Nsight Compute on one decode step (bf16 S=16k, FP8 S=128k) and on the bare read of the S=16k bytes, side by side
+    profile-decode) for case in ${PROFILE_DECODE:-bf16-s16k floor-s16k fp8-s128k}; do
+                      ncu --clock-control none --profile-from-start off $NCU_SECTIONS --csv --page details \
+                        python3 benchmarks/profile_decode.py --case $case > "$OUT/ncu_decode_$case.csv" 2> "$OUT/ncu_decode_$case.err"
+                      tail -3 "$OUT/ncu_decode_$case.err"
+                    done
+                    python3 benchmarks/ncu_summary.py "$OUT"/ncu_decode_*.csv > "$OUT/ncu_decode_summary.txt" 2>&1; tail -5 "$OUT/ncu_decode_summary.txt" ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
