@@ -306,7 +306,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# merge_block_states[, merge_block_elements[, k_pairs]]]]) tiles, help)
+# merge_block_states[, merge_block_elements]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -375,11 +375,6 @@ FOCUSED_SWEEPS = {
     "fp8deep": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (32, 64),
                 ((None, None, None), (128, 4, 4), (64, 4, 5), (64, 4, 6), (32, 4, 8)) * 2,
                 "only FP8 caches: the default tile against deeper pipelines at 32 / 64 splits, twice"),
-    # DecodeConfig.k_pairs: FP8 K read as column pairs (False: widened by Triton) at the default tiles
-    "kpairs": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
-                ("B32 S8k fp8", 32, 8192, False, True), ("B1 S128k fp8 paged64", 1, 131072, True, True)], (None,),
-               ((None,) * 6 + (False,), (None,) * 6 + (None,)) * 3,
-               "only FP8 caches: K widened by Triton against K read as column pairs, three times, alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -415,9 +410,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
             for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
-                block_n, warps, stages, groups, merge_n, merge_e, k_pairs = (*tile, None, None, None, None)[:7]
+                block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   merge_block_states=merge_n, merge_block_elements=merge_e, k_pairs=k_pairs)
+                                   merge_block_states=merge_n, merge_block_elements=merge_e)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)
