@@ -375,6 +375,11 @@ FOCUSED_SWEEPS = {
     "fp8deep": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (32, 64),
                 ((None, None, None), (128, 4, 4), (64, 4, 5), (64, 4, 6), (32, 4, 8)) * 2,
                 "only FP8 caches: the default tile against deeper pipelines at 32 / 64 splits, twice"),
+    # 32 splits against the automatic 33 (2 per SM): the merge folds 16 states per step, so 33 states take a
+    # third dependent round trip for one state
+    "split32": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False)], (32, None, 32, None),
+                ((None, None, None),) * 2,
+                "only 16-bit caches at B=1: 32 splits against the automatic count, alternating twice"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
