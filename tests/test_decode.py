@@ -1031,7 +1031,8 @@ def test_automatic_split_count_on_the_h200():
     caches aim at 2 programs per SM and take 1 split once the batch gives every SM a program; paged caches
     aim at 4 per SM (the sweeps in benchmarks/results/decode_splits_h200.json, decode_splits_b32_h200.json);
     contiguous FP8 caches (128-key tiles) at 2 per SM rounded down to a power of two, paged FP8 caches with
-    64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json)."""
+    64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json); contiguous 16-bit counts above
+    16 round down to whole merge steps of 16 states (decode_splits_split32_h200.json)."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
 
@@ -1050,7 +1051,7 @@ def test_automatic_split_count_on_the_h200():
         shape = cache(4096, page_size is not None, fp8, page_size or 64, head_dim)
         return P.decode_tiles(4, head_dim, head_dim, h200, dtype=dtype, cache=shape).block_n
 
-    assert splits(1, 131072) == 33 and splits(1, 16384) == 33
+    assert splits(1, 131072) == 32 and splits(1, 16384) == 32 and splits(2, 16384) == 16 and splits(4, 16384) == 9
     assert splits(1, 131072, paged=True) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
     assert splits(1, 131072, fp8=True) == 32 and splits(1, 16384, fp8=True) == 32
     assert splits(32, 8192) == 1 and splits(32, 8192, paged=True) == 4 and splits(32, 8192, fp8=True) == 1

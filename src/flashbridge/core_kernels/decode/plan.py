@@ -39,6 +39,7 @@ MAX_PAGE_SIZE = 1024
 MAX_SPLITS = 1024
 _UNBOUNDED = 1 << 30  # an unbounded window side (small enough that index arithmetic cannot overflow int32)
 _CHUNK_DQK = 64
+MERGE_STATES_PER_STEP = 16  # states the merge kernel folds per dependent round (DecodeConfig.merge_block_states)
 
 TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
@@ -534,6 +535,10 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     * FP8 caches on 128-key tiles (see :func:`decode_tiles`): the contiguous rule, the count rounded down
       to a power of two (B=1, S=128k: 90.4 us at 32 splits, 97.2 at 64; B=32, S=8k: 175 us at 1 split,
       183 at 4 -- ``decode_splits_fp8_h200.json``).
+    * A contiguous 16-bit count above the merge's states per step (16) is rounded down to whole steps: the
+      merge folds its states in dependent rounds of that many, and 33 states took a third round for one
+      (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four alternations; S=128k equal,
+      126.7 -- ``decode_splits_split32_h200.json``).
 
     Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
@@ -554,7 +559,11 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
         wanted = next_power_of_2(wanted)
     elif wide_fp8 and not target.interpret:
         wanted = next_power_of_2(wanted + 1) // 2  # the power of two at or below
-    return max(1, min(wanted, by_length, 64))
+    count = max(1, min(wanted, by_length, 64))
+    step = config.merge_block_states or MERGE_STATES_PER_STEP
+    if dense and count > step:
+        count -= count % step  # whole merge rounds (powers of two are already)
+    return count
 
 
 def _span(shape: DecodeShape, options: DecodeOptions) -> int:
@@ -648,7 +657,7 @@ def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Op
     elements = n_rows * head_dim_v
     block_e = config.merge_block_elements or (
         256 if target.interpret else max(16, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
-    block_n = config.merge_block_states or min(16, next_power_of_2(max(n_a, n_b, 1)))
+    block_n = config.merge_block_states or min(MERGE_STATES_PER_STEP, next_power_of_2(max(n_a, n_b, 1)))
     state_stride = elements  # states are contiguous (rows, Dv) slabs
     return Launch(
         kernel=f"{_K}:merge_states_kernel",
