@@ -535,10 +535,12 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     * FP8 caches on 128-key tiles (see :func:`decode_tiles`): the contiguous rule, the count rounded down
       to a power of two (B=1, S=128k: 90.4 us at 32 splits, 97.2 at 64; B=32, S=8k: 175 us at 1 split,
       183 at 4 -- ``decode_splits_fp8_h200.json``).
-    * A contiguous 16-bit count above the merge's states per step (16) is rounded down to whole steps: the
-      merge folds its states in dependent rounds of that many, and 33 states took a third round for one
+    * A contiguous 16-bit count above the merge's states per step (16) is rounded down to whole steps
       (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four alternations; S=128k equal,
-      126.7 -- ``decode_splits_split32_h200.json``).
+      126.7 -- ``decode_splits_split32_h200.json``). Likely the merge's third dependent round for the 33rd
+      state (not profiled; one round of 32 states measured slower than two of 16 in
+      ``decode_splits_merge_h200.json``, so the round count alone does not decide). Other counts (B=2: 17
+      -> 16) follow the same rule untimed.
 
     Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
