@@ -27,7 +27,8 @@ CASES = {  # name: (batch, length, fp8)
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=sorted(CASES), required=True)
-    parser.add_argument("--programs", type=int, default=256, help="read floor: programs (our split kernel: 256 at S=16k, 32 splits x 8 kv heads)")
+    parser.add_argument("--programs", type=int, default=256,
+                        help="read floor: programs (our split kernel: 256 at S=16k, 32 splits x 8 kv heads)")
     args = parser.parse_args()
     b, s, fp8 = CASES[args.case]
     k, v, extra = make_caches(b, s, fp8=fp8, copies=1)[0]
