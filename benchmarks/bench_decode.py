@@ -380,6 +380,11 @@ FOCUSED_SWEEPS = {
     "split32": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False)], (32, None, 32, None),
                 ((None, None, None),) * 2,
                 "only 16-bit caches at B=1: 32 splits against the automatic count, alternating twice"),
+    # the s16k sweep's best single readings beside the 32-split default: 16 splits at the default tile (24.3 us
+    # against 25.1 at 32) and 2-warp programs of 32 keys (24.5), never alternated
+    "s16kb": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False)], (16, 32),
+              ((64, 4, 3), (32, 2, 4), (64, 4, 4)) * 2,
+              "only 16-bit caches at B=1: 16 / 32 splits x the default tile, 2-warp 32-key and 4-stage tiles, twice"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
