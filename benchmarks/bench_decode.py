@@ -375,8 +375,8 @@ FOCUSED_SWEEPS = {
     "fp8deep": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (32, 64),
                 ((None, None, None), (128, 4, 4), (64, 4, 5), (64, 4, 6), (32, 4, 8)) * 2,
                 "only FP8 caches: the default tile against deeper pipelines at 32 / 64 splits, twice"),
-    # 32 splits against the automatic 33 (2 per SM): the merge folds 16 states per step, so 33 states take a
-    # third dependent round trip for one state
+    # 32 splits against the automatic 33 (2 per SM); the hypothesis: the merge folds 16 states per step, so 33
+    # states take a third dependent round trip for one state
     "split32": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False)], (32, None, 32, None),
                 ((None, None, None),) * 2,
                 "only 16-bit caches at B=1: 32 splits against the automatic count, alternating twice"),
@@ -419,7 +419,7 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
         shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in splits_list:
-            for tile in tiles:  # (block_n, warps, stages[, key_groups]); None = the plan's default
+            for tile in tiles:  # see FOCUSED_SWEEPS for the tuple's fields; None = the plan's default
                 block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
                                    merge_block_states=merge_n, merge_block_elements=merge_e)
