@@ -388,6 +388,20 @@ FOCUSED_SWEEPS = {
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
+    # one program per SM (half the default split count: 16 at B=1, 8 at B=2, 5 at B=4) with deeper pipelines
+    # against two per SM at the default depth; the s16kb sweep had B=1 S=16k at 16 splits 24.1 us (64 keys, 3
+    # stages) / 23.9 (4 stages) against 24.9 at 32, and S=128k 127.8 at 16 splits and 4 stages against 129.0.
+    # A variant's sixth field, its own split counts, replaces the sweep's.
+    "onesm": ([("B1 S16k", 1, 16384, False, False, (16, 32)), ("B1 S32k", 1, 32768, False, False, (16, 32)),
+               ("B1 S128k", 1, 131072, False, False, (16, 32)), ("B2 S16k", 2, 16384, False, False, (8, 16)),
+               ("B4 S16k", 4, 16384, False, False, (5, 9))], (None,),
+              ((64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 4, 6), (128, 4, 3), (128, 8, 3)) * 2,
+              "only 16-bit caches at B=1 / 2 / 4: one program per SM with 3-6 stages and 128-key tiles against "
+              "two per SM, twice, alternating"),
+    # the one-program-per-SM rule (128-key tiles) where it was not timed: B=4 (4 splits) and B=8 (2)
+    "onesmb": ([("B4 S16k", 4, 16384, False, False, (4, 5, 9)), ("B8 S16k", 8, 16384, False, False, (2, 3, 5))],
+               (None,), ((64, 4, 3), (128, 4, 3)) * 2,
+               "only 16-bit caches at B=4 / 8: 64- and 128-key tiles at one and two programs per SM, twice"),
 }
 
 
@@ -403,7 +417,7 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
         variants = [(label, b, s, False, False) for label, b, s in ROWS]
         variants += [("B1 S128k paged64", 1, 131072, True, False), ("B1 S128k fp8", 1, 131072, False, True)]
     out = []
-    for label, b, s, paged, fp8 in variants:
+    for label, b, s, paged, fp8, *own_splits in variants:
         try:
             caches = make_caches(b, s, paged=paged, fp8=fp8, copies=n_copies(kv_bytes(b, s, 1 if fp8 else 2)))
         except Exception as exc:
@@ -418,7 +432,7 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
         k0, v0, extra0 = caches[0]
         shape, options, _ = check_decode_args(q=info(q), k_cache=info(k0), v_cache=info(v0), cache_seqlens=info(lens),
                                               **{n: info(t) for n, t in extra0.items()})
-        for splits in splits_list:
+        for splits in (own_splits[0] if own_splits else splits_list):
             for tile in tiles:  # see FOCUSED_SWEEPS for the tuple's fields; None = the plan's default
                 block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,

@@ -468,7 +468,7 @@ class DecodeTiles:
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
                  config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *,
-                 cache: Optional[CacheShape] = None) -> DecodeTiles:
+                 cache: Optional[CacheShape] = None, batch_heads: Optional[int] = None) -> DecodeTiles:
     """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``. Head dims up to 256 are one
     power-of-two tile; above, q.k runs in 64-wide chunks. GPU: 4 warps for head dims up to 128 (the tiles
     are small: decode is memory-bound and wants many programs in flight), 8 above; 3 pipeline stages.
@@ -479,7 +479,13 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     as often (H200, B=1, S=128k: 90.4 us against 97.2 with 64 keys; B=32, S=8k: 175 against 184 --
     ``benchmarks/results/decode_splits_fp8_h200.json``; with V as column pairs 73.2 against 75.5 at 32
     splits, ``decode_splits_fp8pairsplits_h200.json``); paged FP8 caches keep 64 keys unless a page holds
-    whole 128-key tiles (``cache``: None = a 16-bit cache). Every default is checked by
+    whole 128-key tiles (``cache``: None = a 16-bit cache). Contiguous 16-bit caches take 128-key tiles too
+    when the launch leaves SMs idle without splits (``batch_heads`` = batch x kv heads below the SM count, at
+    most 16 packed rows, head dims 65..128): such a tile holds ~130 KB of shared memory at 3 stages, one
+    program per SM, and :func:`choose_num_splits` then fills the SMs once (H200, Hq=32, Hkv=8, D=128, two
+    alternations in ``decode_splits_onesm_h200.json``: B=1 S=16k 24.1 us at 16 splits against 25.0 at 32
+    with 64 keys, S=32k 38.9 against 39.9, S=128k 126.8 against 129.0; B=2 S=16k 38.6 at 8 splits against
+    39.6 at 16). ``batch_heads`` None keeps 64 keys. Every default is checked by
     ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB).
 
     Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
@@ -506,6 +512,9 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         elif (cache is not None and cache.fp8 and widest <= 128
               and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
+        elif (batch_heads is not None and batch_heads < target.num_sms and rows <= 16 and widest == 128
+              and (cache is None or not cache.paged)):
+            bn = 128  # one program per SM (see choose_num_splits)
     bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
     bn = config.block_n or bn
     groups = config.key_groups or 1
@@ -535,28 +544,32 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     * FP8 caches on 128-key tiles (see :func:`decode_tiles`): the contiguous rule, the count rounded down
       to a power of two (B=1, S=128k: 90.4 us at 32 splits, 97.2 at 64; B=32, S=8k: 175 us at 1 split,
       183 at 4 -- ``decode_splits_fp8_h200.json``).
+    * Contiguous 16-bit caches on 128-key tiles (the batch alone leaves SMs idle, see :func:`decode_tiles`):
+      one program per SM, the count rounded down so that no second wave starts (B=1, Hkv=8: 16 splits; B=2:
+      8; B=4: 4; ``decode_splits_onesm_h200.json``).
     * A contiguous 16-bit count above the merge's states per step (16) is rounded down to whole steps
       (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four alternations; S=128k equal,
-      126.7 -- ``decode_splits_split32_h200.json``). Likely the merge's third dependent round for the 33rd
-      state (not profiled; one round of 32 states measured slower than two of 16 in
-      ``decode_splits_merge_h200.json``, so the round count alone does not decide). Other counts (B=2: 17
-      -> 16) follow the same rule untimed.
+      126.7 -- ``decode_splits_split32_h200.json``, 64-key tiles at 2 programs per SM). Likely the merge's
+      third dependent round for the 33rd state (not profiled; one round of 32 states measured slower than two
+      of 16 in ``decode_splits_merge_h200.json``, so the round count alone does not decide).
 
     Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
     it needs no device sync and traces under jit / torch.compile."""
-    tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype, cache=cache)
+    tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype, cache=cache,
+                         batch_heads=batch * heads_kv)
     base = batch * heads_kv * cdiv(rows, tiles.block_m)
     fp8 = cache is not None and cache.fp8
     wide_fp8 = fp8 and tiles.block_n >= 128
     gathered = (cache is not None and cache.paged) or (fp8 and not wide_fp8)
     dense = not (gathered or target.interpret)  # the interpreter keeps the 4-per-SM rule (tests' split counts)
-    slots = target.num_sms * (config.programs_per_sm or (2 if dense else 4))
+    one_wave = dense and not fp8 and tiles.block_n >= 128 and not config.programs_per_sm
+    slots = target.num_sms * (config.programs_per_sm or (1 if one_wave else 2 if dense else 4))
     if base >= (target.num_sms if dense else slots):
         return 1
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
-    wanted = cdiv(slots, base)
+    wanted = slots // base if one_wave else cdiv(slots, base)
     if gathered and not target.interpret:
         wanted = next_power_of_2(wanted)
     elif wide_fp8 and not target.interpret:
@@ -703,7 +716,8 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
     cache = shape.cache
     splits = resolve_num_splits(shape, options, num_splits, target, config)
     rows = shape.seqlen_q * shape.group
-    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype, cache=cache)
+    tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype, cache=cache,
+                         batch_heads=shape.batch * shape.heads_kv)
     present = {"q": True, "k_cache": True, "v_cache": True, "cache_seqlens": True, "block_table": cache.paged,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
                "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
@@ -775,7 +789,8 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group
-    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared)
+    tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared,
+                           batch_heads=shape.heads_kv)
     splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
                                                head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
                                                config=config, dtype=shape.dtype, cache=shared)
@@ -791,7 +806,8 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     # 2. each request's own cache
     rows_b = sq * shape.group
     splits_b = resolve_num_splits(shape, options, num_splits, target, config)
-    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, cache=cache)
+    tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, cache=cache,
+                           batch_heads=b * shape.heads_kv)
     ob, lb = _partial_strides(b, sq, hq, dv)
     own_launch = _decode_launch(
         **{**common, "cache": cache}, inputs=("q", "k_cache", "v_cache", "cache_seqlens", name("block_table"),
