@@ -402,6 +402,14 @@ FOCUSED_SWEEPS = {
     "onesmb": ([("B4 S16k", 4, 16384, False, False, (4, 5, 9)), ("B8 S16k", 8, 16384, False, False, (2, 3, 5))],
                (None,), ((64, 4, 3), (128, 4, 3)) * 2,
                "only 16-bit caches at B=4 / 8: 64- and 128-key tiles at one and two programs per SM, twice"),
+    # the same question for the other two B=1 paths: FP8 (128-key tiles at 2 per SM by default) and paged
+    # caches (64-key tiles, one page per key block, 4 per SM): one program per SM with wider or deeper tiles
+    "fp8onesm": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (16, 32),
+                 ((None, None, None), (256, 4, 3), (256, 8, 3), (128, 4, 5), (256, 4, 4)) * 2,
+                 "only FP8 caches at B=1: 256-key and deeper tiles at 16 / 32 splits, twice"),
+    "pagedonesm": ([("B1 S16k paged64", 1, 16384, True, False), ("B1 S128k paged64", 1, 131072, True, False)],
+                   (16, 32, 64), ((64, 4, 3), (64, 4, 4), (64, 4, 5)),
+                   "only paged (64-slot pages) 16-bit caches at B=1: 16-64 splits x pipeline depth"),
 }
 
 
