@@ -410,6 +410,12 @@ FOCUSED_SWEEPS = {
     "pagedonesm": ([("B1 S16k paged64", 1, 16384, True, False), ("B1 S128k paged64", 1, 131072, True, False)],
                    (16, 32, 64), ((64, 4, 3), (64, 4, 4), (64, 4, 5)),
                    "only paged (64-slot pages) 16-bit caches at B=1: 16-64 splits x pipeline depth"),
+    # the two best single readings of fp8onesm / pagedonesm against the defaults, alternating three times
+    "onesmab": ([("B1 S16k paged64", 1, 16384, True, False, (32, 64)),
+                 ("B1 S128k paged64", 1, 131072, True, False, (32, 64)),
+                 ("B1 S16k fp8", 1, 16384, False, True, (16, 32)), ("B1 S128k fp8", 1, 131072, False, True, (16, 32))],
+                (None,), ((None, None, None), (64, 4, 5), (256, 4, 3)) * 3,
+                "only B=1 paged and FP8: 64-key 5-stage and 256-key tiles against the default, 3 alternations"),
 }
 
 
