@@ -416,6 +416,14 @@ FOCUSED_SWEEPS = {
                  ("B1 S16k fp8", 1, 16384, False, True, (16, 32)), ("B1 S128k fp8", 1, 131072, False, True, (16, 32))],
                 (None,), ((None, None, None), (64, 4, 5), (256, 4, 3)) * 3,
                 "only B=1 paged and FP8: 64-key 5-stage and 256-key tiles against the default, 3 alternations"),
+    # where 256-key FP8 tiles start to pay at one program per SM (B=1 S=16k: 1024 keys per split, lost;
+    # S=128k: 8192, won), and the paged candidate (2 per SM, 5 stages) at B=2; None = the automatic count
+    "onesmspan": ([("B1 S32k fp8", 1, 32768, False, True, (16, None)), ("B1 S64k fp8", 1, 65536, False, True, (16, None)),
+                   ("B2 S16k fp8", 2, 16384, False, True, (8, None)), ("B4 S16k fp8", 4, 16384, False, True, (4, None)),
+                   ("B2 S16k paged64", 2, 16384, True, False, (16, None))],
+                  (None,), ((None, None, None), (128, 4, 3), (256, 4, 3), (64, 4, 5)) * 2,
+                  "only FP8 and paged caches at B=1-4: 128- / 256-key and 5-stage tiles at one or two programs "
+                  "per SM against the defaults, twice"),
 }
 
 
