@@ -1033,7 +1033,8 @@ def test_automatic_split_count_on_the_h200():
     contiguous FP8 caches (128-key tiles) at 2 per SM rounded down to a power of two, paged FP8 caches with
     64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json); contiguous 16-bit caches whose
     batch leaves SMs idle take 128-key tiles at one program per SM, never a second wave
-    (decode_splits_onesm_h200.json); contiguous 16-bit counts above 16 round down to whole merge steps of
+    (decode_splits_onesm_h200.json), paged 16-bit caches there 5 stages at two per SM
+    (decode_splits_onesmab_h200.json); contiguous 16-bit counts above 16 round down to whole merge steps of
     16 states (decode_splits_split32_h200.json)."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
@@ -1049,14 +1050,19 @@ def test_automatic_split_count_on_the_h200():
         return P.choose_num_splits(batch=batch, heads_kv=8, rows=4, span=span, head_dim_qk=128, head_dim_v=128,
                                    target=h200, cache=cache(span, paged, fp8, page_size))
 
-    def block_n(fp8, page_size=None, dtype="bfloat16", head_dim=128, batch_heads=None, rows=4):
+    def tiles(fp8, page_size=None, dtype="bfloat16", head_dim=128, batch_heads=None, rows=4,
+              config=P.DEFAULT_CONFIG):
         shape = cache(4096, page_size is not None, fp8, page_size or 64, head_dim)
-        return P.decode_tiles(rows, head_dim, head_dim, h200, dtype=dtype, cache=shape,
-                              batch_heads=batch_heads).block_n
+        return P.decode_tiles(rows, head_dim, head_dim, h200, config, dtype=dtype, cache=shape,
+                              batch_heads=batch_heads)
+
+    def block_n(*args, **kwargs):
+        return tiles(*args, **kwargs).block_n
 
     assert splits(1, 131072) == 16 and splits(1, 16384) == 16 and splits(2, 16384) == 8 and splits(4, 16384) == 4
     assert splits(8, 16384) == 2 and splits(16, 16384) == 1  # 128 programs: one per SM without splits
-    assert splits(1, 131072, paged=True) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
+    assert splits(1, 131072, paged=True) == 32 and splits(2, 16384, paged=True) == 16
+    assert splits(1, 131072, paged=True, page_size=16) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
     assert splits(1, 131072, fp8=True) == 32 and splits(1, 16384, fp8=True) == 32
     assert splits(32, 8192) == 1 and splits(32, 8192, paged=True) == 4 and splits(32, 8192, fp8=True) == 1
     assert block_n(False) == 64 and block_n(True) == 128 and block_n(True, page_size=256) == 128
@@ -1068,6 +1074,15 @@ def test_automatic_split_count_on_the_h200():
     assert block_n(False, batch_heads=8, rows=32) == 64 and block_n(False, batch_heads=8, head_dim=64) == 64
     assert splits(1, 512) == 1 and splits(1, 1024) == 2  # short caches: at least 4 key blocks per split
     assert splits(1, 512, paged=True) == 2  # (64-key blocks when paged)
+    # paged 16-bit caches with whole key blocks per page: 5 stages at two programs per SM
+    assert tiles(False, page_size=64, batch_heads=8).num_stages == 5
+    assert tiles(False, page_size=64, batch_heads=8).programs_per_sm == 2
+    assert tiles(False, page_size=16, batch_heads=8).num_stages == 3
+    assert tiles(False, page_size=64, batch_heads=256).num_stages == 3
+    assert tiles(True, page_size=64, batch_heads=8).num_stages == 3 and tiles(True, batch_heads=8).programs_per_sm == 0
+    # a tile of the caller's choice keeps the cache kind's split rule
+    assert tiles(False, batch_heads=8, config=P.DecodeConfig(block_n=64)).programs_per_sm == 0
+    assert tiles(False, batch_heads=8).programs_per_sm == 1
 
 
 def test_key_groups_are_off_by_default_on_the_h200():

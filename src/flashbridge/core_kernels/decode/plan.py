@@ -464,6 +464,9 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     key_groups: int = 1
+    # > 0: the tile was picked for a batch that leaves SMs idle, to run this many programs per SM
+    # (choose_num_splits then fills the SMs once); 0: the cache kind's own split rule
+    programs_per_sm: int = 0
 
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
@@ -479,14 +482,24 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     as often (H200, B=1, S=128k: 90.4 us against 97.2 with 64 keys; B=32, S=8k: 175 against 184 --
     ``benchmarks/results/decode_splits_fp8_h200.json``; with V as column pairs 73.2 against 75.5 at 32
     splits, ``decode_splits_fp8pairsplits_h200.json``); paged FP8 caches keep 64 keys unless a page holds
-    whole 128-key tiles (``cache``: None = a 16-bit cache). Contiguous 16-bit caches take 128-key tiles too
-    when the launch leaves SMs idle without splits (``batch_heads`` = batch x kv heads below the SM count, at
-    most 16 packed rows, head dims 65..128): such a tile holds ~130 KB of shared memory at 3 stages, one
-    program per SM, and :func:`choose_num_splits` then fills the SMs once (H200, Hq=32, Hkv=8, D=128, two
-    alternations in ``decode_splits_onesm_h200.json``: B=1 S=16k 24.1 us at 16 splits against 25.0 at 32
-    with 64 keys, S=32k 38.9 against 39.9, S=128k 126.8 against 129.0; B=2 S=16k 38.6 at 8 splits against
-    39.6 at 16). ``batch_heads`` None keeps 64 keys. Every default is checked by
+    whole 128-key tiles (``cache``: None = a 16-bit cache). Every default is checked by
     ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB).
+
+    When the batch leaves SMs idle without splits (``batch_heads`` = batch x kv heads below the SM count, at
+    most 16 packed rows, head dims 65..128; None = unknown, the tiles above), 16-bit caches take tiles made
+    for a fixed number of programs per SM (``DecodeTiles.programs_per_sm``), which the split count then
+    fills once. H200, Hq=32, Hkv=8, D=128, Sq=1, two or three alternations per reading:
+
+    * contiguous: 128 keys (139 KB of shared memory at 3 stages: one program per SM). B=1 S=16k 24.1 us at
+      16 splits against 25.0 at 32 with 64 keys, S=32k 38.9 against 39.9, S=128k 126.8 against 129.0, B=2
+      S=16k 38.6 (8 splits) against 39.6 (16), B=4 67.8 (4) against 79.3 (9), B=8 126.5 (2) against 139.9
+      (5) -- ``decode_splits_onesm_h200.json``, ``decode_splits_onesmb_h200.json``;
+    * paged (whole 64-key blocks per page): 5 stages at two programs per SM. B=1 S=16k 25.8 us at 32 splits
+      against 26.4 at 64 with 3 stages, S=128k 130.9 against 131.3, B=2 S=16k 40.8 (16) against 46.9 (64) --
+      ``decode_splits_onesmab_h200.json``, ``decode_splits_onesmspan_h200.json`` (3 and 4 stages time the
+      same there);
+    * FP8 keeps its 128-key tiles at two per SM: one per SM won at B=1 S=16k (16.8 against 17.2 us) and,
+      with 256-key tiles, at S=128k (71.2 against 73.1) but lost at S=32k, 64k and B=2 / 4 S=16k.
 
     Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
     (``load_v_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
@@ -501,6 +514,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         block_dqk, chunks = _CHUNK_DQK, cdiv(head_dim_qk, _CHUNK_DQK)
     block_dv = _pad(head_dim_v)
     widest = max(block_dqk * chunks, block_dv)
+    per_sm = 0
     if target.interpret:
         bm_cap, bn, warps, stages = 64, 32, 4, 1
     else:
@@ -513,8 +527,13 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
               and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
         elif (batch_heads is not None and batch_heads < target.num_sms and rows <= 16 and widest == 128
-              and (cache is None or not cache.paged)):
-            bn = 128  # one program per SM (see choose_num_splits)
+              and (cache is None or not cache.fp8)):
+            if cache is None or not cache.paged:
+                bn, per_sm = 128, 1
+            elif cache.page_size % bn == 0:
+                stages, per_sm = 5, 2
+    if config.block_n or config.num_stages:
+        per_sm = 0  # a tile of the caller's choice: the cache kind's split rule
     bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
     bn = config.block_n or bn
     groups = config.key_groups or 1
@@ -523,7 +542,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
                          f"per group" if chunks == 1 else
                          f"DecodeConfig.key_groups: head dims above 256 (q.k in chunks) take one group, got {groups}")
     return DecodeTiles(bm, bn, block_dqk, chunks, block_dv, config.num_warps or warps, config.num_stages or stages,
-                       groups)
+                       groups, per_sm)
 
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
@@ -544,9 +563,10 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     * FP8 caches on 128-key tiles (see :func:`decode_tiles`): the contiguous rule, the count rounded down
       to a power of two (B=1, S=128k: 90.4 us at 32 splits, 97.2 at 64; B=32, S=8k: 175 us at 1 split,
       183 at 4 -- ``decode_splits_fp8_h200.json``).
-    * Contiguous 16-bit caches on 128-key tiles (the batch alone leaves SMs idle, see :func:`decode_tiles`):
-      one program per SM, the count rounded down so that no second wave starts (B=1, Hkv=8: 16 splits; B=2:
-      8; B=4: 4; ``decode_splits_onesm_h200.json``).
+    * Tiles picked for a batch that leaves SMs idle (``DecodeTiles.programs_per_sm``, see
+      :func:`decode_tiles`): that many programs per SM, the count rounded down so that no second wave
+      starts (Hkv=8, contiguous 16-bit at one per SM: B=1 16 splits, B=2 8, B=4 4, B=8 2; paged at two per
+      SM: B=1 32, B=2 16), then to whole merge steps as below.
     * A contiguous 16-bit count above the merge's states per step (16) is rounded down to whole steps
       (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four alternations; S=128k equal,
       126.7 -- ``decode_splits_split32_h200.json``, 64-key tiles at 2 programs per SM). Likely the merge's
@@ -563,20 +583,22 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     wide_fp8 = fp8 and tiles.block_n >= 128
     gathered = (cache is not None and cache.paged) or (fp8 and not wide_fp8)
     dense = not (gathered or target.interpret)  # the interpreter keeps the 4-per-SM rule (tests' split counts)
-    one_wave = dense and not fp8 and tiles.block_n >= 128 and not config.programs_per_sm
-    slots = target.num_sms * (config.programs_per_sm or (1 if one_wave else 2 if dense else 4))
+    one_wave = tiles.programs_per_sm > 0 and not config.programs_per_sm
+    slots = target.num_sms * (config.programs_per_sm or tiles.programs_per_sm or (2 if dense else 4))
     if base >= (target.num_sms if dense else slots):
         return 1
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
     wanted = slots // base if one_wave else cdiv(slots, base)
-    if gathered and not target.interpret:
+    if one_wave:
+        pass  # rounded to merge steps below
+    elif gathered and not target.interpret:
         wanted = next_power_of_2(wanted)
     elif wide_fp8 and not target.interpret:
         wanted = next_power_of_2(wanted + 1) // 2  # the power of two at or below
     count = max(1, min(wanted, by_length, 64))
     step = config.merge_block_states or MERGE_STATES_PER_STEP
-    if dense and count > step:
+    if (dense or one_wave) and count > step:
         count -= count % step  # whole merge rounds (powers of two are already)
     return count
 
