@@ -252,8 +252,10 @@ def _memcheck_case():
             tapi.plan_decode = plan_decode
             tapi._decode_plan.cache_clear()
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
-                 # contiguous 16-bit, 10 (batch x kv head) programs: 128-key tiles at one program per SM
+                 # 10 (batch x kv head) programs: contiguous 16-bit takes 128-key tiles at one program per SM,
+                 # paged (whole key blocks per page) 5 stages at two
                  dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097)),
+                 dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=64),
                  dict(hq=8, hkv=2, dqk=64, dtype="bfloat16", lens=(1, 0, 63, 130), page_size=64, layout="HND",
                       fp8="head"),
                  dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
