@@ -53,7 +53,8 @@ class DecodeConfig:
     * ``block_n``: keys per loop step; ``block_m``: the most packed (query token x GQA head) rows of one
       program (more rows -> more row blocks, each reading the cache again);
     * ``programs_per_sm``: the auto split count aims at this many programs per SM when the batch does not
-      fill the GPU on its own, ``min_blocks_per_split`` keeps each split at least that many key blocks long;
+      fill the GPU on its own (set, it overrides the tile's own, ``DecodeTiles.programs_per_sm``),
+      ``min_blocks_per_split`` keeps each split at least that many key blocks long;
     * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
       ``merge_block_states`` states per step.
     * ``key_groups``: the decode kernel walks each key block as this many groups of keys with a softmax
@@ -550,6 +551,12 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
                       cache: Optional[CacheShape] = None) -> int:
     """The automatic split count. ``base = batch * heads_kv * row_blocks`` programs exist without splits.
 
+    The first rule that applies:
+
+    * Tiles picked for a batch that leaves SMs idle (``DecodeTiles.programs_per_sm``, see
+      :func:`decode_tiles`): that many programs per SM, the count rounded down so that no second wave
+      starts (Hkv=8, contiguous 16-bit at one per SM: B=1 16 splits, B=2 8, B=4 4, B=8 2; paged at two per
+      SM: B=1 32, B=2 16), then to whole merge steps as below.
     * Contiguous bf16/fp16 caches (``cache`` None, or neither paged nor FP8): 1 split once ``base`` reaches
       one program per SM, else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32,
       Hkv=8, D=128 (the split sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took
@@ -563,15 +570,13 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     * FP8 caches on 128-key tiles (see :func:`decode_tiles`): the contiguous rule, the count rounded down
       to a power of two (B=1, S=128k: 90.4 us at 32 splits, 97.2 at 64; B=32, S=8k: 175 us at 1 split,
       183 at 4 -- ``decode_splits_fp8_h200.json``).
-    * Tiles picked for a batch that leaves SMs idle (``DecodeTiles.programs_per_sm``, see
-      :func:`decode_tiles`): that many programs per SM, the count rounded down so that no second wave
-      starts (Hkv=8, contiguous 16-bit at one per SM: B=1 16 splits, B=2 8, B=4 4, B=8 2; paged at two per
-      SM: B=1 32, B=2 16), then to whole merge steps as below.
-    * A contiguous 16-bit count above the merge's states per step (16) is rounded down to whole steps
-      (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four alternations; S=128k equal,
-      126.7 -- ``decode_splits_split32_h200.json``, 64-key tiles at 2 programs per SM). Likely the merge's
-      third dependent round for the 33rd state (not profiled; one round of 32 states measured slower than two
-      of 16 in ``decode_splits_merge_h200.json``, so the round count alone does not decide).
+
+    Then a contiguous 16-bit count (or one of the first rule) above the merge's states per step (16) is
+    rounded down to whole steps (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four
+    alternations; S=128k equal, 126.7 -- ``decode_splits_split32_h200.json``, 64-key tiles at 2 programs per
+    SM). Likely the merge's third dependent round for the 33rd state (not profiled; one round of 32 states
+    measured slower than two of 16 in ``decode_splits_merge_h200.json``, so the round count alone does not
+    decide).
 
     Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
