@@ -424,6 +424,13 @@ FOCUSED_SWEEPS = {
                   (None,), ((None, None, None), (128, 4, 3), (256, 4, 3), (64, 4, 5)) * 2,
                   "only FP8 and paged caches at B=1-4: 128- / 256-key and 5-stage tiles at one or two programs "
                   "per SM against the defaults, twice"),
+    # at the one-program-per-SM default (128 keys, 3 stages: 139 KB), a 4th stage (~205 KB) or 8 warps; the
+    # split counts are given because an explicit tile keeps the old split rule
+    "onesmdeep": ([("B1 S16k", 1, 16384, False, False, (16,)), ("B1 S128k", 1, 131072, False, False, (16,)),
+                   ("B2 S16k", 2, 16384, False, False, (8,)), ("B4 S16k", 4, 16384, False, False, (4,))],
+                  (None,), ((128, 4, 3), (128, 4, 4), (128, 8, 4), (128, 8, 3)) * 2,
+                  "only 16-bit caches at B=1-4, one program per SM: 128-key tiles at 3 / 4 stages, 4 / 8 warps, "
+                  "twice"),
 }
 
 
