@@ -784,6 +784,18 @@ def test_torch_fp8_v_pairs(name, groups, decode_config):
     assert decode_constexpr(built, "V_PAIRS") == {pairs}
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_torch_fp8_wide_key_blocks(block_n, decode_config):
+    """The GPU's FP8 tiles (128 keys; 256 at one program per SM on long spans) in the interpreter: ragged and
+    empty sequences, lengths inside and past a block, several splits, against the float64 reference."""
+    built = decode_config(block_n=block_n)
+    q, k, v, kw = make_case(_seed(f"fp8-wide-{block_n}"), dtype="bfloat16", hq=8, hkv=2, dqk=128,
+                            lens=(0, 1, 300, 700), fp8="tensor")
+    for splits in (None, 3):
+        check_decode(q, k, v, kw, dict(causal=True), num_splits=splits, floor=1e-3)
+    assert decode_constexpr(built, "BLOCK_N") == {block_n} and decode_constexpr(built, "V_PAIRS") == {True}
+
+
 def test_torch_fp8_v_pairs_float16_queries():
     """float16 queries take the column-pair path too (no bf16 -> f16 rescaling of q)."""
     spec, options, splits, _ = FP8_PAIR_CASES["hnd-paged16-dv40-sq3"]
@@ -1051,10 +1063,10 @@ def test_automatic_split_count_on_the_h200():
                                    target=h200, cache=cache(span, paged, fp8, page_size))
 
     def tiles(fp8, page_size=None, dtype="bfloat16", head_dim=128, batch_heads=None, rows=4,
-              config=P.DEFAULT_CONFIG):
-        shape = cache(4096, page_size is not None, fp8, page_size or 64, head_dim)
+              config=P.DEFAULT_CONFIG, span=None):
+        shape = cache(span or 4096, page_size is not None, fp8, page_size or 64, head_dim)
         return P.decode_tiles(rows, head_dim, head_dim, h200, config, dtype=dtype, cache=shape,
-                              batch_heads=batch_heads)
+                              batch_heads=batch_heads, span=span)
 
     def block_n(*args, **kwargs):
         return tiles(*args, **kwargs).block_n
@@ -1063,7 +1075,7 @@ def test_automatic_split_count_on_the_h200():
     assert splits(8, 16384) == 2 and splits(16, 16384) == 1  # 128 programs: one per SM without splits
     assert splits(1, 131072, paged=True) == 32 and splits(2, 16384, paged=True) == 16
     assert splits(1, 131072, paged=True, page_size=16) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
-    assert splits(1, 131072, fp8=True) == 32 and splits(1, 16384, fp8=True) == 32
+    assert splits(1, 16384, fp8=True) == 32
     assert splits(32, 8192) == 1 and splits(32, 8192, paged=True) == 4 and splits(32, 8192, fp8=True) == 1
     assert block_n(False) == 64 and block_n(True) == 128 and block_n(True, page_size=256) == 128
     assert block_n(True, page_size=64) == 64 and block_n(True, dtype="float32") == 32
@@ -1080,6 +1092,12 @@ def test_automatic_split_count_on_the_h200():
     assert tiles(False, page_size=16, batch_heads=8).num_stages == 3
     assert tiles(False, page_size=64, batch_heads=256).num_stages == 3
     assert tiles(True, page_size=64, batch_heads=8).num_stages == 3 and tiles(True, batch_heads=8).programs_per_sm == 0
+    # contiguous FP8: 256-key tiles at one program per SM once a split at that count gets 8192 keys
+    assert splits(1, 131072, fp8=True) == 16 and splits(1, 65536, fp8=True) == 32
+    assert block_n(True, batch_heads=8, span=131072) == 256 and block_n(True, batch_heads=8, span=65536) == 128
+    assert block_n(True, batch_heads=32, span=32768) == 256 and block_n(True, batch_heads=32, span=16384) == 128
+    assert block_n(True, page_size=128, batch_heads=8, span=131072) == 128  # paged FP8 keeps its rule
+    assert tiles(True, batch_heads=8, span=131072).programs_per_sm == 1 and block_n(True, span=131072) == 128
     # a tile of the caller's choice keeps the cache kind's split rule
     assert tiles(False, batch_heads=8, config=P.DecodeConfig(block_n=64)).programs_per_sm == 0
     assert tiles(False, batch_heads=8).programs_per_sm == 1

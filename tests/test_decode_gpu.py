@@ -235,15 +235,20 @@ def test_gpu_decode_key_groups(name, decode_config):
 
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4."""
+    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and FP8 256-key tiles."""
     import functools
 
     from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
     from flashbridge.torch_api import decode as tapi
-    for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
-                 dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor")):
+    # the decode kernel with key groups, and FP8 256-key tiles (the default only on long spans at B=1)
+    for spec, config in ((dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
+                          DecodeConfig(key_groups=4)),
+                         (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
+                          DecodeConfig(key_groups=4)),
+                         (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
+                          DecodeConfig(block_n=256))):
         q, k, v, kw = _cuda(*make_case(3, **spec))
-        tapi.plan_decode = functools.partial(plan_decode, config=DecodeConfig(key_groups=4))
+        tapi.plan_decode = functools.partial(plan_decode, config=config)
         tapi._decode_plan.cache_clear()
         try:
             for splits in (None, 1, 3):

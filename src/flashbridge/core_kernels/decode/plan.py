@@ -40,6 +40,8 @@ MAX_SPLITS = 1024
 _UNBOUNDED = 1 << 30  # an unbounded window side (small enough that index arithmetic cannot overflow int32)
 _CHUNK_DQK = 64
 MERGE_STATES_PER_STEP = 16  # states the merge kernel folds per dependent round (DecodeConfig.merge_block_states)
+# keys per split (at one program per SM) from which contiguous FP8 caches take 256-key tiles (see decode_tiles)
+FP8_WIDE_SPLIT_KEYS = 8192
 
 TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
@@ -472,7 +474,8 @@ class DecodeTiles:
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
                  config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *,
-                 cache: Optional[CacheShape] = None, batch_heads: Optional[int] = None) -> DecodeTiles:
+                 cache: Optional[CacheShape] = None, batch_heads: Optional[int] = None,
+                 span: Optional[int] = None) -> DecodeTiles:
     """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``. Head dims up to 256 are one
     power-of-two tile; above, q.k runs in 64-wide chunks. GPU: 4 warps for head dims up to 128 (the tiles
     are small: decode is memory-bound and wants many programs in flight), 8 above; 3 pipeline stages.
@@ -487,8 +490,8 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB).
 
     When the batch leaves SMs idle without splits (``batch_heads`` = batch x kv heads below the SM count, at
-    most 16 packed rows, head dims 65..128; None = unknown, the tiles above), 16-bit caches take tiles made
-    for a fixed number of programs per SM (``DecodeTiles.programs_per_sm``), which the split count then
+    most 16 packed rows, head dims 65..128; None = unknown, the tiles above), caches take tiles made for a
+    fixed number of programs per SM (``DecodeTiles.programs_per_sm``), which the split count then
     fills once. H200, Hq=32, Hkv=8, D=128, Sq=1, two or three alternations per reading:
 
     * contiguous: 128 keys (139 KB of shared memory at 3 stages: one program per SM). B=1 S=16k 24.1 us at
@@ -499,8 +502,13 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
       against 26.4 at 64 with 3 stages, S=128k 130.9 against 131.3, B=2 S=16k 40.8 (16) against 46.9 (64) --
       ``decode_splits_onesmab_h200.json``, ``decode_splits_onesmspan_h200.json`` (3 and 4 stages time the
       same there);
-    * FP8 keeps its 128-key tiles at two per SM: one per SM won at B=1 S=16k (16.8 against 17.2 us) and,
-      with 256-key tiles, at S=128k (71.2 against 73.1) but lost at S=32k, 64k and B=2 / 4 S=16k.
+    * FP8, contiguous, with ``span`` (the longest span a split count is made for) long enough for
+      ``FP8_WIDE_SPLIT_KEYS`` keys per split at one program per SM: 256-key tiles at one per SM. B=1 S=128k
+      (8192 keys per split at 16 splits) 71.2 us against 73.1 at 32 splits with 128 keys; with 4096 keys per
+      split or fewer, one per SM lost: S=64k 41.4 against 41.0, S=32k 26.0 against 25.5, B=4 S=16k 41.5
+      against 40.8 (``decode_splits_onesmab_h200.json``, ``decode_splits_onesmspan_h200.json``). Otherwise
+      FP8 keeps its 128-key tiles at two per SM (one per SM at 128 keys won only at B=1 S=16k, 16.8 against
+      17.2 us, and lost at S=32k and B=2 S=16k).
 
     Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
     (``load_v_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
@@ -516,6 +524,8 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
     block_dv = _pad(head_dim_v)
     widest = max(block_dqk * chunks, block_dv)
     per_sm = 0
+    # the batch leaves SMs idle without splits (at most 16 packed rows: one row block per (batch, kv head))
+    idle = batch_heads is not None and batch_heads < target.num_sms and rows <= 16 and widest == 128
     if target.interpret:
         bm_cap, bn, warps, stages = 64, 32, 4, 1
     else:
@@ -527,8 +537,10 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         elif (cache is not None and cache.fp8 and widest <= 128
               and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
-        elif (batch_heads is not None and batch_heads < target.num_sms and rows <= 16 and widest == 128
-              and (cache is None or not cache.fp8)):
+            if (idle and not cache.paged and span is not None
+                    and span // (target.num_sms // batch_heads) >= FP8_WIDE_SPLIT_KEYS):
+                bn, per_sm = 256, 1
+        elif idle and (cache is None or not cache.fp8):
             if cache is None or not cache.paged:
                 bn, per_sm = 128, 1
             elif cache.page_size % bn == 0:
@@ -582,7 +594,7 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
     it needs no device sync and traces under jit / torch.compile."""
     tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype, cache=cache,
-                         batch_heads=batch * heads_kv)
+                         batch_heads=batch * heads_kv, span=span)
     base = batch * heads_kv * cdiv(rows, tiles.block_m)
     fp8 = cache is not None and cache.fp8
     wide_fp8 = fp8 and tiles.block_n >= 128
@@ -744,7 +756,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
     splits = resolve_num_splits(shape, options, num_splits, target, config)
     rows = shape.seqlen_q * shape.group
     tiles = decode_tiles(rows, shape.head_dim_qk, shape.head_dim_v, target, config, shape.dtype, cache=cache,
-                         batch_heads=shape.batch * shape.heads_kv)
+                         batch_heads=shape.batch * shape.heads_kv, span=_span(shape, options))
     present = {"q": True, "k_cache": True, "v_cache": True, "cache_seqlens": True, "block_table": cache.paged,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
                "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
@@ -817,7 +829,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group
     tiles_a = decode_tiles(rows_a, shape.head_dim_qk, dv, target, config, shape.dtype, cache=shared,
-                           batch_heads=shape.heads_kv)
+                           batch_heads=shape.heads_kv, span=shared_len)
     splits_a = num_splits or choose_num_splits(batch=1, heads_kv=shape.heads_kv, rows=rows_a, span=shared_len,
                                                head_dim_qk=shape.head_dim_qk, head_dim_v=dv, target=target,
                                                config=config, dtype=shape.dtype, cache=shared)
@@ -834,7 +846,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     rows_b = sq * shape.group
     splits_b = resolve_num_splits(shape, options, num_splits, target, config)
     tiles_b = decode_tiles(rows_b, shape.head_dim_qk, dv, target, config, shape.dtype, cache=cache,
-                           batch_heads=b * shape.heads_kv)
+                           batch_heads=b * shape.heads_kv, span=_span(shape, options))
     ob, lb = _partial_strides(b, sq, hq, dv)
     own_launch = _decode_launch(
         **{**common, "cache": cache}, inputs=("q", "k_cache", "v_cache", "cache_seqlens", name("block_table"),
