@@ -1046,8 +1046,9 @@ def test_automatic_split_count_on_the_h200():
     64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json); contiguous 16-bit caches whose
     batch leaves SMs idle take 128-key tiles at one program per SM, never a second wave
     (decode_splits_onesm_h200.json), paged 16-bit caches there 5 stages at two per SM
-    (decode_splits_onesmab_h200.json); contiguous 16-bit counts above 16 round down to whole merge steps of
-    16 states (decode_splits_split32_h200.json)."""
+    (decode_splits_onesmab_h200.json), contiguous FP8 caches there 256-key tiles at one per SM once a split
+    gets 8192 keys (decode_splits_onesmspan_h200.json); contiguous 16-bit counts above 16 round down to whole
+    merge steps of 16 states (decode_splits_split32_h200.json)."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
 

@@ -606,13 +606,14 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
         return 1
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
-    wanted = slots // base if one_wave else cdiv(slots, base)
     if one_wave:
-        pass  # rounded to merge steps below
-    elif gathered and not target.interpret:
-        wanted = next_power_of_2(wanted)
-    elif wide_fp8 and not target.interpret:
-        wanted = next_power_of_2(wanted + 1) // 2  # the power of two at or below
+        wanted = slots // base  # never more programs than slots: no second wave
+    else:
+        wanted = cdiv(slots, base)
+        if gathered and not target.interpret:
+            wanted = next_power_of_2(wanted)
+        elif wide_fp8 and not target.interpret:
+            wanted = next_power_of_2(wanted + 1) // 2  # the power of two at or below
     count = max(1, min(wanted, by_length, 64))
     step = config.merge_block_states or MERGE_STATES_PER_STEP
     if (dense or one_wave) and count > step:
