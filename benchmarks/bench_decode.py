@@ -601,6 +601,19 @@ def ptxas_report():
                   "v_cache": "bfloat16", "cache_seqlens": "int32", "block_table": "int32", "sinks": "float32"})
     compile_plan("merge_attention_states bf16", plan_merge(3, 4096, 128, "bfloat16", target=target),
                  {"outs": "bfloat16", "lses": "float32"})
+    # the benchmark's B=1 rows: the tiles for a batch that leaves SMs idle (FP8's 256-key tile from S=128k)
+    for cache_dtype, s, paged in (("bfloat16", 16384, False), ("bfloat16", 16384, True),
+                                  ("float8_e4m3fn", 131072, False)):
+        fp8 = cache_dtype == "float8_e4m3fn"
+        kshape = (s // 64, 64, HKV, D) if paged else (1, s, HKV, D)
+        shape, options, _ = check_decode_args(
+            q=((1, 1, HQ, D), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
+            cache_seqlens=((1,), "int32"), block_table=((1, s // 64), "int32") if paged else None,
+            k_scale=((), "float32") if fp8 else None, v_scale=((), "float32") if fp8 else None)
+        compile_plan(f"B1 S{s // 1024}k {cache_dtype[:5]}{' paged' if paged else ''}",
+                     plan_decode(shape, options, target=target),
+                     {"q": "bfloat16", "k_cache": cache_dtype, "v_cache": cache_dtype, "cache_seqlens": "int32",
+                      "block_table": "int32", "k_scale": "float32", "v_scale": "float32"})
 
 
 def main():
