@@ -19,6 +19,7 @@ copies together exceed the L2 many times (every call reads HBM).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import traceback
@@ -144,30 +145,25 @@ def torch_flashinfer(b, s):
     return _graph_time(step), nbytes
 
 
-_STREAM_KERNEL = None
-
-
+@functools.cache
 def _stream_read_kernel():
     """A bare read: each program sums its contiguous chunk of K and of V (the sum is stored so the loads
     stay live). No page table, no strides, no dots: what a kernel that only reads these bytes reaches.
     Plain 16-byte loads (Triton pipelines through cp.async only loads that feed a dot, so a num_stages here
     would change nothing: sm_90 PTX identical): the loads in flight come from the programs."""
-    global _STREAM_KERNEL
-    if _STREAM_KERNEL is None:
-        import triton
-        import triton.language as tl
+    import triton
+    import triton.language as tl
 
-        @triton.jit
-        def stream_read(K, V, OUT, chunk, TILE: tl.constexpr):
-            start = tl.program_id(0).to(tl.int64) * chunk
-            offs = tl.arange(0, TILE)
-            acc = tl.zeros([TILE], dtype=tl.float32)
-            for i in range(0, chunk, TILE):
-                acc += tl.load(K + start + i + offs).to(tl.float32) + tl.load(V + start + i + offs).to(tl.float32)
-            tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+    @triton.jit
+    def stream_read(K, V, OUT, chunk, TILE: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * chunk
+        offs = tl.arange(0, TILE)
+        acc = tl.zeros([TILE], dtype=tl.float32)
+        for i in range(0, chunk, TILE):
+            acc += tl.load(K + start + i + offs).to(tl.float32) + tl.load(V + start + i + offs).to(tl.float32)
+        tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
 
-        _STREAM_KERNEL = stream_read
-    return _STREAM_KERNEL
+    return stream_read
 
 
 # (programs, elements per tile, warps): the read floor is the best of these
@@ -388,8 +384,8 @@ FOCUSED_SWEEPS = {
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
-    # one program per SM (half the default split count: 16 at B=1, 8 at B=2, 5 at B=4) with deeper pipelines
-    # against two per SM at the default depth; the s16kb sweep had B=1 S=16k at 16 splits 24.1 us (64 keys, 3
+    # one program per SM (half the split count of the rule then: 16 at B=1, 8 at B=2, 5 at B=4) with deeper
+    # pipelines against two per SM at the then default depth; the s16kb sweep had B=1 S=16k at 16 splits 24.1 us (64 keys, 3
     # stages) / 23.9 (4 stages) against 24.9 at 32, and S=128k 127.8 at 16 splits and 4 stages against 129.0.
     # A variant's sixth field, its own split counts, replaces the sweep's.
     "onesm": ([("B1 S16k", 1, 16384, False, False, (16, 32)), ("B1 S32k", 1, 32768, False, False, (16, 32)),

@@ -40,6 +40,7 @@ MAX_SPLITS = 1024
 _UNBOUNDED = 1 << 30  # an unbounded window side (small enough that index arithmetic cannot overflow int32)
 _CHUNK_DQK = 64
 MERGE_STATES_PER_STEP = 16  # states the merge kernel folds per dependent round (DecodeConfig.merge_block_states)
+MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
 # keys per split (at one program per SM) from which contiguous FP8 caches take 256-key tiles (see decode_tiles)
 FP8_WIDE_SPLIT_KEYS = 8192
 
@@ -537,8 +538,9 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         elif (cache is not None and cache.fp8 and widest <= 128
               and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
-            if (idle and not cache.paged and span is not None
-                    and span // (target.num_sms // batch_heads) >= FP8_WIDE_SPLIT_KEYS):
+            one_wave_splits = min(target.num_sms // batch_heads, MAX_AUTO_SPLITS) if idle else 0
+            if (one_wave_splits and not cache.paged and span is not None
+                    and span // one_wave_splits >= FP8_WIDE_SPLIT_KEYS):
                 bn, per_sm = 256, 1
         elif idle and (cache is None or not cache.fp8):
             if cache is None or not cache.paged:
@@ -614,7 +616,7 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
             wanted = next_power_of_2(wanted)
         elif wide_fp8 and not target.interpret:
             wanted = next_power_of_2(wanted + 1) // 2  # the power of two at or below
-    count = max(1, min(wanted, by_length, 64))
+    count = max(1, min(wanted, by_length, MAX_AUTO_SPLITS))
     step = config.merge_block_states or MERGE_STATES_PER_STEP
     if (dense or one_wave) and count > step:
         count -= count % step  # whole merge rounds (powers of two are already)
