@@ -717,6 +717,8 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(fused_backward="no")  # a truthy string must not switch the one launch on
     with pytest.raises(ValueError, match="AttentionConfig.fused_backward"):
         AttentionConfig(fused_backward=0)  # nor a 0 that is not False
+    with pytest.raises(ValueError, match="AttentionConfig.early_dp"):
+        AttentionConfig(early_dp="yes")
 
 
 def forward_with_config(q, k, v, kw, options, config):
@@ -858,6 +860,50 @@ def test_jax_fused_backward_gives_identical_results():
 
     for got, want in zip(grads(AttentionConfig(fused_backward=True)), grads(AttentionConfig(fused_backward=False))):
         assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_early_dp_gives_identical_results(fused):
+    """AttentionConfig.early_dp (dP^T issued before the exponentials in the dK/dV loop's unmasked segment)
+    through both runtimes on the interpreter: bitwise the default order's dq, dk, dv, with softcap (the
+    score gradient's tanh term) on causal GQA with a ragged tail, so the masked and the unmasked segments
+    both run; the one launch and the two kernels."""
+    import jax.numpy as jnp
+    import torch
+
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+    from flashbridge.jax_api import _runtime as jax_runtime
+    from flashbridge.torch_api import _runtime as torch_runtime
+
+    g = np.random.default_rng(11)
+    q, dout = (g.standard_normal((2, 150, 4, 32)).astype(np.float32) for _ in range(2))
+    k, v = (g.standard_normal((2, 150, 2, 32)).astype(np.float32) for _ in range(2))
+    info_q, info_kv = ((2, 150, 4, 32), "float32"), ((2, 150, 2, 32), "float32")
+    shape, options = check_attention_args(q=info_q, k=info_kv, v=info_kv, causal=True, softcap=20.0)
+    cpu = torch_runtime.target_for(torch.device("cpu"))
+    kernels = [launch.kernel.split(":")[1] for launch in plan_attention_bwd(
+        shape, options, target=cpu, config=AttentionConfig(early_dp=True, fused_backward=fused)).launches]
+    assert ("attn_bwd_kernel" in kernels) == fused and dict(
+        plan_attention_bwd(shape, options, target=cpu, config=AttentionConfig(early_dp=True)).launches[1].constexprs
+    )["EARLY_DP"] is True
+
+    def grads(early):
+        config = AttentionConfig(early_dp=early, fused_backward=fused)
+        tq, tk, tv, tdo = (torch.from_numpy(a) for a in (q, k, v, dout))
+        out, lse = torch_runtime.execute(plan_attention_fwd(shape, options, target=cpu), {"q": tq, "k": tk, "v": tv})
+        by_torch = torch_runtime.execute(plan_attention_bwd(shape, options, target=cpu, config=config),
+                                         {"dout": tdo, "q": tq, "k": tk, "v": tv, "out": out, "lse": lse})
+        inputs = {"dout": jnp.asarray(dout), "q": jnp.asarray(q), "k": jnp.asarray(k), "v": jnp.asarray(v),
+                  "out": jnp.asarray(out.numpy()), "lse": jnp.asarray(lse.numpy())}
+        by_jax = jax_runtime.execute(lambda t: plan_attention_bwd(shape, options, target=t, config=config), inputs)
+        return [t.numpy() for t in by_torch], [np.asarray(a) for a in by_jax]
+
+    (torch_late, jax_late), (torch_early, jax_early) = grads(False), grads(True)
+    for late, early, jax_e in zip(torch_late, torch_early, jax_early):
+        assert np.isfinite(late).all() and np.abs(late).max() > 0
+        np.testing.assert_array_equal(early, late)
+        np.testing.assert_array_equal(jax_e, late)
 
 
 def test_fused_backward_needs_one_warp_count():

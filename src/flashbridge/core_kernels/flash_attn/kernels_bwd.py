@@ -86,7 +86,7 @@ def _dkdv_step(
     stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
@@ -104,12 +104,19 @@ def _dkdv_step(
     else:
         lse2 = tl.load(L2_head + offs_m)
         delta = tl.load(D_head + offs_m)
+    # EARLY_DP (AttentionConfig.early_dp), in the unmasked segment only: dP^T is issued before the
+    # exponentials, so the tensor cores compute it while the warps evaluate P^T (in the masked segments the
+    # extra live tile made ptxas spill more: sm_90, D=128 causal, stack 128 -> 208 B).
+    DP_FIRST: tl.constexpr = EARLY_DP and not APPLY_MASK
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+    if DP_FIRST:
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
     p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                            HAS_ALIBI)  # [N, M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+    if not DP_FIRST:
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
     ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -121,7 +128,7 @@ def _dkdv_q_range(
     stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
     window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
@@ -137,7 +144,7 @@ def _dkdv_q_range(
             dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, blk, offs_n,
                                 offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q,
                                 len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
-                                APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                                APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP)
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -150,7 +157,7 @@ def _dkdv_q_range(
                                 D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale,
                                 cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
                                 BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                DOT_PRECISION)
+                                DOT_PRECISION, EARLY_DP)
     return dk, dv
 
 
@@ -163,7 +170,8 @@ def _dkdv_program(
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr,
 ):
     """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
@@ -202,16 +210,18 @@ def _dkdv_program(
     dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, lo, full_lo,
                            offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
                            stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
-                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                           EARLY_DP)
     dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, full_lo,
                            full_hi, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
                            stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right,
                            GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, False, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI,
-                           DOT_PRECISION)
+                           DOT_PRECISION, EARLY_DP)
     dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, full_hi, hi,
                            offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
                            stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
-                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                           EARLY_DP)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
@@ -230,7 +240,8 @@ def attn_bwd_dkdv_kernel(
     DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
+    STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
@@ -244,7 +255,7 @@ def attn_bwd_dkdv_kernel(
                   stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                   stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                   DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
-                  HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
+                  HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit
@@ -367,7 +378,8 @@ def attn_bwd_kernel(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
@@ -389,7 +401,7 @@ def attn_bwd_kernel(
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
                           stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
                           stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N,
-                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
+                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN,
                           LSE_ALIGN)
     else:
         q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)

@@ -55,6 +55,14 @@ class AttentionConfig:
       D=64 causal 312 -> 328, GQA 32/8 causal 322 -> 331; alternating both four times in one process
       (``bench_attention.py --ab 4``) MHA differs by less than 1.5% either way and GQA causal gains 1.4%.
       D=256's default tiles differ in warps and keep two launches.
+    * ``early_dp``: order of the products in the dK/dV loop's unmasked segment. False: ``p^T`` recomputed
+      from ``k q^T``, then ``dv += p^T dout``, then ``dp^T = v dout^T``; True: ``dp^T`` issued right after
+      ``k q^T``, before the exponentials, so the tensor cores compute it while the warps evaluate ``p^T``,
+      and ``ds^T`` is formed while ``dv``'s product runs. sm_90, Triton 3.6, D=128 one-launch backward:
+      the tensor cores' idle stretches in that loop shrink from ~80 + ~80 to ~40 + ~20 instructions (the
+      ``MUFU.EX2`` run sits between the ``dp^T`` MMAs and their wait), same instruction count, stack 56 B
+      (causal: 128 -> 152 B; applied to the masked segments too it was 208). The dQ loop is left as it is:
+      ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = False.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -78,6 +86,7 @@ class AttentionConfig:
     masked_block_n: Optional[int] = None
     head_group: Optional[int] = None
     fused_backward: Optional[bool] = None
+    early_dp: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -89,8 +98,10 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
         if self.head_group is not None and self.head_group < 1:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
-        if not (self.fused_backward is None or isinstance(self.fused_backward, bool)):
-            raise ValueError(f"AttentionConfig.fused_backward: must be None, True or False, got {self.fused_backward!r}")
+        for flag in ("fused_backward", "early_dp"):
+            value = getattr(self, flag)
+            if not (value is None or isinstance(value, bool)):
+                raise ValueError(f"AttentionConfig.{flag}: must be None, True or False, got {value!r}")
 
     def tile(self, kernel: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq")."""
@@ -551,6 +562,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
     flags = _flags(shape, options, one_comparison=True)
     head_group = _head_group(config, options, target)
+    early_dp = ("EARLY_DP", bool(config.early_dp))
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
@@ -587,7 +599,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             scalars=fused_scalars,
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
-                        ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, *_align(fused_scalars),
+                        ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
                         ("HEAD_GROUP", head_group)),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
@@ -600,7 +612,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dkdv_scalars,
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, *_align(dkdv_scalars), ("HEAD_GROUP", head_group)),
+                            *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group)),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
