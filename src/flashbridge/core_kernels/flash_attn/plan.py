@@ -62,7 +62,8 @@ class AttentionConfig:
       the tensor cores' idle stretches in that loop shrink from ~80 + ~80 to ~40 + ~20 instructions (the
       ``MUFU.EX2`` run sits between the ``dp^T`` MMAs and their wait), same instruction count, stack 56 B
       (causal: 128 -> 152 B; applied to the masked segments too it was 208). The dQ loop is left as it is:
-      ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = False.
+      ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = the default
+      of :data:`GPU_EARLY_DP` (on for D=128, and for D=64 without a causal mask or window).
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -144,6 +145,13 @@ GPU_MASKED_STAGES = {128: {"fwd": 2}}
 # masked segments are the ragged tails): there the narrower masked loop costs the visible loop 32 bytes of
 # stack, and MHA 498.6 -> 475.8, GQA 503.5 -> 493.0.
 GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
+# Whether the dK/dV loop issues dP^T before the exponentials (AttentionConfig.early_dp) by default, per padded
+# head dim: (full attention, causal / windowed). H200, S=4096, B=4, bf16, alternating four times in one process
+# (bench_attention.py --ab 4 --ab-config '{"early_dp": true}', attention_ab_early_dp-True_h200.json), median
+# backward TFLOP/s: D=128 full 378.6 -> 395.3, causal 342.2 -> 349.0; GQA 32/8 full 377.1 -> 391.1, causal
+# 336.8 -> 347.6; D=64 full 338.7 -> 353.6, causal 316.8 -> 312.4 (kept off). D=256 (two launches, its own
+# tiles) was not timed.
+GPU_EARLY_DP = {64: (True, False), 128: (True, True)}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
@@ -397,6 +405,18 @@ def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -
     return 4 if options.causal and not target.interpret else 1
 
 
+def _early_dp(config: AttentionConfig, shape: AttnShape, options: AttnOptions, target: Target) -> bool:
+    """The backward's ``EARLY_DP`` constexpr: the config's, else :data:`GPU_EARLY_DP`'s on a GPU (off in
+    the interpreter, where the order of the products does not matter, and for float32 inputs)."""
+    if config.early_dp is not None:
+        return config.early_dp
+    if target.interpret:
+        return False
+    table, key = _gpu_key(shape)
+    full, masked = GPU_EARLY_DP.get(key, (False, False)) if table is GPU_TILES else (False, False)
+    return masked if options.causal or options.has_local else full
+
+
 def _timed_default(per_dim: dict, kernel: str, shape: AttnShape, target: Target):
     """The value an H200 timing set for ``kernel`` ("fwd", "fwd_masked", ...) in ``per_dim`` (keyed like
     :data:`GPU_TILES`), or None: in the interpreter, for float32 inputs and where nothing was timed."""
@@ -562,7 +582,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
     flags = _flags(shape, options, one_comparison=True)
     head_group = _head_group(config, options, target)
-    early_dp = ("EARLY_DP", bool(config.early_dp))
+    early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
