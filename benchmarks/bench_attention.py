@@ -11,6 +11,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --order-only  # only head_group / fused_backward (AttentionConfig)
     python benchmarks/bench_attention.py --ab 4       # the defaults against fused_backward=False, alternating 4x
     python benchmarks/bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'   # ... against another setting
+    python benchmarks/bench_attention.py --bar-rows 5   # the bar's rows: ours, Flex and SDPA flash alternating 5x
     python benchmarks/bench_attention.py --dims 64 --seqlens 1024 --no-extra \
         --only 'flashbridge-torch steady,flashbridge-jax steady' --tag cmdbuf   # some rows, a named file
     python benchmarks/bench_attention.py --steady-diagnosis 64,1024   # why the JAX steady forward trails there
@@ -335,6 +336,38 @@ def steady_diagnosis(b, s, h, d, causal):
             "busy": {"torch_graph": torch_summary, "jax_loop": jax_summary}}
 
 
+BAR_PROVIDERS = ("flashbridge-torch", "flex (compiled)", "sdpa-flash")
+
+
+def bar_rows(reps: int, d: int = 128, seqlens=(4096, 16384)) -> list[dict]:
+    """The bar's rows (forward >= Flex and >= 1.4x SDPA flash, backward >= Flex), each provider timed per call
+    ``reps`` times, the providers alternating within each round (fresh inputs every time), so that a
+    comparison of two providers does not ride on one sample each or on the drift between runs (~3%)."""
+    out = []
+    for s in seqlens:
+        for causal in (False, True):
+            b = TOKENS // s
+            providers = torch_providers(b, s, H, H, d, causal)
+            pairs = visible_pairs(s, s, causal)
+            samples = {name: [] for name in BAR_PROVIDERS}
+            for _ in range(reps):
+                for name in BAR_PROVIDERS:
+                    fwd_ms, bwd_ms = providers[name]()
+                    samples[name].append((tflops(pairs, b, H, d, fwd_ms, False), tflops(pairs, b, H, d, bwd_ms, True)))
+                    torch.cuda.empty_cache()
+            med = {name: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
+                   for name, v in samples.items()}
+            ours, flex, sdpa = (med[n] for n in BAR_PROVIDERS)
+            row = {"case": f"D{d} S{s} {'causal' if causal else 'full'}", "b": b, "s": s, "d": d, "causal": causal,
+                   "samples": samples, "median": med, "fwd_vs_flex": ours[0] / flex[0],
+                   "fwd_vs_sdpa_flash": ours[0] / sdpa[0], "bwd_vs_flex": ours[1] / flex[1]}
+            out.append(row)
+            print(f"{row['case']}: median TFLOP/s forward ours {ours[0]:.1f} / Flex {flex[0]:.1f} / SDPA flash "
+                  f"{sdpa[0]:.1f} ({row['fwd_vs_flex']:.3f}x Flex, {row['fwd_vs_sdpa_flash']:.3f}x SDPA flash; bar "
+                  f"1.0 / 1.4), backward ours {ours[1]:.1f} / Flex {flex[1]:.1f} ({row['bwd_vs_flex']:.3f}x; bar 1.0)")
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- tune
 
 # program-level AttentionConfig settings --tune / --order-only time with the default tiles: the program
@@ -501,6 +534,9 @@ def main():
                         help="only the defaults against --ab-config, alternating N times in one process at S=4096 "
                              "(MHA D=128 / D=64 full and causal, GQA 32/8 D=128 full and causal): for differences "
                              "smaller than the drift between separate runs (~3%%)")
+    parser.add_argument("--bar-rows", type=int, metavar="N",
+                        help="only the issue's bar rows (D=128, S=4096 / 16384, full and causal): ours, "
+                             "FlexAttention and SDPA flash per call, alternating N times in one process, medians")
     parser.add_argument("--ab-config", default='{"fused_backward": false}', metavar="JSON",
                         help="the AttentionConfig keywords --ab compares the defaults with")
     parser.add_argument("--seqlens", help="comma-separated sequence lengths of the main grid (default: all)")
@@ -564,6 +600,10 @@ def main():
                 for r in time_program_configs(TOKENS // 4096, 4096, hq, hkv, d, causal, configs)]
         name = "attention_ab_" + "_".join(f"{k}-{v}" for k, v in other.items()) + "_h200"
         print(f"wrote {save(name, {'environment': environment(), 'against': other, 'rows': rows})}")
+        return
+    if args.bar_rows:
+        rows = bar_rows(args.bar_rows)
+        print(f"wrote {save('attention_bar_rows_h200', {'environment': environment(), 'rows': rows})}")
         return
     if args.tune_only:
         args.tune, seqlens, args.no_extra, args.no_jax = True, (), True, True

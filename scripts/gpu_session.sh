@@ -2,7 +2,7 @@
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
-#   jax-settings attention-jax-settings attention-steady profile-attention profile-decode
+#   jax-settings attention-jax-settings attention-steady profile-attention profile-decode attention-bar
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
 # 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
@@ -65,6 +65,8 @@ for stage in "${stages[@]}"; do
     attention-order) python3 benchmarks/bench_attention.py --order-only 2>&1 | tee "$OUT/attention_order.log" | grep -v "^order" | tail -20 ;;
     # defaults against one AttentionConfig setting, alternating in one process: ATTN_AB_CONFIG='{"dkdv_block_m": 32}'
     attention-ab) python3 benchmarks/bench_attention.py --ab ${ATTN_AB:-4} ${ATTN_AB_CONFIG:+--ab-config "$ATTN_AB_CONFIG"} 2>&1 | tee "$OUT/attention_ab.log" | tail -30 ;;
+    # the bar's D=128 rows, ours / Flex / SDPA flash alternating ATTN_BAR_REPS times (~3 min at 5)
+    attention-bar) python3 benchmarks/bench_attention.py --bar-rows ${ATTN_BAR_REPS:-5} 2>&1 | tee "$OUT/attention_bar.log" | tail -12 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
     # the JAX rows alone under three allocator / launch settings (the JAX-vs-torch gap of the norms)
     jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1"; do
