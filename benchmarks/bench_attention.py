@@ -358,13 +358,21 @@ def bar_rows(reps: int, d: int = 128, seqlens=(4096, 16384)) -> list[dict]:
             med = {name: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
                    for name, v in samples.items()}
             ours, flex, sdpa = (med[n] for n in BAR_PROVIDERS)
+
+            def paired(i, base):  # median over rounds of ours / base within a round (seconds apart)
+                return float(np.median([a[i] / c[i] for a, c in zip(samples[BAR_PROVIDERS[0]], samples[base])]))
+
             row = {"case": f"D{d} S{s} {'causal' if causal else 'full'}", "b": b, "s": s, "d": d, "causal": causal,
                    "samples": samples, "median": med, "fwd_vs_flex": ours[0] / flex[0],
-                   "fwd_vs_sdpa_flash": ours[0] / sdpa[0], "bwd_vs_flex": ours[1] / flex[1]}
+                   "fwd_vs_sdpa_flash": ours[0] / sdpa[0], "bwd_vs_flex": ours[1] / flex[1],
+                   "paired": {"fwd_vs_flex": paired(0, "flex (compiled)"), "fwd_vs_sdpa_flash": paired(0, "sdpa-flash"),
+                              "bwd_vs_flex": paired(1, "flex (compiled)")}}
             out.append(row)
             print(f"{row['case']}: median TFLOP/s forward ours {ours[0]:.1f} / Flex {flex[0]:.1f} / SDPA flash "
                   f"{sdpa[0]:.1f} ({row['fwd_vs_flex']:.3f}x Flex, {row['fwd_vs_sdpa_flash']:.3f}x SDPA flash; bar "
-                  f"1.0 / 1.4), backward ours {ours[1]:.1f} / Flex {flex[1]:.1f} ({row['bwd_vs_flex']:.3f}x; bar 1.0)")
+                  f"1.0 / 1.4), backward ours {ours[1]:.1f} / Flex {flex[1]:.1f} ({row['bwd_vs_flex']:.3f}x; bar 1.0); "
+                  f"per-round ratios' medians {row['paired']['fwd_vs_flex']:.3f} / "
+                  f"{row['paired']['fwd_vs_sdpa_flash']:.3f} / {row['paired']['bwd_vs_flex']:.3f}")
     return out
 
 
