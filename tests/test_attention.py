@@ -719,8 +719,6 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(fused_backward=0)  # nor a 0 that is not False
     with pytest.raises(ValueError, match="AttentionConfig.early_dp"):
         AttentionConfig(early_dp="yes")
-    with pytest.raises(ValueError, match="AttentionConfig.dq_ahead"):
-        AttentionConfig(dq_ahead=1)
 
 
 def forward_with_config(q, k, v, kw, options, config):
@@ -864,14 +862,12 @@ def test_jax_fused_backward_gives_identical_results():
         assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
 
 
-@pytest.mark.parametrize("flag", ["early_dp", "dq_ahead"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_product_order_gives_identical_results(fused, flag):
-    """AttentionConfig.early_dp (dP^T issued before the exponentials in the dK/dV loop's unmasked segment) and
-    dq_ahead (the dQ loop's next scores issued before this block's ds) through both runtimes on the
-    interpreter: bitwise the default order's dq, dk, dv, with softcap (the score gradient's tanh term) on
-    causal GQA with a ragged tail, so the masked and the unmasked segments both run; the one launch and the
-    two kernels."""
+def test_early_dp_gives_identical_results(fused):
+    """AttentionConfig.early_dp (dP^T issued before the exponentials in the dK/dV loop's unmasked segment)
+    through both runtimes on the interpreter: bitwise the default order's dq, dk, dv, with softcap (the
+    score gradient's tanh term) on causal GQA with a ragged tail, so the masked and the unmasked segments
+    both run; the one launch and the two kernels."""
     import jax.numpy as jnp
     import torch
 
@@ -887,14 +883,13 @@ def test_product_order_gives_identical_results(fused, flag):
     shape, options = check_attention_args(q=info_q, k=info_kv, v=info_kv, causal=True, softcap=20.0)
     cpu = torch_runtime.target_for(torch.device("cpu"))
     kernels = [launch.kernel.split(":")[1] for launch in plan_attention_bwd(
-        shape, options, target=cpu, config=AttentionConfig(fused_backward=fused, **{flag: True})).launches]
-    assert ("attn_bwd_kernel" in kernels) == fused
-    constexpr = {"early_dp": "EARLY_DP", "dq_ahead": "DQ_AHEAD"}[flag]
-    plan = plan_attention_bwd(shape, options, target=cpu, config=AttentionConfig(**{flag: True}))
-    assert dict(plan.launches[1].constexprs)[constexpr] is True
+        shape, options, target=cpu, config=AttentionConfig(early_dp=True, fused_backward=fused)).launches]
+    assert ("attn_bwd_kernel" in kernels) == fused and dict(
+        plan_attention_bwd(shape, options, target=cpu, config=AttentionConfig(early_dp=True)).launches[1].constexprs
+    )["EARLY_DP"] is True
 
     def grads(early):
-        config = AttentionConfig(fused_backward=fused, **{flag: early})
+        config = AttentionConfig(early_dp=early, fused_backward=fused)
         tq, tk, tv, tdo = (torch.from_numpy(a) for a in (q, k, v, dout))
         out, lse = torch_runtime.execute(plan_attention_fwd(shape, options, target=cpu), {"q": tq, "k": tk, "v": tv})
         by_torch = torch_runtime.execute(plan_attention_bwd(shape, options, target=cpu, config=config),

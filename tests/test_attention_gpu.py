@@ -134,12 +134,11 @@ def test_gpu_torch_deterministic():
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(head_group=8), dict(head_group=64), dict(fused_backward=False),
-                                      dict(head_group=1), dict(early_dp=True), dict(early_dp=False),
-                                      dict(dq_ahead=True), dict(dq_ahead=False)],
+                                      dict(head_group=1), dict(early_dp=True), dict(early_dp=False)],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_gpu_program_order_and_fused_backward_are_bitwise_identical(settings):
     """AttentionConfig.head_group (program order, block_schedule; default 4 when causal), fused_backward
-    (dK/dV and dQ in one launch, the default), early_dp and dq_ahead (the loops' product order) on the GPU:
+    (dK/dV and dQ in one launch, the default) and early_dp (the dK/dV loop's product order) on the GPU:
     forward and backward bitwise equal to the grid order and the two backward kernels, GQA causal at a size
     where the order spans many waves of programs."""
     from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,

@@ -264,45 +264,22 @@ def _dq_kv_range(
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_AHEAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``.
-
-    DQ_AHEAD (``AttentionConfig.dq_ahead``), in the unmasked segment: each step issues the next block's
-    ``q k^T`` before forming this block's ``ds``, so the tensor cores compute it meanwhile (the first block's
-    scores come before the loop; the last step scores its own block again rather than branch). The K tile is
-    loaded twice per step, for the next scores and for this block's ``ds k``."""
+    """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``."""
     offs_c = tl.arange(0, BLOCK_N)
-    if DQ_AHEAD and not APPLY_MASK:
-        if blk_lo < blk_hi:  # every key of these blocks is inside the sequence: no row masks
-            k = load_rows(K_base, blk_lo * BLOCK_N, offs_c, stride_ks, offs_dqk, offs_c >= 0, DQK, BLOCK_DQK, False)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-            for blk in range(blk_lo, blk_hi):
-                n_start = blk * BLOCK_N
-                offs_n = n_start + offs_c
-                v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, offs_c >= 0, DV, BLOCK_DV, False)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
-                p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2,
-                                   diag, len_k, window_left, window_right, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-                k_next = load_rows(K_base, tl.minimum(blk + 1, blk_hi - 1) * BLOCK_N, offs_c, stride_ks, offs_dqk,
-                                   offs_c >= 0, DQK, BLOCK_DQK, False)
-                qk = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)  # the next block's scores
-                ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
-                k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, offs_c >= 0, DQK, BLOCK_DQK, False)
-                dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    else:
-        for blk in range(blk_lo, blk_hi):
-            n_start = blk * BLOCK_N
-            offs_n = n_start + offs_c
-            key_ok = offs_n < len_k
-            k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, APPLY_MASK)
-            v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, APPLY_MASK)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-            p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
-                               len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
-            ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    for blk in range(blk_lo, blk_hi):
+        n_start = blk * BLOCK_N
+        offs_n = n_start + offs_c
+        key_ok = offs_n < len_k
+        k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [N, Dqk]
+        v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, APPLY_MASK)  # [N, Dv]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+        p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
+                           len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+        ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -314,8 +291,7 @@ def _dq_program(
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_AHEAD: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
 ):
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
     :func:`query_block`, ``m_start < len_q``)."""
@@ -352,15 +328,15 @@ def _dq_program(
     dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
                       stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION, DQ_AHEAD)
+                      DOT_PRECISION)
     dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
                       stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION, DQ_AHEAD)
+                      DOT_PRECISION)
     dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
                       stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                       DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION, DQ_AHEAD)
+                      DOT_PRECISION)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)
@@ -376,8 +352,8 @@ def attn_bwd_dq_kernel(
     DQ,  # output: dq in q's layout and dtype
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_AHEAD: tl.constexpr,
-    STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
         CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
@@ -387,8 +363,7 @@ def attn_bwd_dq_kernel(
                 softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                 stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
-                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, DQ_AHEAD, STRIDE_ALIGN,
-                LSE_ALIGN)
+                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
@@ -403,8 +378,8 @@ def attn_bwd_kernel(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, DQ_AHEAD: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
@@ -441,7 +416,7 @@ def attn_bwd_kernel(
                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                         stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
                         Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION, DQ_AHEAD, STRIDE_ALIGN, LSE_ALIGN)
+                        DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)

@@ -64,11 +64,6 @@ class AttentionConfig:
       (causal: 128 -> 152 B; applied to the masked segments too it was 208). The dQ loop is left as it is:
       ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = the default
       of :data:`GPU_EARLY_DP` (on for D=128, and for D=64 without a causal mask or window).
-    * ``dq_ahead``: the dQ loop's unmasked segment issues the next key block's ``q k^T`` before forming this
-      block's ``ds``, so the tensor cores compute it meanwhile (the dQ loop's last idle stretch: sm_90, D=128
-      one-launch backward, ~80 instructions per step -> none; the step loads its K tile twice, 164 -> 224 KB
-      of shared memory, one program per SM either way). Identical results. None = the default of
-      :data:`GPU_DQ_AHEAD`.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -93,7 +88,6 @@ class AttentionConfig:
     head_group: Optional[int] = None
     fused_backward: Optional[bool] = None
     early_dp: Optional[bool] = None
-    dq_ahead: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -105,7 +99,7 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
         if self.head_group is not None and self.head_group < 1:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
-        for flag in ("fused_backward", "early_dp", "dq_ahead"):
+        for flag in ("fused_backward", "early_dp"):
             value = getattr(self, flag)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"AttentionConfig.{flag}: must be None, True or False, got {value!r}")
@@ -158,9 +152,6 @@ GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
 # 336.8 -> 347.6; D=64 full 338.7 -> 353.6, causal 316.8 -> 312.4 (kept off). D=256 (two launches, its own
 # tiles) was not timed.
 GPU_EARLY_DP = {64: (True, False), 128: (True, True)}
-# Whether the dQ loop scores the next key block before this one's ds (AttentionConfig.dq_ahead) by default, per
-# padded head dim: (full attention, causal / windowed). Not timed yet on the H200.
-GPU_DQ_AHEAD = {64: (True, True), 128: (True, True)}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
@@ -414,17 +405,15 @@ def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -
     return 4 if options.causal and not target.interpret else 1
 
 
-def _product_order(flag: str, per_dim: dict, config: AttentionConfig, shape: AttnShape, options: AttnOptions,
-                   target: Target) -> bool:
-    """The backward's ``EARLY_DP`` / ``DQ_AHEAD`` constexpr (``flag``: the config field): the config's, else
-    ``per_dim``'s (:data:`GPU_EARLY_DP`, :data:`GPU_DQ_AHEAD`) on a GPU; off in the interpreter, where the
-    order of the products does not matter, and for float32 inputs."""
-    if getattr(config, flag) is not None:
-        return getattr(config, flag)
+def _early_dp(config: AttentionConfig, shape: AttnShape, options: AttnOptions, target: Target) -> bool:
+    """The backward's ``EARLY_DP`` constexpr: the config's, else :data:`GPU_EARLY_DP`'s on a GPU (off in
+    the interpreter, where the order of the products does not matter, and for float32 inputs)."""
+    if config.early_dp is not None:
+        return config.early_dp
     if target.interpret:
         return False
     table, key = _gpu_key(shape)
-    full, masked = per_dim.get(key, (False, False)) if table is GPU_TILES else (False, False)
+    full, masked = GPU_EARLY_DP.get(key, (False, False)) if table is GPU_TILES else (False, False)
     return masked if options.causal or options.has_local else full
 
 
@@ -593,8 +582,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
     flags = _flags(shape, options, one_comparison=True)
     head_group = _head_group(config, options, target)
-    early_dp = ("EARLY_DP", _product_order("early_dp", GPU_EARLY_DP, config, shape, options, target))
-    dq_ahead = ("DQ_AHEAD", _product_order("dq_ahead", GPU_DQ_AHEAD, config, shape, options, target))
+    early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
@@ -631,7 +619,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             scalars=fused_scalars,
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
-                        ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, dq_ahead, *_align(fused_scalars),
+                        ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
                         ("HEAD_GROUP", head_group)),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
@@ -653,7 +641,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dq_scalars,
                 outputs=("dq",),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, dq_ahead, *_align(dq_scalars), ("HEAD_GROUP", head_group)),
+                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group)),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
