@@ -862,6 +862,27 @@ def test_jax_fused_backward_gives_identical_results():
         assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
 
 
+def test_early_dp_defaults():
+    """EARLY_DP of the default GPU plans follows GPU_EARLY_DP (D=128 always, D=64 without a causal mask or
+    window, D=256 and float32 never); the interpreter keeps the default order; the config overrides."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_bwd
+
+    gpu, cpu = Target(interpret=False, num_sms=132), Target(interpret=True, num_sms=4)
+
+    def early(d, causal=False, window=(-1, -1), dtype="bfloat16", target=gpu, config=AttentionConfig()):
+        info = ((2, 512, 4, d), dtype)
+        shape, options = check_attention_args(q=info, k=info, v=info, causal=causal, window_size=window)
+        launches = plan_attention_bwd(shape, options, target=target, config=config).launches
+        return {dict(launch.constexprs)["EARLY_DP"] for launch in launches if "EARLY_DP" in dict(launch.constexprs)}
+
+    assert early(128) == early(128, causal=True) == early(96, window=(64, 64)) == {True}
+    assert early(64) == {True} and early(64, causal=True) == early(48, window=(32, -1)) == {False}
+    assert early(256) == early(128, dtype="float32") == early(128, target=cpu) == {False}
+    assert early(64, causal=True, config=AttentionConfig(early_dp=True)) == {True}
+    assert early(128, config=AttentionConfig(early_dp=False)) == {False}
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_early_dp_gives_identical_results(fused):
     """AttentionConfig.early_dp (dP^T issued before the exponentials in the dK/dV loop's unmasked segment)
