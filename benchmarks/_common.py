@@ -94,7 +94,10 @@ _PTR_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int3
 def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
     """Compile one Launch for sm_90 on this machine (no GPU needed) the way Triton's launcher would
     specialise it: pointers 16-byte aligned, integers equal to 1 folded, other integers unspecialised (the
-    kernels opt out of alignment specialisation). Returns (shared memory bytes, "REG:n STACK:n")."""
+    kernels opt out of alignment specialisation). Returns (shared memory bytes, "REG:n STACK:n", followed by
+    "wgmma:n waits:n" when the kernel has tensor-core MMAs and " SERIALIZED" when ptxas put a wait after
+    every one of them: it does so, without failing, when it cannot keep the asynchronous MMAs' registers
+    live, e.g. the D=128 one-launch backward with 32-row masked dK/dV steps, 18 -> 124 waits)."""
     import inspect
     import subprocess
     import tempfile
@@ -130,8 +133,13 @@ def compile_launch_sm90(plan, launch, dtypes_of: dict) -> tuple[int, str]:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
     line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "?")
-    return kernel.metadata.shared, " ".join(line.split()[:2])
+    summary = " ".join(line.split()[:2])
+    mmas, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
+    if mmas:
+        summary += f" wgmma:{mmas} waits:{waits}" + (" SERIALIZED" if waits >= mmas else "")
+    return kernel.metadata.shared, summary
 
 
 def kernel_trace(fn, *, calls: int = 5, label: str = "", summary: dict | None = None) -> list[dict]:

@@ -17,6 +17,8 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --steady-diagnosis 64,1024   # why the JAX steady forward trails there
     python benchmarks/bench_attention.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead
                                                       # of time, print registers / spills / shared memory
+                                                      # and wgmma / wait counts (SERIALIZED: a wait after
+                                                      # every tensor-core MMA)
 """
 from __future__ import annotations
 
@@ -505,7 +507,8 @@ def tune(d, causal, s=4096):
 
 def ptxas_report(dims=HEAD_DIMS, dtypes=("bfloat16",)):
     """Compile the default plans for sm_90 without a GPU (Triton's bundled ptxas) and print each kernel's
-    registers and stack (spills); see _common.compile_launch_sm90 for the specialisation."""
+    registers, stack (spills) and wgmma / wait counts; see _common.compile_launch_sm90 for the
+    specialisation and the serialization flag."""
     from flashbridge.core_kernels import Target
 
     target = Target(interpret=False, num_sms=132)
