@@ -146,12 +146,12 @@ GPU_MASKED_STAGES = {128: {"fwd": 2}}
 # stack, and MHA 498.6 -> 475.8, GQA 503.5 -> 493.0.
 GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
 # Whether the dK/dV loop issues dP^T before the exponentials (AttentionConfig.early_dp) by default, per padded
-# head dim: (full attention, causal / windowed). H200, S=4096, B=4, bf16, alternating four times in one process
+# head dim, for full attention ("dkdv") and causal / windowed calls ("dkdv_masked"); absent = off. H200, S=4096, B=4, bf16, alternating four times in one process
 # (bench_attention.py --ab 4 --ab-config '{"early_dp": true}', attention_ab_early_dp-True_h200.json), median
 # backward TFLOP/s: D=128 full 378.6 -> 395.3, causal 342.2 -> 349.0; GQA 32/8 full 377.1 -> 391.1, causal
 # 336.8 -> 347.6; D=64 full 338.7 -> 353.6, causal 316.8 -> 312.4 (kept off). D=256 (two launches, its own
 # tiles) was not timed.
-GPU_EARLY_DP = {64: (True, False), 128: (True, True)}
+GPU_EARLY_DP = {64: {"dkdv": True}, 128: {"dkdv": True, "dkdv_masked": True}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
@@ -406,15 +406,12 @@ def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -
 
 
 def _early_dp(config: AttentionConfig, shape: AttnShape, options: AttnOptions, target: Target) -> bool:
-    """The backward's ``EARLY_DP`` constexpr: the config's, else :data:`GPU_EARLY_DP`'s on a GPU (off in
-    the interpreter, where the order of the products does not matter, and for float32 inputs)."""
+    """The backward's ``EARLY_DP`` constexpr: the config's, else :data:`GPU_EARLY_DP`'s (off in the
+    interpreter, where the order of the products does not matter, for float32 inputs and where untimed)."""
     if config.early_dp is not None:
         return config.early_dp
-    if target.interpret:
-        return False
-    table, key = _gpu_key(shape)
-    full, masked = GPU_EARLY_DP.get(key, (False, False)) if table is GPU_TILES else (False, False)
-    return masked if options.causal or options.has_local else full
+    entry = "dkdv_masked" if options.causal or options.has_local else "dkdv"
+    return bool(_timed_default(GPU_EARLY_DP, entry, shape, target))
 
 
 def _timed_default(per_dim: dict, kernel: str, shape: AttnShape, target: Target):
