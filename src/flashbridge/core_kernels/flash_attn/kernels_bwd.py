@@ -16,7 +16,9 @@ The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s 
 4. ``attn_bwd_sink_kernel`` (with sinks): ``dsink_h = -sum_i exp(sink_h - lse_i) * delta_i``, one program
    per head summing its rows in a fixed order; also writes the per-sequence partial sums.
 
-Both main kernels walk their loop axis in the same three segments as the forward (masked, full, masked).
+Both main kernels walk their loop axis in three segments as the forward does (masked, full, masked); in the
+dK/dV kernel the first masked segment holds only query blocks inside the sequence, whose loads need no row
+checks (the causal diagonal), and the last one any block that may reach past the sequence's end.
 """
 import triton
 import triton.language as tl
@@ -85,19 +87,20 @@ def _dkdv_step(
     dk, dv, k, v, Q_head, DO_head, L2_head, D_head, blk, offs_n, offs_dqk, offs_dv,
     stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
-    transpose of p."""
+    transpose of p. APPLY_MASK: the scores take the mask; CHECK_ROWS: the block may reach past the
+    sequence's last query (its loads are masked; APPLY_MASK is then set too)."""
     offs_r = tl.arange(0, BLOCK_M)
     m_start = blk * BLOCK_M
     offs_m = m_start + offs_r
     row_ok = offs_m < len_q
-    q = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk, row_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [M, Dqk]
-    do = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv, row_ok, DV, BLOCK_DV, APPLY_MASK)  # [M, Dv]
-    if APPLY_MASK:
+    q = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk, row_ok, DQK, BLOCK_DQK, CHECK_ROWS)  # [M, Dqk]
+    do = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv, row_ok, DV, BLOCK_DV, CHECK_ROWS)  # [M, Dv]
+    if CHECK_ROWS:
         # Rows past the sequence read lse2 = +inf (-> p = 0) and delta = 0: they add nothing.
         lse2 = tl.load(L2_head + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(D_head + offs_m, mask=row_ok, other=0.0)
@@ -127,8 +130,9 @@ def _dkdv_q_range(
     dk, dv, k, v, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, kh, b, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
     stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
     window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EARLY_DP: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
@@ -144,7 +148,7 @@ def _dkdv_q_range(
             dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, blk, offs_n,
                                 offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q,
                                 len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
-                                APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP)
+                                APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP)
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -156,7 +160,7 @@ def _dkdv_q_range(
             dk, dv = _dkdv_step(dk, dv, k, v, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L2_seq + l_off,
                                 D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale,
                                 cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
-                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                                 DOT_PRECISION, EARLY_DP)
     return dk, dv
 
@@ -194,9 +198,6 @@ def _dkdv_program(
     v = load_rows(V + tl.cast(b, tl.int64) * stride_vb + kh * stride_vh, row0, offs_c, stride_vs, offs_dv, key_ok,
                   DV, BLOCK_DV, True)  # [N, Dv]
 
-    # The dK/dV loop keeps the three-comparison mask for causal calls too (see ``visible``): with the
-    # one-comparison form ptxas spilled more in it (sm_90, D=128 causal: main loop 421 -> 500 instructions).
-    DKDV_MASK: tl.constexpr = 2 if HAS_LOCAL == 1 else HAS_LOCAL
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     diag = len_k - len_q
     lo, full_lo, full_hi, hi = q_block_range(n_start, len_q, len_k, window_left, window_right,
@@ -207,21 +208,25 @@ def _dkdv_program(
     Q_seq = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
     DO_seq = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
     l_seq = tl.cast(b, tl.int64) * stride_lb + q_start
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, lo, full_lo,
-                           offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
-                           stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
-                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                           EARLY_DP)
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, full_lo,
-                           full_hi, offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh,
-                           stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right,
-                           GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, False, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI,
-                           DOT_PRECISION, EARLY_DP)
-    dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, full_hi, hi,
-                           offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
-                           stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
-                           BLOCK_M, BLOCK_DQK, BLOCK_DV, True, DKDV_MASK, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                           EARLY_DP)
+    # Three segments: [lo, a_hi) masked scores whose rows all lie inside the sequence (the causal diagonal:
+    # no row checks on the loads, 955 -> 629 sm_90 instructions per step at D=128), [a_hi, b_hi) fully
+    # visible, [b_hi, hi) masked scores with row checks (window edges, the ragged last query block). A
+    # partly visible block past the last whole one (full_lo > len_q // BLOCK_M) moves to the third segment.
+    # Without a window no block precedes the visible ones (lo == full_lo): the bounds stay as they were,
+    # and so does the kernel (sm_90: the unmasked step otherwise took 6 more instructions).
+    if HAS_LOCAL:
+        a_hi = tl.minimum(full_lo, len_q // BLOCK_M)
+        b_hi = tl.where(full_lo == a_hi, full_hi, a_hi)
+    else:
+        a_hi = full_lo
+        b_hi = full_hi
+    bounds = (lo, a_hi, b_hi, hi)
+    for seg in tl.static_range(3):
+        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, bounds[seg],
+                               bounds[seg + 1], offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos,
+                               stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
+                               window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, seg != 1, seg == 2,
+                               HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,

@@ -474,13 +474,15 @@ def local_mask_mode(window_left: Optional[int], window_right: Optional[int], *, 
     edge at or left of the diagonal and no left edge (causal), where the mask is one comparison per score;
     2 = any other window, and causal ones unless ``one_comparison``.
 
-    Only the backward takes the one-comparison mask, and only its dQ loop (the dK/dV loop converts 1 to 2):
-    H200, bf16, causal, S=4096 / 16384 (``attention_causalmask_h200_d128-64.json`` against
-    ``attention_loopcarried_h200_d128-64.json`` and ``attention_atomic_dq_h200_d128.json``, runs of the same
-    day): backward D=64 309 -> 325 / 333 -> 356 TFLOP/s, D=128 339-350 -> 352 / 378-392 -> 393; the forward
-    lost with it at D=128 (425 -> 407 / 480 -> 463: sm_90 shows 58 fewer instructions in the unmasked loop but
-    stores among its spills) and gained within the noise at D=64, so it keeps three comparisons, as decode
-    does (not measured)."""
+    Every attention kernel takes the one-comparison mask for causal calls; decode keeps three (its masked
+    segments are ragged tails, not timed). History: with the earlier form of the comparison (``k - (q +
+    diag) <= right``, a subtraction per score) only the dQ loop gained from it (H200, causal, S=4096 /
+    16384, ``attention_causalmask_h200_d128-64.json``: backward D=64 309 -> 325 / 333 -> 356 TFLOP/s, D=128
+    339-350 -> 352 / 378-392 -> 393), while the forward lost at D=128 (425 -> 407 / 480 -> 463: spills in
+    its unmasked loop) and the dK/dV loop spilled more (sm_90: main loop 421 -> 500 instructions). With the
+    bound compared as ``k <= q + (diag + right)`` (a vector over the rows) the one comparison is the smaller
+    kernel everywhere: sm_90, Triton 3.6, D=128 causal forward diagonal step 612 -> 472 instructions and
+    unmasked step 544 -> 538, D=64 544 -> 399 / 299 -> 298, D=256 848 -> 664 / 522 -> 516."""
     if window_left is None and window_right is None:
         return 0
     if one_comparison and window_left is None and window_right <= 0:
@@ -488,8 +490,8 @@ def local_mask_mode(window_left: Optional[int], window_right: Optional[int], *, 
     return 2
 
 
-def _flags(shape: AttnShape, options: AttnOptions, *, one_comparison: bool = False):
-    mask = local_mask_mode(options.window_left, options.window_right, one_comparison=one_comparison)
+def _flags(shape: AttnShape, options: AttnOptions):
+    mask = local_mask_mode(options.window_left, options.window_right, one_comparison=True)
     return (("HAS_LOCAL", mask), ("HAS_SOFTCAP", options.softcap > 0),
             ("HAS_ALIBI", options.has_alibi), ("IS_VARLEN", shape.varlen),
             ("DOT_PRECISION", "ieee" if shape.dtype == "float32" else "tf32"))
@@ -577,7 +579,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     lse_b, lse_h = _lse_strides(shape)
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
-    flags = _flags(shape, options, one_comparison=True)
+    flags = _flags(shape, options)
     head_group = _head_group(config, options, target)
     early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
