@@ -340,6 +340,20 @@ BAD_INPUTS = [
 ]
 
 
+def test_sequence_length_bound():
+    """Positions are compared in int32 with an unbounded window side standing for 2**30 (``visible``): longer
+    sequences are refused from their shapes, before anything is allocated or launched."""
+    from flashbridge.core_kernels.flash_attn.plan import MAX_SEQLEN, check_attention_args
+    fine = ((1, MAX_SEQLEN, 1, 8), "bfloat16")
+    shape, _ = check_attention_args(q=fine, k=fine, v=fine, window_size=(16, -1))
+    assert shape.seqlen_q == shape.seqlen_k == MAX_SEQLEN
+    long = ((1, MAX_SEQLEN + 1, 1, 8), "bfloat16")
+    with pytest.raises(ValueError, match="k: sequence length 1073741824 is above"):
+        check_attention_args(q=fine, k=long, v=long)
+    with pytest.raises(ValueError, match="q: sequence length 1073741824 is above"):
+        check_attention_args(q=long, k=fine, v=fine, causal=True)
+
+
 @pytest.mark.parametrize("name,override,error,match", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_torch_bad_inputs(name, override, error, match):
     args = dict(q=_t(2, 5, 2, 8), k=_t(2, 5, 2, 8), v=_t(2, 5, 2, 8))
@@ -370,6 +384,7 @@ BAD_VARLEN = [
      "packed length"),
     ("max_seqlen too small", dict(max_seqlen_q=4), ValueError, "max_seqlen_q"),
     ("max_seqlen missing", dict(max_seqlen_k=None), ValueError, "max_seqlen_k"),
+    ("max_seqlen beyond 2**30 - 1", dict(max_seqlen_k=2**30), ValueError, "max_seqlen_k: 1073741824 is above"),
     ("dense with cu", dict(q=_t(1, 8, 2, 8)), ValueError, "3 dimensions"),
     ("slopes batch", dict(alibi_slopes=_t(3, 2)), ValueError, "alibi_slopes"),
 ]

@@ -613,6 +613,24 @@ def test_torch_bad_inputs(name, override, error, match):
         tapi.decode_attention(q, k, v, **args)
 
 
+def test_cache_capacity_bound():
+    """Cache positions are compared in int32 with an unbounded window side standing for 2**30: a cache that
+    could hold more tokens per sequence is refused from its shapes, before anything is allocated."""
+    from flashbridge.core_kernels.decode.plan import check_decode_args
+    from flashbridge.core_kernels.flash_attn.plan import MAX_SEQLEN
+    q, lens = ((1, 1, 2, 8), "bfloat16"), ((1,), "int32")
+    fine = ((1, MAX_SEQLEN, 1, 8), "bfloat16")
+    shape, _, _ = check_decode_args(q=q, k_cache=fine, v_cache=fine, cache_seqlens=lens)
+    assert shape.cache.capacity == MAX_SEQLEN
+    long = ((1, MAX_SEQLEN + 1, 1, 8), "bfloat16")
+    with pytest.raises(ValueError, match="k_cache: S_max = 1073741824 is above"):
+        check_decode_args(q=q, k_cache=long, v_cache=long, cache_seqlens=lens)
+    pages = ((4, 64, 1, 8), "bfloat16")
+    with pytest.raises(ValueError, match="block_table: max_pages x page_size = 1073741824 is above"):
+        check_decode_args(q=q, k_cache=pages, v_cache=pages, cache_seqlens=lens,
+                          block_table=((1, 2**24), "int32"))
+
+
 def _cascade_args():
     b = _base()
     return dict(q=b["q"], shared_k=_t(5, 2, 8), shared_v=_t(5, 2, 8), k_cache=b["k_cache"], v_cache=b["v_cache"],

@@ -28,7 +28,7 @@ from typing import Optional
 
 from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
-from ..flash_attn.plan import check_score_options, local_mask_mode
+from ..flash_attn.plan import MAX_SEQLEN, check_score_options, local_mask_mode
 
 _K = "decode.kernels"
 KV_LAYOUTS = ("NHD", "HND")
@@ -229,11 +229,17 @@ def check_cache(*, k_cache: TensorInfo, v_cache: TensorInfo, block_table: Option
         if rows & (rows - 1) or rows > MAX_PAGE_SIZE:
             raise ValueError(f"{kn}: page size {rows} (from shape {fmt_shape(ks)}) is not supported; page sizes are "
                              f"powers of two from 1 to {MAX_PAGE_SIZE}")
-        return CacheShape(kv_layout, True, n0, rows, int(block_table[0][1]), heads, ks[-1], vs[-1], k_cache[1])
-    if n0 != batch:
-        raise ValueError(f"{kn}: a contiguous cache needs one entry per sequence: batch {n0} in {fmt_shape(ks)}, but "
-                         f"{batch} sequences (pass block_table for a paged cache)")
-    return CacheShape(kv_layout, False, n0, rows, 1, heads, ks[-1], vs[-1], k_cache[1])
+        cache = CacheShape(kv_layout, True, n0, rows, int(block_table[0][1]), heads, ks[-1], vs[-1], k_cache[1])
+    else:
+        if n0 != batch:
+            raise ValueError(f"{kn}: a contiguous cache needs one entry per sequence: batch {n0} in {fmt_shape(ks)}, "
+                             f"but {batch} sequences (pass block_table for a paged cache)")
+        cache = CacheShape(kv_layout, False, n0, rows, 1, heads, ks[-1], vs[-1], k_cache[1])
+    if cache.capacity > MAX_SEQLEN:
+        what = "block_table: max_pages x page_size" if paged else f"{kn}: S_max"
+        raise ValueError(f"{what} = {cache.capacity} is above {MAX_SEQLEN}: the kernels compare positions within a "
+                         f"sequence in int32, with an unbounded window side standing for 2**30")
+    return cache
 
 
 def check_scales(k_scale: Optional[TensorInfo], v_scale: Optional[TensorInfo], cache: CacheShape) -> str:

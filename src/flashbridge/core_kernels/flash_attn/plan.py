@@ -20,7 +20,8 @@ MAX_HEAD_DIM = 256
 _FWD = "flash_attn.kernels_fwd"
 _BWD = "flash_attn.kernels_bwd"
 # An unbounded window side, small enough that index arithmetic with it cannot overflow int32.
-_UNBOUNDED = 1 << 30
+_UNBOUNDED = 1 << 30  # an unbounded window side: ``visible`` adds it to positions, which stay below it
+MAX_SEQLEN = _UNBOUNDED - 1
 
 TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
@@ -325,6 +326,11 @@ def check_attention_args(
         shape = AttnShape(qs[0], qs[1], ks[1], qs[0] * qs[1], ks[0] * ks[1], hq, hkv, qs[-1], vs[-1], q[1],
                           False)
 
+    for name, length in (("q", shape.seqlen_q), ("k", shape.seqlen_k)):
+        if length > MAX_SEQLEN:
+            what = f"max_seqlen_{name}: {length}" if varlen else f"{name}: sequence length {length}"
+            raise ValueError(f"{what} is above {MAX_SEQLEN}: the kernels compare positions within a sequence in "
+                             f"int32, with an unbounded window side standing for 2**30")
     scale, window_left, window_right, softcap = check_score_options(
         head_dim_qk=qs[-1], causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
 
