@@ -427,6 +427,10 @@ FOCUSED_SWEEPS = {
                   (None,), ((128, 4, 3), (128, 4, 4), (128, 8, 4), (128, 8, 3)) * 2,
                   "only 16-bit caches at B=1-4, one program per SM: 128-key tiles at 3 / 4 stages, 4 / 8 warps, "
                   "twice"),
+    # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
+    "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
+              ((None, None, None),) * 3,
+              "only B=1 S=128k, bf16 and FP8 caches, at the default tiles and split counts, three times each"),
 }
 
 
