@@ -550,6 +550,9 @@ def main():
                              "FlexAttention and SDPA flash per call, alternating N times in one process, medians")
     parser.add_argument("--ab-config", default='{"fused_backward": false}', metavar="JSON",
                         help="the AttentionConfig keywords --ab compares the defaults with")
+    parser.add_argument("--ab-dims", default="128,64", metavar="D,...",
+                        help="head dims of --ab's MHA cases, full and causal (GQA 32/8 joins when 128 is among "
+                             "them); other than the default, the results file is named after them")
     parser.add_argument("--seqlens", help="comma-separated sequence lengths of the main grid (default: all)")
     parser.add_argument("--only", help="comma-separated provider names to run (default: all), e.g. "
                                        "'flashbridge-torch steady,flashbridge-jax steady'")
@@ -605,11 +608,16 @@ def main():
     if args.ab:
         other = json.loads(args.ab_config)
         configs = (dict(), other) * args.ab
-        cases = ((16, 16, 128, False), (16, 16, 128, True), (16, 16, 64, True), (16, 16, 64, False),
-                 (32, 8, 128, False), (32, 8, 128, True))
+        ab_dims = [int(x) for x in args.ab_dims.split(",")]
+        cases = [(H, H, d, causal) for d in ab_dims for causal in (False, True)]
+        if 128 in ab_dims:
+            cases += [(32, 8, 128, False), (32, 8, 128, True)]
         rows = [r for hq, hkv, d, causal in cases
                 for r in time_program_configs(TOKENS // 4096, 4096, hq, hkv, d, causal, configs)]
-        name = "attention_ab_" + "_".join(f"{k}-{v}" for k, v in other.items()) + "_h200"
+        name = "attention_ab_" + "_".join(f"{k}-{v}" for k, v in other.items())
+        if args.ab_dims != parser.get_default("ab_dims"):
+            name += "_d" + "-".join(map(str, ab_dims))
+        name += "_h200"
         print(f"wrote {save(name, {'environment': environment(), 'against': other, 'rows': rows})}")
         return
     if args.bar_rows:

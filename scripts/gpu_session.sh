@@ -63,8 +63,9 @@ for stage in "${stages[@]}"; do
     bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
     attention-order) python3 benchmarks/bench_attention.py --order-only 2>&1 | tee "$OUT/attention_order.log" | grep -v "^order" | tail -20 ;;
-    # defaults against one AttentionConfig setting, alternating in one process: ATTN_AB_CONFIG='{"dkdv_block_m": 32}'
-    attention-ab) python3 benchmarks/bench_attention.py --ab ${ATTN_AB:-4} ${ATTN_AB_CONFIG:+--ab-config "$ATTN_AB_CONFIG"} 2>&1 | tee "$OUT/attention_ab.log" | tail -30 ;;
+    # defaults against one AttentionConfig setting, alternating in one process: ATTN_AB_CONFIG='{"dkdv_block_m": 32}',
+    # ATTN_AB_DIMS=256 for other head dims (default 128,64 and GQA 32/8 at 128)
+    attention-ab) python3 benchmarks/bench_attention.py --ab ${ATTN_AB:-4} ${ATTN_AB_CONFIG:+--ab-config "$ATTN_AB_CONFIG"} ${ATTN_AB_DIMS:+--ab-dims $ATTN_AB_DIMS} 2>&1 | tee "$OUT/attention_ab.log" | tail -30 ;;
     # the bar's D=128 rows, ours / Flex / SDPA flash alternating ATTN_BAR_REPS times (~3 min at 5)
     attention-bar) python3 benchmarks/bench_attention.py --bar-rows ${ATTN_BAR_REPS:-5} 2>&1 | tee "$OUT/attention_bar.log" | tail -12 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
