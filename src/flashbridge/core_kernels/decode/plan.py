@@ -28,7 +28,7 @@ from typing import Optional
 
 from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
-from ..flash_attn.plan import MAX_SEQLEN, check_score_options, local_mask_mode
+from ..flash_attn.plan import check_score_options, check_seqlen_bound, local_mask_mode, window_scalars
 
 _K = "decode.kernels"
 KV_LAYOUTS = ("NHD", "HND")
@@ -37,7 +37,6 @@ MAX_HEAD_DIM_QK = 1024  # above 256 the q.k dot runs in 64-wide column chunks (M
 MAX_HEAD_DIM_V = 512
 MAX_PAGE_SIZE = 1024
 MAX_SPLITS = 1024
-_UNBOUNDED = 1 << 30  # an unbounded window side (small enough that index arithmetic cannot overflow int32)
 _CHUNK_DQK = 64
 MERGE_STATES_PER_STEP = 16  # states the merge kernel folds per dependent round (DecodeConfig.merge_block_states)
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
@@ -235,10 +234,8 @@ def check_cache(*, k_cache: TensorInfo, v_cache: TensorInfo, block_table: Option
             raise ValueError(f"{kn}: a contiguous cache needs one entry per sequence: batch {n0} in {fmt_shape(ks)}, "
                              f"but {batch} sequences (pass block_table for a paged cache)")
         cache = CacheShape(kv_layout, False, n0, rows, 1, heads, ks[-1], vs[-1], k_cache[1])
-    if cache.capacity > MAX_SEQLEN:
-        what = "block_table: max_pages x page_size" if paged else f"{kn}: S_max"
-        raise ValueError(f"{what} = {cache.capacity} is above {MAX_SEQLEN}: the kernels compare positions within a "
-                         f"sequence in int32, with an unbounded window side standing for 2**30")
+    what = "block_table: max_pages x page_size" if paged else f"{kn}: S_max"
+    check_seqlen_bound(f"{what} = {cache.capacity}", cache.capacity)
     return cache
 
 
@@ -653,13 +650,6 @@ def contiguous_q_strides(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3])
 
 
-def _window_scalars(options: DecodeOptions) -> tuple[int, int]:
-    def clamp(side):
-        return _UNBOUNDED if side is None else max(-_UNBOUNDED, min(side, _UNBOUNDED))
-
-    return clamp(options.window_left), clamp(options.window_right)
-
-
 def _dot_precision(dtype: str) -> str:
     return "ieee" if dtype == "float32" else "tf32"
 
@@ -668,7 +658,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
                    target: Target) -> Launch:
-    left, right = _window_scalars(options)
+    left, right = window_scalars(options)
     # FP8 V read as pairs of columns (see load_v_pairs) for 16-bit queries: even head dims and strides (two
     # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
     # are; torch_api.decode._check_v_pairs_base refuses a misaligned view)

@@ -19,8 +19,9 @@ from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_sh
 MAX_HEAD_DIM = 256
 _FWD = "flash_attn.kernels_fwd"
 _BWD = "flash_attn.kernels_bwd"
-# An unbounded window side, small enough that index arithmetic with it cannot overflow int32.
-_UNBOUNDED = 1 << 30  # an unbounded window side: ``visible`` adds it to positions, which stay below it
+# An unbounded window side as the kernels see it (``visible`` adds it to positions): sequences and caches
+# are refused above MAX_SEQLEN (check_seqlen_bound), so no such sum overflows int32.
+_UNBOUNDED = 1 << 30
 MAX_SEQLEN = _UNBOUNDED - 1
 
 TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
@@ -327,10 +328,8 @@ def check_attention_args(
                           False)
 
     for name, length in (("q", shape.seqlen_q), ("k", shape.seqlen_k)):
-        if length > MAX_SEQLEN:
-            what = f"max_seqlen_{name}: {length}" if varlen else f"{name}: sequence length {length}"
-            raise ValueError(f"{what} is above {MAX_SEQLEN}: the kernels compare positions within a sequence in "
-                             f"int32, with an unbounded window side standing for 2**30")
+        check_seqlen_bound(f"max_seqlen_{name}: {length}" if varlen else f"{name}: sequence length {length}",
+                           length)
     scale, window_left, window_right, softcap = check_score_options(
         head_dim_qk=qs[-1], causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
 
@@ -457,7 +456,16 @@ def _lse_strides(shape: AttnShape) -> tuple[int, int]:
     return (0, shape.total_q) if shape.varlen else (shape.heads_q * shape.seqlen_q, shape.seqlen_q)
 
 
-def _window_scalars(options: AttnOptions) -> tuple[int, int]:
+def check_seqlen_bound(what: str, length: int) -> None:
+    """Refuse a sequence (or cache) longer than MAX_SEQLEN tokens; ``what`` names the argument and value."""
+    if length > MAX_SEQLEN:
+        raise ValueError(f"{what} is above {MAX_SEQLEN}: the kernels compare positions within a sequence in "
+                         f"int32, with an unbounded window side standing for 2**30")
+
+
+def window_scalars(options) -> tuple[int, int]:
+    """The kernels' (window_left, window_right) scalars from options with ``window_left`` / ``window_right``
+    (None = unbounded -> 2**30), for the attention and decode plans alike."""
     def clamp(side):
         return _UNBOUNDED if side is None else max(-_UNBOUNDED, min(side, _UNBOUNDED))
 
@@ -465,7 +473,7 @@ def _window_scalars(options: AttnOptions) -> tuple[int, int]:
 
 
 def _common_scalars(shape: AttnShape, options: AttnOptions):
-    left, right = _window_scalars(options)
+    left, right = window_scalars(options)
     return (("seqlen_q", shape.seqlen_q), ("seqlen_k", shape.seqlen_k), ("total_q", shape.total_q),
             ("total_k", shape.total_k), ("sm_scale", float(options.softmax_scale)),
             ("softcap", float(options.softcap)), ("window_left", left), ("window_right", right))
