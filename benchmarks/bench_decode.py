@@ -427,6 +427,14 @@ FOCUSED_SWEEPS = {
                   (None,), ((128, 4, 3), (128, 4, 4), (128, 8, 4), (128, 8, 3)) * 2,
                   "only 16-bit caches at B=1-4, one program per SM: 128-key tiles at 3 / 4 stages, 4 / 8 warps, "
                   "twice"),
+    # FP8 at B=1 S=128k with two or three programs per SM instead of one 256-key program: a 2-stage pipeline
+    # keeps one buffer per program (no overlap of a program's own load and compute), so the programs of an SM
+    # take turns; the one-program default's step is its own compute chain (issue slots 31% busy) plus a
+    # refill issued only after that compute
+    "fp8twosm": ([("B1 S128k fp8", 1, 131072, False, True, (16, 32, 48))], (None,),
+                 ((None, None, None), (256, 4, 2), (128, 4, 2), (128, 4, 3)) * 2,
+                 "only FP8 at B=1 S=128k: 256- and 128-key tiles at 2 stages (one buffer, 2-3 programs per SM) "
+                 "against the default, at 16 / 32 / 48 splits, twice"),
     # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
               ((None, None, None),) * 3,
@@ -621,6 +629,8 @@ def main():
     parser.add_argument("--splits", action="store_true")
     for name, (_, _, _, help_text) in FOCUSED_SWEEPS.items():
         parser.add_argument(f"--splits-{name}", action="store_true", help=help_text)
+    parser.add_argument("--table", action="store_true",
+                        help="with --splits-<name>: the decode table too, after the sweeps (one process)")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
@@ -634,7 +644,7 @@ def main():
         variants, splits_list, tiles, _ = FOCUSED_SWEEPS[name]
         sweep = sweep_splits(variants, splits_list, tiles)
         print(f"wrote {save(f'decode_splits_{name}_h200', {'environment': environment(), 'splits': sweep})}")
-    if focused:
+    if focused and not args.table:
         return
     if args.jax_only:
         import os
