@@ -2,7 +2,7 @@
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
-#   jax-settings attention-jax-settings attention-steady profile-attention profile-decode attention-bar
+#   jax-settings attention-jax-settings attention-steady profile-attention profile-decode profile-decode-sass attention-bar
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
 # 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
@@ -101,6 +101,14 @@ for stage in "${stages[@]}"; do
                       tail -3 "$OUT/ncu_decode_$case.err"
                     done
                     python3 benchmarks/ncu_summary.py "$OUT"/ncu_decode_*.csv > "$OUT/ncu_decode_summary.txt" 2>&1; tail -5 "$OUT/ncu_decode_summary.txt" ;;
+    # per-SASS-instruction counters (stall samples, executed instructions) of the split kernel: where a step's
+    # cycles go, instruction by instruction (line info is on by default, so the source column is filled)
+    profile-decode-sass) for case in ${PROFILE_DECODE:-fp8-s128k bf16-s16k}; do
+                           ncu --clock-control none --profile-from-start off -k regex:decode_fwd --section SourceCounters \
+                             --section WarpStateStats --import-source yes --page source --print-source sass --csv \
+                             python3 benchmarks/profile_decode.py --case $case > "$OUT/ncu_sass_$case.csv" 2> "$OUT/ncu_sass_$case.err"
+                           tail -3 "$OUT/ncu_sass_$case.err"; head -c 600 "$OUT/ncu_sass_$case.csv"; echo
+                         done ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
