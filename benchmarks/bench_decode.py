@@ -302,7 +302,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# merge_block_states[, merge_block_elements]]]) tiles, help)
+# merge_block_states[, merge_block_elements[, k_pairs]]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -381,6 +381,11 @@ FOCUSED_SWEEPS = {
     "s16kb": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False)], (16, 32),
               ((64, 4, 3), (32, 2, 4), (64, 4, 4)) * 2,
               "only 16-bit caches at B=1: 16 / 32 splits x the default tile, 2-warp 32-key and 4-stage tiles, twice"),
+    # DecodeConfig.k_pairs: FP8 K read as column pairs (False: widened by Triton) at the default tiles
+    "kpairs": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
+                ("B32 S8k fp8", 32, 8192, False, True), ("B1 S128k fp8 paged64", 1, 131072, True, True)], (None,),
+               ((None,) * 6 + (False,), (None,) * 6 + (None,)) * 3,
+               "only FP8 caches: K widened by Triton against K read as column pairs, three times, alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -471,9 +476,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in (own_splits[0] if own_splits else splits_list):
             for tile in tiles:  # see FOCUSED_SWEEPS for the tuple's fields; None = the plan's default
-                block_n, warps, stages, groups, merge_n, merge_e = (*tile, None, None, None)[:6]
+                block_n, warps, stages, groups, merge_n, merge_e, k_pairs = (*tile, None, None, None, None)[:7]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   merge_block_states=merge_n, merge_block_elements=merge_e)
+                                   merge_block_states=merge_n, merge_block_elements=merge_e, k_pairs=k_pairs)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)

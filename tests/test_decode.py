@@ -769,10 +769,13 @@ def test_decode_config_rejects_bad_blocks():
         DecodeConfig(merge_block_states=3)
     with pytest.raises(ValueError, match="DecodeConfig.merge_block_elements"):
         DecodeConfig(merge_block_elements=0)
+    with pytest.raises(ValueError, match="DecodeConfig.k_pairs"):
+        DecodeConfig(k_pairs=1)
 
 
-# FP8 caches with 16-bit queries: V read as pairs of columns into two accumulators (kernels.load_v_pairs)
-# wherever Dv and the V strides are even and each half has >= 16 columns; the plain widening otherwise.
+# FP8 caches with 16-bit queries: V read as pairs of columns into two accumulators (kernels.load_e4m3_pairs)
+# wherever Dv and the V strides are even and each half has >= 16 columns; the plain widening otherwise. K the
+# same way (q's even and odd columns against K's) with one column chunk and one key group.
 FP8_PAIR_CASES = {
     "nhd-contig-d128": (dict(hq=8, hkv=2, dqk=128, lens=(0, 1, 130), fp8="tensor"), dict(causal=True), None,
                         True),
@@ -787,19 +790,21 @@ FP8_PAIR_CASES = {
 }
 
 
-@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("groups,k_pairs", [(1, None), (1, False), (4, None)], ids=["1", "1-k-widened", "4"])
 @pytest.mark.parametrize("name", list(FP8_PAIR_CASES))
-def test_torch_fp8_v_pairs(name, groups, decode_config):
+def test_torch_fp8_pairs(name, groups, k_pairs, decode_config):
     """bf16 queries against FP8 caches: V's even and odd columns in two accumulators, interleaved once per
-    split (with and without key groups, ragged / empty sequences, paged HND, padded head dims, several
-    splits), against the float64 reference; odd head dims and 16-column tiles take the plain widening."""
+    split, K's against q's in two dots (with and without key groups, K widened by Triton, ragged / empty
+    sequences, paged HND, padded head dims, several splits), against the float64 reference; odd head dims
+    and 16-column tiles take the plain widening of V, chunked (576-dim) keys and key groups that of K."""
     spec, options, splits, pairs = FP8_PAIR_CASES[name]
     if groups > 1 and spec["dqk"] > 256:
         pytest.skip("key groups need head dims <= 256")
-    built = decode_config(key_groups=groups, block_n=64)
+    built = decode_config(key_groups=groups, block_n=64, k_pairs=k_pairs)
     q, k, v, kw = make_case(_seed(name) + groups, dtype="bfloat16", **spec)
     check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits, floor=1e-3)
     assert decode_constexpr(built, "V_PAIRS") == {pairs}
+    assert decode_constexpr(built, "K_PAIRS") == {k_pairs is None and groups == 1 and spec["dqk"] <= 256}
 
 
 @pytest.mark.parametrize("block_n", [128, 256])
@@ -812,16 +817,17 @@ def test_torch_fp8_wide_key_blocks(block_n, decode_config):
     for splits in (None, 3):
         check_decode(q, k, v, kw, dict(causal=True), num_splits=splits, floor=1e-3)
     assert decode_constexpr(built, "BLOCK_N") == {block_n} and decode_constexpr(built, "V_PAIRS") == {True}
+    assert decode_constexpr(built, "K_PAIRS") == {True}
 
 
-def test_torch_fp8_v_pairs_float16_queries():
+def test_torch_fp8_pairs_float16_queries():
     """float16 queries take the column-pair path too (no bf16 -> f16 rescaling of q)."""
     spec, options, splits, _ = FP8_PAIR_CASES["hnd-paged16-dv40-sq3"]
     q, k, v, kw = make_case(_seed("pairs-f16"), dtype="float16", **spec)
     check_decode(q, k, v, kw, options, kv_layout="HND", num_splits=splits, floor=1e-3)
 
 
-def test_jax_fp8_v_pairs_match_torch_bitwise():
+def test_jax_fp8_pairs_match_torch_bitwise():
     ja = _japi()
     spec, options, splits, _ = FP8_PAIR_CASES["hnd-paged16-dv40-sq3"]
     q, k, v, kw = make_case(_seed("v-pairs"), dtype="bfloat16", **spec)
@@ -834,27 +840,35 @@ def test_jax_fp8_v_pairs_match_torch_bitwise():
     np.testing.assert_array_equal(np64(jlse), np64(lse))
 
 
-def test_torch_fp8_v_cache_must_start_on_a_pair():
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_torch_fp8_cache_must_start_on_a_pair(which):
     """CUDA kernels take cache views as they are: one whose first byte is off a 2-byte boundary (strides even)
-    is refused, naming v_cache (checked here on the plan; end to end in test_decode_gpu). On CPU views are
+    is refused, naming the cache (checked here on the plan; end to end in test_decode_gpu). On CPU views are
     copied into plain buffers first, so the same view works and gives the copy's result."""
     from flashbridge.core_kernels import INTERPRETER
     from flashbridge.core_kernels.decode.plan import check_decode_args, plan_decode
-    from flashbridge.torch_api.decode import _check_v_pairs_base
+    from flashbridge.torch_api.decode import _check_pairs_base
 
     g = torch.Generator().manual_seed(12)
     base = torch.randn(1, 64, 2, 68, generator=g).to(torch.float8_e4m3fn)
     q = torch.randn(1, 1, 4, 64, generator=g).to(torch.bfloat16)
     lens = torch.tensor([50], dtype=torch.int32)
-    k = base[..., 4:68]
-    out = tapi.decode_attention(q, k, base[..., 3:67], cache_seqlens=lens)
-    assert torch.equal(out, tapi.decode_attention(q, k, base[..., 3:67].contiguous(), cache_seqlens=lens))
+    aligned, odd = base[..., 4:68], base[..., 3:67]
+    caches = {"k_cache": aligned, "v_cache": aligned, which: odd}
+    out = tapi.decode_attention(q, caches["k_cache"], caches["v_cache"], cache_seqlens=lens)
+    copies = {n: t.contiguous() for n, t in caches.items()}
+    assert torch.equal(out, tapi.decode_attention(q, copies["k_cache"], copies["v_cache"], cache_seqlens=lens))
     shape, options, _ = check_decode_args(q=((1, 1, 4, 64), "bfloat16"), k_cache=((1, 64, 2, 64), "float8_e4m3fn"),
                                           v_cache=((1, 64, 2, 64), "float8_e4m3fn"), cache_seqlens=((1,), "int32"))
-    plan = plan_decode(shape, options, target=INTERPRETER, strides={"v_cache": base.stride()[:3]})
-    with pytest.raises(ValueError, match="v_cache: an FP8 cache must start on a 2-byte boundary"):
-        _check_v_pairs_base(plan, {"v_cache": base[..., 3:67]})
-    _check_v_pairs_base(plan, {"v_cache": base[..., 2:66]})
+    plan = plan_decode(shape, options, target=INTERPRETER, strides={n: base.stride()[:3] for n in caches})
+    assert decode_constexpr([plan], "K_PAIRS") == decode_constexpr([plan], "V_PAIRS") == {True}
+
+    def check(k, v):
+        _check_pairs_base(plan, {"k_cache": k}, {"v_cache": v})
+
+    with pytest.raises(ValueError, match=f"{which}: an FP8 cache must start on a 2-byte boundary"):
+        check(caches["k_cache"], caches["v_cache"])
+    check(base[..., 2:66], base[..., 2:66])
 
 
 def test_torch_unused_table_entries_are_not_checked():
@@ -1049,10 +1063,14 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
             assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
             if cache_dtype == "float8_e4m3fn":
                 # the FP8 V tile reaches p @ V as column pairs through ldmatrix.trans, widened in registers
-                # (load_v_pairs), not byte by byte from shared memory (that halved FP8 decode's rate per byte)
+                # (load_e4m3_pairs), not byte by byte from shared memory (that halved FP8 decode's rate per byte)
                 assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, f"{name}: byte reads of V"
                 assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx, f"{name}: V not read with ldmatrix.trans"
                 assert "cvt.rn.f16x2.e4m3x2" in ptx and "prmt.b32" in ptx, f"{name}: V not widened as pairs"
+                # and K as column pairs against q's even / odd columns (Triton's own widening of K left ptxas
+                # rebuilding q's operand registers for every MMA)
+                if launch.constexpr_dict()["KEY_GROUPS"] == 1:
+                    assert launch.constexpr_dict()["K_PAIRS"], f"{name}: K not read as column pairs"
             parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 

@@ -82,16 +82,18 @@ def _cascade_plan(shape, shared_len, options, target, num_splits, k_strides, v_s
                         strides={"k_cache": k_strides, "v_cache": v_strides})
 
 
-def _check_v_pairs_base(plan, tensors: dict[str, Tensor]) -> None:
-    """Decode kernels read an FP8 V cache as 16-bit pairs of columns (``V_PAIRS``, see
-    ``core_kernels.decode.kernels.load_v_pairs``): its first byte must sit on a 2-byte boundary. Plans see
-    shapes and strides only, so the base address is checked here (JAX arrays are always aligned)."""
-    if not any(launch.constexpr_dict().get("V_PAIRS") for launch in plan.launches):
-        return
-    for name, t in tensors.items():
-        if t.dtype == torch.float8_e4m3fn and t.data_ptr() % 2:
-            raise ValueError(f"{name}: an FP8 cache must start on a 2-byte boundary; this view starts 1 byte "
-                             "past one (slice it at an even element offset, or pass a copy)")
+def _check_pairs_base(plan, keys: dict[str, Tensor], values: dict[str, Tensor]) -> None:
+    """Decode kernels read FP8 K and V caches as 16-bit pairs of columns (``K_PAIRS`` / ``V_PAIRS``, see
+    ``core_kernels.decode.kernels.load_e4m3_pairs``): such a cache's first byte must sit on a 2-byte
+    boundary. Plans see shapes and strides only, so the base addresses are checked here (JAX arrays are
+    always aligned)."""
+    for flag, tensors in (("K_PAIRS", keys), ("V_PAIRS", values)):
+        if not any(launch.constexpr_dict().get(flag) for launch in plan.launches):
+            continue
+        for name, t in tensors.items():
+            if t.dtype == torch.float8_e4m3fn and t.data_ptr() % 2:
+                raise ValueError(f"{name}: an FP8 cache must start on a 2-byte boundary; this view starts 1 "
+                                 "byte past one (slice it at an even element offset, or pass a copy)")
 
 
 # -------------------------------------------------------------------------------------------------- ops
@@ -109,7 +111,7 @@ def _decode_attn(
     q, k_cache, v_cache = _prepare(q), _prepare(k_cache), _prepare(v_cache)
     plan = _decode_plan(shape, options, target_for(q.device), num_splits, (q.stride(0), q.stride(1), q.stride(2)),
                         _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout))
-    _check_v_pairs_base(plan, {"v_cache": v_cache})
+    _check_pairs_base(plan, {"k_cache": k_cache}, {"v_cache": v_cache})
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
              "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
              "v_scale": v_scale}
@@ -156,8 +158,8 @@ def _cascade_attn(
     k_cache, v_cache = _prepare(k_cache), _prepare(v_cache)
     plan = _cascade_plan(shape, shared_len, options, target_for(q.device), num_splits,
                          _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout))
-    shared_v = shared_v.contiguous()
-    _check_v_pairs_base(plan, {"shared_v": shared_v, "v_cache": v_cache})
+    shared_k, shared_v = shared_k.contiguous(), shared_v.contiguous()
+    _check_pairs_base(plan, {"shared_k": shared_k, "k_cache": k_cache}, {"shared_v": shared_v, "v_cache": v_cache})
     given = {"q": q, "shared_k": shared_k, "shared_v": shared_v, "k_cache": k_cache, "v_cache": v_cache,
              "cache_seqlens": cache_seqlens, "block_table": block_table, "sinks": sinks, "k_scale": k_scale,
              "v_scale": v_scale}

@@ -16,9 +16,8 @@
 * The cache is addressed as pages: row ``j`` of sequence ``b`` lives in page ``block_table[b, j //
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
-* FP8 (e4m3) caches: K tiles are widened to q's dtype for ``q @ K^T``, V tiles to float16 for ``p @ V``
-  with 16-bit queries (as their even and odd columns, see :func:`load_v_pairs`), to float32 with float32
-  queries; the per-tensor / per-kv-head scales fold into the score scale (K) and the output (V), so
+* FP8 (e4m3) caches: with 16-bit queries K and V tiles are widened to float16 as their even and odd
+  columns (see :func:`load_e4m3_pairs`; K otherwise to q's dtype), with float32 queries to float32; the per-tensor / per-kv-head scales fold into the score scale (K) and the output (V), so
   dequantisation costs no extra pass.
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
   ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
@@ -63,27 +62,34 @@ _E4M3_PAIRS_TO_F16 = tl.constexpr("{ .reg .b32 t; .reg .b16 even, odd; prmt.b32 
 
 
 @triton.jit
-def load_v_pairs(V_row, key_ok, DV: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr,
-                 WIDEN_ASM: tl.constexpr):
-    """An FP8 V tile [N, Dv] for 16-bit queries as two float16 tiles [N, Dv / 2], its even and its odd
-    columns (``p @ V`` runs in f16: exact for e4m3 values, and p in [0, 1] keeps more mantissa bits in f16
-    than in bf16). The caller folds each into its own accumulator and interleaves them once per split.
+def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_MASK: tl.constexpr,
+                    WIDEN_ASM: tl.constexpr, TRANSPOSE: tl.constexpr = False):
+    """An FP8 K or V tile [N, D] for 16-bit queries as two float16 tiles [N, D / 2], its even and its odd
+    columns (TRANSPOSE: [D / 2, N] each, the layout of ``q @ K^T``'s K operand). ``p @ V`` then runs as
+    two dots into two accumulators, interleaved once per split; ``q @ K^T`` as two dots over q's even and
+    odd columns into one. Both run in f16: exact for e4m3 values, and p in [0, 1] keeps more mantissa bits
+    in f16 than in bf16.
 
-    Why: ``p @ V`` needs V's dot operand with pairs of consecutive keys in each register, i.e. the tile
-    transposed, and Hopper's ``ldmatrix.trans`` moves 16-bit elements only. Read as 16-bit elements (two
-    adjacent columns of one key each) the tile goes from the pipeline's shared-memory buffer straight into
-    registers through ``ldmatrix.trans``; there each register holds the same column pair of two consecutive
-    keys, and one byte permute plus two conversions give the even and the odd column's key pairs in f16.
-    Widening the tile to f16 before the dot instead costs a trip back through shared memory (a store, a
-    barrier and a second buffer per stage), and a plain ``v.to(f16)`` reads the transposed tile a byte at a
-    time. WIDEN_ASM (compiled kernels) does the widening in inline PTX; the interpreter, which cannot run
-    PTX, the same with Triton's bit casts. Needs Dv even, even V strides and a 2-byte aligned base
-    (the plan's ``V_PAIRS``). KEY_GROUPS > 1: ``V_row`` / ``key_ok`` are [G, N / G], the tiles
-    [G, N / G, Dv / 2]."""
-    offs_p = tl.arange(0, BLOCK_DV // 2)
-    pairs_row = V_row.to(tl.pointer_type(tl.uint16), bitcast=True)
-    pairs = load_tile(tl.expand_dims(pairs_row, -1) + offs_p, key_ok, offs_p * 2 < DV, APPLY_MASK,
-                      BLOCK_DV != DV)  # [N, Dv / 2]: columns 2j (low byte) and 2j + 1 (high byte)
+    Why: the MMAs' operands hold pairs of elements adjacent along the contraction, and Hopper's
+    ``ldmatrix`` moves 16-bit elements only. Read as 16-bit elements (two adjacent columns of one key each)
+    a tile goes from the pipeline's shared-memory buffer straight into registers in the dot operand's
+    layout (``ldmatrix.trans`` for V, whose contraction runs over keys; plain ``ldmatrix`` for K^T, over
+    columns); there each register holds the same column pair of two neighbours along the contraction, and
+    one byte permute plus two conversions give the even and the odd column's pairs in f16. Widening V to
+    f16 before the dot instead costs a trip back through shared memory (a store, a barrier and a second
+    buffer per stage), and a plain ``v.to(f16)`` reads the transposed tile a byte at a time. K widened by
+    Triton (``k.to(f16)``) loads its operand with four k-values per thread, which the f16 q operand then
+    has to match: sm_90 ptxas rebuilt q's register quads for every MMA (72 moves per 128-key step of the
+    B=1 split kernel). WIDEN_ASM (compiled kernels) does the widening in inline PTX; the interpreter, which
+    cannot run PTX, the same with Triton's bit casts. Needs D even, even strides and a 2-byte aligned base
+    (the plan's ``K_PAIRS`` / ``V_PAIRS``). ``rows`` / ``key_ok`` may carry a leading key-group axis
+    ([G, N / G], tiles [G, N / G, D / 2]; not with TRANSPOSE)."""
+    offs_p = tl.arange(0, BLOCK_D // 2)
+    pairs_row = rows.to(tl.pointer_type(tl.uint16), bitcast=True)
+    pairs = load_tile(tl.expand_dims(pairs_row, -1) + offs_p, key_ok, offs_p * 2 < D, APPLY_MASK,
+                      BLOCK_D != D)  # [N, D / 2]: columns 2j (low byte) and 2j + 1 (high byte)
+    if TRANSPOSE:
+        pairs = tl.trans(pairs)
     if WIDEN_ASM:
         even, odd = tl.inline_asm_elementwise(_E4M3_PAIRS_TO_F16, "=r,=r,r", [pairs],
                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
@@ -139,9 +145,10 @@ def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, P
 
 
 @triton.jit
-def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
+def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
-             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_GROUPS: tl.constexpr = 1):
+             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_GROUPS: tl.constexpr = 1,
+             K_PAIRS: tl.constexpr = False, WIDEN_ASM: tl.constexpr = False):
     """Raw scores q k^T [M, N] (float32). ``Q_row`` [M] / ``K_row`` [N] point at each row's first element.
 
     One chunk: q [M, BLOCK_DQK] is already in registers. Several (head dims above 256, e.g. a 576-dim
@@ -149,8 +156,16 @@ def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK
     few KB, L1-resident) so that no register tile is padded to the next power of two.
     KEY_GROUPS > 1 (one chunk only): q [G, M, Dqk] (the same rows for every group), ``K_row`` / ``key_ok``
     [G, N / G], scores [G, M, N / G].
+    K_PAIRS (an FP8 cache, one chunk, one group): q and ``q_odd`` are q's even and odd columns in f16
+    [M, Dqk / 2], K is read as column pairs (:func:`load_e4m3_pairs`) and the scores are the sum of the two
+    halves' dots. Otherwise ``q_odd`` is unused.
     """
-    if DQK_CHUNKS == 1:
+    if K_PAIRS:
+        k_even, k_odd = load_e4m3_pairs(K_row, key_ok, DQK, BLOCK_DQK, CHECK_KEYS, WIDEN_ASM, True)  # [Dqk / 2, N]
+        # (q is f16 in compiled kernels; the interpreter runs 16-bit queries as float32: exact widening)
+        qk = tl.dot(q, k_even.to(q.dtype), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_odd, k_odd.to(q.dtype), qk, input_precision=DOT_PRECISION)
+    elif DQK_CHUNKS == 1:
         k = load_tile(tl.expand_dims(K_row, -1) + offs_dqk, key_ok, offs_dqk < DQK, CHECK_KEYS,
                       BLOCK_DQK != DQK).to(q.dtype)  # [N, Dqk] or [G, N / G, Dqk]
         if KEY_GROUPS == 1:
@@ -170,21 +185,21 @@ def block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK
 
 @triton.jit
 def decode_kv_range(
-    acc, acc_odd, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
+    acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
     length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1,
+    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1, K_PAIRS: tl.constexpr = False,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
     block is inside the sequence and visible from every row. KEY_GROUPS > 1: the block's keys as [G, N / G]
     (group g holds keys g * N / G ..), one softmax state per group (see the module docstring). V_PAIRS:
-    ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_v_pairs`); otherwise ``acc_odd``
-    is unused."""
+    ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_e4m3_pairs`); otherwise ``acc_odd``
+    is unused. K_PAIRS: q / ``q_odd`` are q's even / odd columns (see :func:`block_qk`)."""
     if KEY_GROUPS == 1:
         offs_n = tl.arange(0, BLOCK_N)
     else:
@@ -199,14 +214,14 @@ def decode_kv_range(
                                  PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
         K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N] or [G, N / G]
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
-        qk = block_qk(q, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS,
-                      APPLY_MASK, DOT_PRECISION, KEY_GROUPS)
+        qk = block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK,
+                      DQK_CHUNKS, APPLY_MASK, DOT_PRECISION, KEY_GROUPS, K_PAIRS, WIDEN_ASM)
         if V_PAIRS:
-            v, v_odd = load_v_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
+            v, v_odd = load_e4m3_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
         else:
             v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
             if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
-                v = v.to(tl.float16)  # odd head dims or strides (see load_v_pairs)
+                v = v.to(tl.float16)  # odd head dims or strides (see load_e4m3_pairs)
             else:
                 v = v.to(Q.dtype.element_ty)
         # q index [M, 1] against key index [1, N] (or [G, 1, N / G]): broadcast to the scores' shape
@@ -234,7 +249,7 @@ def decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -290,6 +305,10 @@ def decode_fwd_kernel(
     if K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16 and DQK_CHUNKS == 1:
         q, q_inv_scale = f16_query(q)  # the dot's K operand then widens once (see f16_query)
         qk_scale = qk_scale * q_inv_scale
+    if K_PAIRS:  # q's even and odd columns, against K's (see block_qk)
+        q, q_odd = tl.split(tl.reshape(q, [BLOCK_M, BLOCK_DQK // 2, 2]))
+    else:
+        q_odd = q
     if HAS_ALIBI:
         slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)[:, None]  # [M, 1]
     else:
@@ -311,12 +330,12 @@ def decode_fwd_kernel(
     bounds = (lo, full_lo, full_hi, hi)
     for seg in tl.static_range(3):
         acc, acc_odd, m_i, l_i = decode_kv_range(
-            acc, acc_odd, m_i, l_i, q, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
+            acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
             tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
             seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE,
-            KEY_GROUPS)
+            KEY_GROUPS, K_PAIRS)
     if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
         m_all = tl.max(m_i, 0)
         weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]

@@ -65,6 +65,10 @@ class DecodeConfig:
       4 warps, 64-key steps, bf16: 9 CTA barriers per step with one group, 2 with four. Each group needs at
       least 16 keys; head dims above 256 (chunked q.k) take one group. None = 1: every timed default is
       faster with one group (see :func:`decode_tiles`).
+    * ``k_pairs``: with an FP8 cache and 16-bit queries, read K as 16-bit column pairs and score q's even
+      and odd columns against them in two dots (``load_e4m3_pairs`` in ``decode/kernels.py``; needs an even
+      head dim, even K strides, one column chunk and one key group). None = True where it applies; False =
+      K widened by Triton (``k.to(f16)``).
 
     The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
     interpreter pays per program and per operation, not per element.
@@ -79,6 +83,7 @@ class DecodeConfig:
     merge_block_elements: Optional[int] = None
     merge_block_states: Optional[int] = None
     key_groups: Optional[int] = None
+    k_pairs: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
@@ -86,6 +91,8 @@ class DecodeConfig:
             minimum = 1 if name.startswith("merge") or name == "key_groups" else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
+        if not (self.k_pairs is None or isinstance(self.k_pairs, bool)):
+            raise ValueError(f"DecodeConfig.k_pairs: must be None, True or False, got {self.k_pairs!r}")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -515,7 +522,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
       17.2 us, and lost at S=32k and B=2 S=16k).
 
     Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
-    (``load_v_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
+    (``load_e4m3_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
     and splits (``decode_splits_fp8pairs_h200.json``, twice), 1 -> 4 groups: FP8 B=1 S=16k 17.3 -> 22.9 us,
     S=128k 73.3 -> 78.3, B=32 S=8k 128.5 / 132.8 -> 134.1 / 134.7 (before the pairs, when V went back
     through shared memory as f16, 4 groups had won at S=128k, 90.7 -> 80.5). 16-bit caches lost with groups on
@@ -657,13 +664,17 @@ def _dot_precision(dtype: str) -> str:
 def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
-                   target: Target) -> Launch:
+                   target: Target, k_pairs: Optional[bool] = None) -> Launch:
     left, right = window_scalars(options)
-    # FP8 V read as pairs of columns (see load_v_pairs) for 16-bit queries: even head dims and strides (two
+    # FP8 V read as pairs of columns (see load_e4m3_pairs) for 16-bit queries: even head dims and strides (two
     # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
-    # are; torch_api.decode._check_v_pairs_base refuses a misaligned view)
+    # are; torch_api.decode._check_pairs_base refuses a misaligned view)
     v_pairs = (cache.fp8 and dtype != "float32" and head_dim_v % 2 == 0 and tiles.block_dv >= 32
                and pow2_divisor(*v_strides, cap=2) == 2)
+    # K too (q's even and odd columns against K's, see block_qk): one column chunk and one key group
+    k_pairs = (k_pairs is not False and cache.fp8 and dtype != "float32" and head_dim_qk % 2 == 0
+               and tiles.block_dqk >= 32 and tiles.dqk_chunks == 1 and tiles.key_groups == 1
+               and pow2_divisor(*k_strides, cap=2) == 2)
     qo = (*q_strides, *out_strides)
     kv = (*k_strides, *v_strides)
     return Launch(
@@ -691,8 +702,9 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("HAS_SCALES", options.scale_mode != "none"), ("DOT_PRECISION", _dot_precision(dtype)),
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
-                    ("WIDEN_ASM", v_pairs and not target.interpret),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups)),
+                    ("WIDEN_ASM", (v_pairs or k_pairs) and not target.interpret),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups),
+                    ("K_PAIRS", k_pairs)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -767,7 +779,8 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                   k_strides=strides.get("k_cache") or cache.strides(cache.head_dim_k),
                   v_strides=strides.get("v_cache") or cache.strides(cache.head_dim_v), group=shape.group,
                   head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v, dtype=shape.dtype, tiles=tiles,
-                  has_seqlens=True, alibi_stride=shape.heads_q if options.alibi_batched else 0)
+                  has_seqlens=True, alibi_stride=shape.heads_q if options.alibi_batched else 0,
+                  k_pairs=config.k_pairs)
     finals = (Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
     inputs = tuple(n for n, here in present.items() if here)
     if splits == 1:
@@ -823,7 +836,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
                                 alibi_batched=False)
     q_strides = contiguous_q_strides((b, sq, hq, shape.head_dim_qk))
     common = dict(cache=None, target=target, group=shape.group, head_dim_qk=shape.head_dim_qk, head_dim_v=dv,
-                  dtype=shape.dtype, has_sinks=False, alibi_stride=0)
+                  dtype=shape.dtype, has_sinks=False, alibi_stride=0, k_pairs=config.k_pairs)
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group
