@@ -107,8 +107,10 @@ for stage in "${stages[@]}"; do
                            ncu --clock-control none --profile-from-start off -k regex:decode_fwd --section SourceCounters \
                              --section WarpStateStats --import-source yes --page source --print-source sass --csv \
                              python3 benchmarks/profile_decode.py --case $case > "$OUT/ncu_sass_$case.csv" 2> "$OUT/ncu_sass_$case.err"
-                           tail -3 "$OUT/ncu_sass_$case.err"; head -c 600 "$OUT/ncu_sass_$case.csv"; echo
-                         done ;;
+                           tail -3 "$OUT/ncu_sass_$case.err"
+                         done
+                         (cd "$OUT" && python3 "$OLDPWD/benchmarks/ncu_sass_summary.py" ncu_sass_*.csv > ncu_sass_summary.txt 2>&1)
+                         head -40 "$OUT/ncu_sass_summary.txt" ;;
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
