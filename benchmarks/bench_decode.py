@@ -440,6 +440,12 @@ FOCUSED_SWEEPS = {
                  ((None, None, None), (256, 4, 2), (128, 4, 2), (128, 4, 3)) * 2,
                  "only FP8 at B=1 S=128k: 256- and 128-key tiles at 2 stages (one buffer, 2-3 programs per SM) "
                  "against the default, at 16 / 32 / 48 splits, twice"),
+    # the 256-key FP8 tile at 8 warps (two per scheduler to cover the one-warp chain's fixed-latency waits,
+    # 30% of its stall samples); with K pairs sm_90 gives 579 instructions per thread and step (631 with K
+    # widened, which measured 72.2-73.1 us against 70.95 at 4 warps in the fourteenth session)
+    "fp8warps8": ([("B1 S128k fp8", 1, 131072, False, True, (16,)), ("B1 S64k fp8", 1, 65536, False, True, (16,))],
+                  (None,), ((256, 4, 3), (256, 8, 3)) * 3,
+                  "only FP8 at B=1 S=64k / 128k, 16 splits: the 256-key tile at 4 and 8 warps, three times"),
     # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
               ((None, None, None),) * 3,
