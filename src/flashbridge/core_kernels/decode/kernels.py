@@ -17,8 +17,9 @@
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
 * FP8 (e4m3) caches: with 16-bit queries K and V tiles are widened to float16 as their even and odd
-  columns (see :func:`load_e4m3_pairs`; K otherwise to q's dtype), with float32 queries to float32; the per-tensor / per-kv-head scales fold into the score scale (K) and the output (V), so
-  dequantisation costs no extra pass.
+  columns (see :func:`load_e4m3_pairs`; odd head dims or strides: K to q's dtype, V to float16), with
+  float32 queries to float32; the per-tensor / per-kv-head scales fold into the score scale (K) and the
+  output (V), so dequantisation costs no extra pass.
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
   ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
   were computed without them.
@@ -185,8 +186,8 @@ def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr
 
 @triton.jit
 def decode_kv_range(
-    acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk, offs_dv,
-    length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
+    acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk,
+    offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
