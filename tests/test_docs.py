@@ -35,3 +35,31 @@ SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for d in ("benchmarks", "scripts
 def test_scripts_compile(path):
     source = (ROOT / path).read_text()
     compile(source, path, "exec")  # a SyntaxError names the file and line
+
+
+def test_ncu_sass_summary(tmp_path):
+    """The per-opcode summary of Nsight Compute's SASS source page: ncu's log lines skipped, the hot loop
+    picked by execution count, samples attributed to opcodes (predicates stripped) and stall reasons."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ncu_sass_summary
+    finally:
+        sys.path.pop(0)
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_wait", "stall_long_sb", "stall_selected", "stall_wait (Not Issued)"]
+    body = [["0x10", "MOV R1, R2", "5", "1", "4", "0", "1", "4"],  # prologue: executed once, not in the loop
+            ["0x20", "HMMA.16816.F32 R4, R8, R12, R4", "30", "1,000", "20", "0", "10", "20"],
+            ["0x30", "@!P0 BRA 0x20", "60", "1,000", "0", "58", "2", "0"],
+            ["0x40", "F2FP.F16.E4M3.UNPACK_B R5, R6", "10", "600", "6", "0", "4", "6"]]
+    lines = ["==PROF== Connected to process 1", '"Kernel Name","decode_fwd_kernel"']
+    lines += [",".join(f'"{cell}"' for cell in row) for row in [header] + body]
+    path = tmp_path / "sass.csv"
+    path.write_text("\n".join(lines) + "\n")
+    text = ncu_sass_summary.summarise(str(path), top=2)
+    assert "decode_fwd_kernel" in text
+    assert "hot loop: 3 instructions, each executed 1000 times; 100 of 105 warp-stall samples" in text
+    assert "stall mix: long_sb 58.0%  wait 26.0%  selected 16.0%" in text
+    rows = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1].isupper()}
+    assert rows["BRA"] == ["1", "60.0%"] and rows["HMMA"] == ["1", "30.0%"] and rows["F2FP"] == ["1", "10.0%"]
+    assert "MOV" not in rows
