@@ -69,11 +69,15 @@ for stage in "${stages[@]}"; do
     # the bar's D=128 rows, ours / Flex / SDPA flash alternating ATTN_BAR_REPS times (~3 min at 5)
     attention-bar) python3 benchmarks/bench_attention.py --bar-rows ${ATTN_BAR_REPS:-5} 2>&1 | tee "$OUT/attention_bar.log" | tail -12 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
-    # the JAX rows alone under three allocator / launch settings (the JAX-vs-torch gap of the norms)
-    jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1"; do
+    # the JAX rows alone under four allocator / launch settings (the JAX-vs-torch gap of the norms; the host
+    # time of a decode step): XLA's default, a preallocated pool, + command buffers for every thunk kind, and
+    # command buffers off (XLA then launches every thunk itself: shows whether updating a captured graph per
+    # call is part of the host's time)
+    jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1" "PREALLOCATE=false CMDBUF=off"; do
                     echo "--- $setting"
                     prealloc=false; [[ $setting == *PREALLOCATE=true* ]] && prealloc=true
-                    flags=""; [[ $setting == *CMDBUF* ]] && flags="$CMDBUF_FLAGS"
+                    flags=""; [[ $setting == *CMDBUF=1* ]] && flags="$CMDBUF_FLAGS"
+                    [[ $setting == *CMDBUF=off* ]] && flags="--xla_gpu_enable_command_buffer="
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_norms.py --jax-only
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
                   done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
