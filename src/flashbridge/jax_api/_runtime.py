@@ -72,8 +72,8 @@ _FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib 0.11: reads the serialised call
 
 
 def _ffi_target() -> str | None:
-    """jaxlib's typed-FFI Triton launcher (command-buffer compatible, kernel resolved once at
-    initialisation), when this jaxlib registers one."""
+    """jaxlib's typed-FFI Triton launcher (kernel resolved once at initialisation), when this jaxlib
+    registers one."""
     try:
         from jax._src.lib import gpu_triton
         names = list(gpu_triton._cuda_triton.registrations())
