@@ -390,8 +390,9 @@ FOCUSED_SWEEPS = {
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
     # one program per SM (half the split count of the rule then: 16 at B=1, 8 at B=2, 5 at B=4) with deeper
-    # pipelines against two per SM at the then default depth; the s16kb sweep had B=1 S=16k at 16 splits 24.1 us (64 keys, 3
-    # stages) / 23.9 (4 stages) against 24.9 at 32, and S=128k 127.8 at 16 splits and 4 stages against 129.0.
+    # pipelines against two per SM at the then default depth; the s16kb sweep had B=1 S=16k at 16 splits 24.1
+    # us (64 keys, 3 stages) / 23.9 (4 stages) against 24.9 at 32, and S=128k 127.8 at 16 splits and 4 stages
+    # against 129.0.
     # A variant's sixth field, its own split counts, replaces the sweep's.
     "onesm": ([("B1 S16k", 1, 16384, False, False, (16, 32)), ("B1 S32k", 1, 32768, False, False, (16, 32)),
                ("B1 S128k", 1, 131072, False, False, (16, 32)), ("B2 S16k", 2, 16384, False, False, (8, 16)),
@@ -419,7 +420,8 @@ FOCUSED_SWEEPS = {
                 "only B=1 paged and FP8: 64-key 5-stage and 256-key tiles against the default, 3 alternations"),
     # where 256-key FP8 tiles start to pay at one program per SM (B=1 S=16k: 1024 keys per split, lost;
     # S=128k: 8192, won), and the paged candidate (2 per SM, 5 stages) at B=2; None = the automatic count
-    "onesmspan": ([("B1 S32k fp8", 1, 32768, False, True, (16, None)), ("B1 S64k fp8", 1, 65536, False, True, (16, None)),
+    "onesmspan": ([("B1 S32k fp8", 1, 32768, False, True, (16, None)),
+                   ("B1 S64k fp8", 1, 65536, False, True, (16, None)),
                    ("B2 S16k fp8", 2, 16384, False, True, (8, None)), ("B4 S16k fp8", 4, 16384, False, True, (4, None)),
                    ("B2 S16k paged64", 2, 16384, True, False, (16, None))],
                   (None,), ((None, None, None), (128, 4, 3), (256, 4, 3), (64, 4, 5)) * 2,

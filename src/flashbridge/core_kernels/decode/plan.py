@@ -483,6 +483,13 @@ class DecodeTiles:
     programs_per_sm: int = 0
 
 
+def _one_wave_splits(target: Target, programs_per_sm: int, base: int) -> int:
+    """Splits that fill every SM with ``programs_per_sm`` programs once, ``base`` programs existing without
+    splits: no second wave starts (at most MAX_AUTO_SPLITS). decode_tiles picks FP8's wide tile on it and
+    choose_num_splits uses it for tiles made for a fixed number of programs per SM."""
+    return min(target.num_sms * programs_per_sm // base, MAX_AUTO_SPLITS)
+
+
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
                  config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *,
                  cache: Optional[CacheShape] = None, batch_heads: Optional[int] = None,
@@ -548,7 +555,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         elif (cache is not None and cache.fp8 and widest <= 128
               and (not cache.paged or cache.page_size % 128 == 0)):
             bn = 128
-            one_wave_splits = min(target.num_sms // batch_heads, MAX_AUTO_SPLITS) if idle else 0
+            one_wave_splits = _one_wave_splits(target, 1, batch_heads) if idle else 0  # one row block each
             if (one_wave_splits and not cache.paged and span is not None
                     and span // one_wave_splits >= FP8_WIDE_SPLIT_KEYS):
                 bn, per_sm = 256, 1
@@ -619,7 +626,7 @@ def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_d
     min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
     by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
     if one_wave:
-        wanted = slots // base  # never more programs than slots: no second wave
+        wanted = _one_wave_splits(target, tiles.programs_per_sm, base)
     else:
         wanted = cdiv(slots, base)
         if gathered and not target.interpret:

@@ -148,11 +148,11 @@ GPU_MASKED_STAGES = {128: {"fwd": 2}}
 # stack, and MHA 498.6 -> 475.8, GQA 503.5 -> 493.0.
 GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
 # Whether the dK/dV loop issues dP^T before the exponentials (AttentionConfig.early_dp) by default, per padded
-# head dim, for full attention ("dkdv") and causal / windowed calls ("dkdv_masked"); absent = off. H200, S=4096, B=4, bf16, alternating four times in one process
-# (bench_attention.py --ab 4 --ab-config '{"early_dp": true}', attention_ab_early_dp-True_h200.json), median
-# backward TFLOP/s: D=128 full 378.6 -> 395.3, causal 342.2 -> 349.0; GQA 32/8 full 377.1 -> 391.1, causal
-# 336.8 -> 347.6; D=64 full 338.7 -> 353.6, causal 316.8 -> 312.4 (kept off). D=256 (two launches, its own
-# tiles) was not timed.
+# head dim, for full attention ("dkdv") and causal / windowed calls ("dkdv_masked"); absent = off. H200, S=4096,
+# B=4, bf16, alternating four times in one process (bench_attention.py --ab 4 --ab-config '{"early_dp": true}',
+# attention_ab_early_dp-True_h200.json), median backward TFLOP/s: D=128 full 378.6 -> 395.3, causal 342.2 ->
+# 349.0; GQA 32/8 full 377.1 -> 391.1, causal 336.8 -> 347.6; D=64 full 338.7 -> 353.6, causal 316.8 -> 312.4
+# (kept off). D=256 (two launches, its own tiles) was not timed.
 GPU_EARLY_DP = {64: {"dkdv": True}, 128: {"dkdv": True, "dkdv_masked": True}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
