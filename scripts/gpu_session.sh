@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick bench-attention attention-order attention-ab bench-decode decode-jax-hlo decode-jax-graphs bench-ce ce-jax host-overhead
+#   bench-attention-quick bench-attention attention-order attention-ab bench-decode decode-jax-hlo bench-ce ce-jax host-overhead
 #   jax-settings attention-jax-settings attention-steady profile-attention profile-decode profile-decode-sass attention-bar
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
@@ -58,14 +58,6 @@ for stage in "${stages[@]}"; do
     bench-decode) python3 benchmarks/bench_decode.py ${DECODE_ARGS---splits} 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
     # XLA's optimized HLO of the JAX decode steps at XLA's defaults and with the benchmark's command buffers:
     # how many Triton calls each puts inside a CUDA graph
-    # the JAX decode rows at XLA's defaults, with command buffers for custom calls, and the same without our
-    # command-buffer-compatible target (FLASHBRIDGE_JAX_LAUNCH=ffi-no-graphs)
-    decode-jax-graphs) for setting in default graphs graphs-no-trait; do
-                         flags=""; [[ $setting == graphs* ]] && flags="$CMDBUF_FLAGS"
-                         launch=ffi; [ $setting = graphs-no-trait ] && launch=ffi-no-graphs
-                         echo "--- $setting"
-                         FLASHBRIDGE_JAX_LAUNCH=$launch XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
-                       done 2>&1 | grep -v Warning | tee "$OUT/decode_jax_graphs.log" | tail -24 ;;
     decode-jax-hlo) { python3 benchmarks/bench_decode.py --jax-default-xla --jax-hlo "$OUT/hlo_default"
                       python3 benchmarks/bench_decode.py --jax-hlo "$OUT/hlo_graphs"; } 2>&1 | grep -v Warning | tee "$OUT/decode_jax_hlo.log" | tail -6 ;;
     bench-ce) python3 benchmarks/bench_cross_entropy.py ${CE_ARGS:-} 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;

@@ -5,11 +5,7 @@
   When jaxlib registers its typed-FFI Triton target (``triton_kernel_call_ffi``), the calls are lowered to
   it rather than to jax-triton's legacy ``triton_kernel_call``: same kernel, same buffers, but the kernel
   is resolved once when the executable is initialised instead of on every launch (H200, B=1 decode step:
-  33.5 -> 29.4 us paged). Its handler is registered again under our own target name with the
-  command-buffer-compatible trait, so that XLA may capture our calls in its command buffers (CUDA graphs)
-  when ``XLA_FLAGS`` enables them for custom calls (``--xla_gpu_enable_command_buffer=...,CUSTOM_CALL``):
-  jaxlib registers its target without the trait, which keeps every call a separate host launch.
-  ``FLASHBRIDGE_JAX_LAUNCH=ffi-no-graphs`` uses jaxlib's target as registered, ``legacy`` the legacy call.
+  33.5 -> 29.4 us paged; ``FLASHBRIDGE_JAX_LAUNCH=legacy`` restores the legacy call).
 * CPU: jax-triton cannot run there, so the whole plan runs in one ``jax.pure_callback`` through Triton's
   interpreter on host numpy buffers (bfloat16 widened to float32 for the launch, as in the torch runtime).
 
@@ -58,7 +54,6 @@ def gpu_target() -> Target | None:
 def _jax_triton():
     # Importing jax_triton 0.3.x sets TRITON_CACHE_DIR="" for the process, after which every Triton
     # compile (torch's too) fails to locate its cache: put the variable and the knob back.
-    launch = launch_mode()  # a bad value fails before anything is imported
     saved = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton
     import triton
@@ -68,56 +63,30 @@ def _jax_triton():
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         knobs.cache.dir = cache
-    if launch != "legacy":  # "legacy": jax-triton's own custom call
-        _launch_through_ffi(jax_triton, graphs=launch == "ffi")
+    if os.environ.get("FLASHBRIDGE_JAX_LAUNCH", "ffi") == "ffi":  # "legacy": jax-triton's own custom call
+        _launch_through_ffi(jax_triton)
     return jax_triton
 
 
-_LAUNCH_MODES = ("ffi", "ffi-no-graphs", "legacy")
-
-
-def launch_mode() -> str:
-    """How JAX calls reach a Triton kernel on a GPU (``FLASHBRIDGE_JAX_LAUNCH``): ``ffi`` (default) jaxlib's
-    typed-FFI launcher under our command-buffer-compatible target, ``ffi-no-graphs`` the same launcher under
-    jaxlib's own target, ``legacy`` jax-triton's ``triton_kernel_call``."""
-    launch = os.environ.get("FLASHBRIDGE_JAX_LAUNCH", "ffi")
-    if launch not in _LAUNCH_MODES:
-        raise ValueError(f"FLASHBRIDGE_JAX_LAUNCH: expected one of {', '.join(_LAUNCH_MODES)}, got {launch!r}")
-    return launch
 _FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib 0.11: reads the serialised call from the "opaque" attribute
-# the same handler registered again under our name with the command-buffer-compatible trait, which jaxlib's
-# registration lacks: without it XLA keeps every Triton call out of its command buffers (CUDA graphs)
-_GRAPH_TARGET = "flashbridge_triton_kernel_call"
 
 
-def _ffi_target(graphs: bool = True) -> str | None:
+def _ffi_target() -> str | None:
     """jaxlib's typed-FFI Triton launcher (kernel resolved once at initialisation), when this jaxlib
-    registers one; with ``graphs`` its handler under ``_GRAPH_TARGET``, declared safe to capture in a
-    command buffer (a call launches the same kernel with the same grid every time: what the trait asks)."""
+    registers one."""
     try:
         from jax._src.lib import gpu_triton
-        handlers = dict(gpu_triton._cuda_triton.registrations())
+        names = list(gpu_triton._cuda_triton.registrations())
     except Exception:
         return None
-    if _FFI_TARGET not in handlers:
-        return None
-    if not graphs:
-        return _FFI_TARGET
-    return _register_graph_target(handlers[_FFI_TARGET])
+    return _FFI_TARGET if _FFI_TARGET in names else None
 
 
-def _register_graph_target(handler) -> str:  # called once per process (through the cached _jax_triton)
-    from jax._src.lib import xla_client
-    jax.ffi.register_ffi_target(_GRAPH_TARGET, handler, platform="CUDA", api_version=1,
-                                traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
-    return _GRAPH_TARGET
-
-
-def _launch_through_ffi(jax_triton, graphs: bool = True) -> None:
+def _launch_through_ffi(jax_triton) -> None:
     """Lower jax-triton's kernel calls to jaxlib's typed-FFI Triton target instead of the legacy
     ``triton_kernel_call`` custom call (which looks the kernel up by its serialised proto on every
     launch). The serialised call travels as the ``opaque`` attribute, which that target reads."""
-    target = _ffi_target(graphs)
+    target = _ffi_target()
     if target is None:
         return
     from jax_triton import triton_lib
