@@ -8,8 +8,7 @@ best of a few grid / tile / warp settings): what any kernel that reads them reac
 
 Timing: decode steps last tens of microseconds, less than the host needs to issue them, so every torch
 provider is timed inside a CUDA graph (``triton.testing.do_bench_cudagraph``) and the JAX path as N steps
-in one jitted function, with XLA's command buffers (its CUDA graphs) on for our calls unless XLA_FLAGS is
-in the environment, even empty (``JAX_COMMAND_BUFFER_FLAGS``; ``--jax-default-xla`` times XLA's defaults); each timed call reads one of several copies of the cache, rotated so that the
+in one jitted function; each timed call reads one of several copies of the cache, rotated so that the
 copies together exceed the L2 many times (every call reads HBM).
 
     python benchmarks/bench_decode.py              # the issue's rows (contiguous, paged, fp8, JAX), plot
@@ -23,7 +22,6 @@ import argparse
 import functools
 import itertools
 import math
-import os
 import traceback
 
 from _common import (compile_launch_sm90, environment, jax_dispatch_ms, kernel_trace, print_table, save,
@@ -34,12 +32,6 @@ import numpy as np
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 60 * 2**20
 JAX_STEPS = 32  # decode steps per jitted call: a call lasts ~1 ms or more, so per-call dispatch is not timed
-# XLA command buffers (CUDA graphs) for every kind of thunk, Triton calls included, from the first one: the
-# JAX counterpart of the CUDA graphs the torch rows are timed in. Set for the JAX rows unless XLA_FLAGS is
-# set already or --jax-default-xla is given (then XLA's defaults, which leave a decode step's thunks to
-# the host one by one: B=1 S=16k 29-31 us per step against 23.7 with these flags, jax_settings stage)
-JAX_COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
-                            "--xla_gpu_graph_min_graph_size=1")
 ROWS = [  # (label, batch, kv length)
     ("B1 S16k", 1, 16384),
     ("B1 S128k", 1, 131072),
@@ -205,9 +197,7 @@ def stream_floor(b, s):
                         "all_ms": {"x".join(map(str, c)): t for c, t in results}}
 
 
-def jax_steps(b, s, *, paged=False, fp8=False, steps=None):
-    """The JAX rows' workload: ``many(*args)`` runs ``steps`` decode steps (a distinct query each) over
-    rotated cache copies; returns ``(many, args, nbytes, steps)``."""
+def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
     import jax
     import jax.numpy as jnp
 
@@ -242,44 +232,10 @@ def jax_steps(b, s, *, paged=False, fp8=False, steps=None):
             outs.append(decode_attention(q, ks[c], vs[c], cache_seqlens=lens, **extra, **scales))
         return outs
 
-    return many, (qs, ks, vs, tables, lens), nbytes, steps
-
-
-def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
-    many, args, nbytes, steps = jax_steps(b, s, paged=paged, fp8=fp8, steps=steps)
-    ms = time_jax(many, *args) / steps
+    ms = time_jax(many, qs, ks, vs, tables, lens) / steps
     # host time to dispatch a step: the row measures the host, not the kernels, once it nears ``ms``
-    host_ms = jax_dispatch_ms(many, *args) / steps
+    host_ms = jax_dispatch_ms(many, qs, ks, vs, tables, lens) / steps
     return ms, nbytes, {"host_ms": host_ms}
-
-
-def jax_hlo_report(folder, b=1, s=16384):
-    """XLA's optimized HLO of the JAX row's jitted steps (B=1 S=16k) written to ``folder``, and how many of
-    its Triton calls XLA placed inside command buffers (CUDA graphs) under the current XLA_FLAGS: outlined
-    computations named ``command_buffer*`` (XLA's CommandBufferScheduling pass)."""
-    import re
-
-    import jax
-
-    many, args, _, steps = jax_steps(b, s)
-    text = jax.jit(many).lower(*args).compile().as_text()
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"decode_b{b}_s{s}_{steps}steps.hlo.txt")
-    with open(path, "w") as f:  # lines cut at 400 characters: each Triton call carries its compiled kernel
-        f.write("\n".join(line[:400] for line in text.splitlines()))
-    inside = outside = 0
-    computation = ""
-    for line in text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
-            computation = line.lstrip("%").split()[0]
-        elif "custom_call_target=\"triton_kernel_call" in line:
-            if re.match(r"command_buffer", computation):
-                inside += 1
-            else:
-                outside += 1
-    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: {steps} steps, Triton calls inside command buffers "
-          f"{inside}, outside {outside}; HLO in {path}")
-    return inside, outside
 
 
 def trace_paths(b=1, s=16384):
@@ -692,17 +648,7 @@ def main():
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
                         help="only the JAX rows (e.g. to compare XLA_FLAGS settings), printed, not saved")
-    parser.add_argument("--jax-default-xla", action="store_true",
-                        help="time the JAX rows at XLA's default settings (no command buffers for our calls)")
-    parser.add_argument("--jax-hlo", metavar="DIR",
-                        help="only write XLA's optimized HLO of the B=1 S=16k JAX steps to DIR and count the "
-                             "Triton calls inside command buffers")
     args = parser.parse_args()
-    if "XLA_FLAGS" not in os.environ and not args.jax_default_xla:
-        os.environ["XLA_FLAGS"] = JAX_COMMAND_BUFFER_FLAGS  # before JAX starts its backend
-    if args.jax_hlo:
-        jax_hlo_report(args.jax_hlo)
-        return
     if args.ptxas:
         ptxas_report()
         return
@@ -714,6 +660,7 @@ def main():
     if focused and not args.table:
         return
     if args.jax_only:
+        import os
         print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
         for label, b, s in ROWS:
             for paged in (False, True):
@@ -728,8 +675,7 @@ def main():
                 ["case", "provider", "ms", "TB/s"], table)
     lines = verdicts(rows)
     print("\n".join(lines))
-    payload = {"environment": environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
-               "verdicts": lines,
+    payload = {"environment": environment(), "rows": rows, "verdicts": lines,
                "shape": {"hq": HQ, "hkv": HKV, "d": D, "sq": 1}}
     if not args.no_jax:
         try:

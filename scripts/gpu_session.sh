@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick bench-attention attention-order attention-ab bench-decode decode-jax-hlo bench-ce ce-jax host-overhead
+#   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
 #   jax-settings attention-jax-settings attention-steady profile-attention profile-decode profile-decode-sass attention-bar
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
@@ -56,10 +56,6 @@ for stage in "${stages[@]}"; do
     check) python3 -m flashbridge check --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | tail -60 ;;
     bench-norms) python3 benchmarks/bench_norms.py ${NORMS_ARGS:-} 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
     bench-decode) python3 benchmarks/bench_decode.py ${DECODE_ARGS---splits} 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
-    # XLA's optimized HLO of the JAX decode steps at XLA's defaults and with the benchmark's command buffers:
-    # how many Triton calls each puts inside a CUDA graph
-    decode-jax-hlo) { python3 benchmarks/bench_decode.py --jax-default-xla --jax-hlo "$OUT/hlo_default"
-                      python3 benchmarks/bench_decode.py --jax-hlo "$OUT/hlo_graphs"; } 2>&1 | grep -v Warning | tee "$OUT/decode_jax_hlo.log" | tail -6 ;;
     bench-ce) python3 benchmarks/bench_cross_entropy.py ${CE_ARGS:-} 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
     # the JAX linear CE rows alone (and torch's default beside them), with XLA's optimized HLO of each
     ce-jax) python3 benchmarks/bench_cross_entropy.py --jax-only --jax-hlo "$OUT/hlo" ${CE_ARGS:-} 2>&1 | tee "$OUT/ce_jax.log" | tail -20 ;;

@@ -1135,8 +1135,7 @@ def test_automatic_split_count_on_the_h200():
     assert block_n(True, batch_heads=32, span=32768) == 256 and block_n(True, batch_heads=32, span=16384) == 128
     assert block_n(True, page_size=128, batch_heads=8, span=131072) == 128  # paged FP8 keeps its rule
     assert tiles(True, batch_heads=8, span=131072).programs_per_sm == 1 and block_n(True, span=131072) == 128
-    # ... at 8 warps (two per scheduler for the one-warp chain); the 128-key FP8 tiles keep 4
-    assert tiles(True, batch_heads=8, span=131072).num_warps == 8 and tiles(True, batch_heads=8).num_warps == 4
+    assert tiles(True, batch_heads=8, span=131072).num_warps == 4  # 8 warps: won on one H200, lost on another
     # a tile of the caller's choice keeps the cache kind's split rule
     assert tiles(False, batch_heads=8, config=P.DecodeConfig(block_n=64)).programs_per_sm == 0
     assert tiles(False, batch_heads=8).programs_per_sm == 1

@@ -80,7 +80,7 @@ CASES = {
     "b4-paged16-hnd-sq3": (dict(BENCH, sq=3, lens=(4096, 1, 0, 3000), page_size=16, layout="HND"),
                            dict(causal=True), 7),
     "fp8-head-b1-s128k": (dict(BENCH, lens=(131072,), fp8="head", page_size=64), dict(causal=True), None),
-    # the benchmark's FP8 path: contiguous, 256-key steps at 8 warps (one program per SM), K and V as pairs
+    # the benchmark's FP8 path: contiguous, 128-key steps in 4 key groups, V as column pairs
     "fp8-tensor-b1-s128k-contig": (dict(BENCH, lens=(131072,), fp8="tensor"), dict(causal=True), None),
     "fp8-dv40-b4-paged16-hnd-sq3": (dict(hq=32, hkv=8, dqk=64, dv=40, dtype="bfloat16", sq=3, fp8="head",
                                          lens=(4096, 1, 0, 3000), page_size=16, layout="HND"), dict(causal=True), 7),
@@ -235,8 +235,7 @@ def test_gpu_decode_key_groups(name, decode_config):
 
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and FP8 256-key tiles
-    at 8 warps (the long-span default) on short, ragged lengths."""
+    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and FP8 256-key tiles."""
     import functools
 
     from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
@@ -247,7 +246,7 @@ def _memcheck_case():
                          (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
                           DecodeConfig(key_groups=4)),
                          (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
-                          DecodeConfig(block_n=256, num_warps=8))):
+                          DecodeConfig(block_n=256))):
         q, k, v, kw = _cuda(*make_case(3, **spec))
         tapi.plan_decode = functools.partial(plan_decode, config=config)
         tapi._decode_plan.cache_clear()

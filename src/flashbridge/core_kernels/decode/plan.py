@@ -525,11 +525,11 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
       (8192 keys per split at 16 splits) 71.2 us against 73.1 at 32 splits with 128 keys; with 4096 keys per
       split or fewer, one per SM lost: S=64k 41.4 against 41.0, S=32k 26.0 against 25.5, B=4 S=16k 41.5
       against 40.8 (``decode_splits_onesmab_h200.json``, ``decode_splits_onesmspan_h200.json``). The 256-key
-      tile runs 8 warps: two per scheduler hide the fixed-latency waits of one warp's dependent chain (30%
-      of its stall samples at 4 warps); S=128k 72.5 -> 71.5 us, three alternations, S=64k at 16 splits 41.5
-      -> 41.4 (``decode_splits_fp8warps8_h200.json``; with K widened by Triton instead of read as pairs, 8
-      warps had lost). Otherwise FP8 keeps its 128-key tiles at two per SM (one per SM at 128 keys won only
-      at B=1 S=16k, 16.8 against 17.2 us, and lost at S=32k and B=2 S=16k).
+      tile keeps 4 warps: 8 (two per scheduler, to cover the one-warp chain's fixed-latency waits) won on one
+      machine and lost on another, three alternations each: S=128k 72.5 -> 71.5 us
+      (``decode_splits_fp8warps8_h200.json``), 69.0 -> 71.0 (``decode_splits_fp8warps8b_h200.json``). Otherwise
+      FP8 keeps its 128-key tiles at two per SM (one per SM at 128 keys won only at B=1 S=16k, 16.8 against
+      17.2 us, and lost at S=32k and B=2 S=16k).
 
     Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
     (``load_e4m3_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
@@ -561,7 +561,7 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
             one_wave_splits = _one_wave_splits(target, 1, batch_heads) if idle else 0  # one row block each
             if (one_wave_splits and not cache.paged and span is not None
                     and span // one_wave_splits >= FP8_WIDE_SPLIT_KEYS):
-                bn, per_sm, warps = 256, 1, 8
+                bn, per_sm = 256, 1
         elif idle and (cache is None or not cache.fp8):
             if cache is None or not cache.paged:
                 bn, per_sm = 128, 1
