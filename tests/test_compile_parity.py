@@ -329,3 +329,17 @@ def test_compile_after_interpreted_launch():
     plan = plan_norm_fwd(512, 768, x_dtype="float32", residual_dtype=None, is_rms=False, has_weight=True,
                          has_bias=True, has_post_residual=True, dropout_p=0.2, eps=1e-5, target=H200)
     _compile_as_jax_triton(plan.launches[0], _NORM_DTYPES)
+
+
+def test_jax_launch_mode_names_the_variable(monkeypatch):
+    """FLASHBRIDGE_JAX_LAUNCH picks the JAX launch path on a GPU; a value it does not know fails with the
+    variable's name and the accepted values, before jax_triton is imported."""
+    from flashbridge.jax_api import _runtime
+
+    monkeypatch.delenv("FLASHBRIDGE_JAX_LAUNCH", raising=False)
+    assert _runtime.launch_mode() == "ffi"
+    monkeypatch.setenv("FLASHBRIDGE_JAX_LAUNCH", "legacy")
+    assert _runtime.launch_mode() == "legacy"
+    monkeypatch.setenv("FLASHBRIDGE_JAX_LAUNCH", "graphs")
+    with pytest.raises(ValueError, match="FLASHBRIDGE_JAX_LAUNCH: expected one of ffi, legacy, got 'graphs'"):
+        _runtime._jax_triton.__wrapped__()

@@ -54,6 +54,7 @@ def gpu_target() -> Target | None:
 def _jax_triton():
     # Importing jax_triton 0.3.x sets TRITON_CACHE_DIR="" for the process, after which every Triton
     # compile (torch's too) fails to locate its cache: put the variable and the knob back.
+    launch = launch_mode()  # a bad value fails before anything is imported
     saved = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton
     import triton
@@ -63,9 +64,21 @@ def _jax_triton():
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         knobs.cache.dir = cache
-    if os.environ.get("FLASHBRIDGE_JAX_LAUNCH", "ffi") == "ffi":  # "legacy": jax-triton's own custom call
+    if launch == "ffi":  # "legacy": jax-triton's own custom call
         _launch_through_ffi(jax_triton)
     return jax_triton
+
+
+_LAUNCH_MODES = ("ffi", "legacy")
+
+
+def launch_mode() -> str:
+    """How JAX calls reach a Triton kernel on a GPU (``FLASHBRIDGE_JAX_LAUNCH``): ``ffi`` (default) jaxlib's
+    typed-FFI Triton launcher where this jaxlib has one, ``legacy`` jax-triton's ``triton_kernel_call``."""
+    launch = os.environ.get("FLASHBRIDGE_JAX_LAUNCH", "ffi")
+    if launch not in _LAUNCH_MODES:
+        raise ValueError(f"FLASHBRIDGE_JAX_LAUNCH: expected one of {', '.join(_LAUNCH_MODES)}, got {launch!r}")
+    return launch
 
 
 _FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib 0.11: reads the serialised call from the "opaque" attribute
