@@ -879,7 +879,8 @@ def test_jax_fused_backward_gives_identical_results():
 
 def test_early_dp_defaults():
     """EARLY_DP of the default GPU plans follows GPU_EARLY_DP (D=128 always, D=64 without a causal mask or
-    window, D=256 and float32 never); the interpreter keeps the default order; the config overrides."""
+    window, D=256 without a causal mask, float32 never); the interpreter keeps the default order; the config
+    overrides."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_bwd
 
@@ -893,7 +894,8 @@ def test_early_dp_defaults():
 
     assert early(128) == early(128, causal=True) == early(96, window=(64, 64)) == {True}
     assert early(64) == {True} and early(64, causal=True) == early(48, window=(32, -1)) == {False}
-    assert early(256) == early(128, dtype="float32") == early(128, target=cpu) == {False}
+    assert early(256) == {True} and early(256, causal=True) == {False}
+    assert early(128, dtype="float32") == early(128, target=cpu) == {False}
     assert early(64, causal=True, config=AttentionConfig(early_dp=True)) == {True}
     assert early(128, config=AttentionConfig(early_dp=False)) == {False}
 

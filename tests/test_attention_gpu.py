@@ -80,6 +80,7 @@ CASES = {
     "d64": (dict(sq=2048, dqk=64), dict()),
     "d64-causal": (dict(sq=2048, dqk=64), dict(causal=True)),  # D=64's causal forward tile differs
     "d128-causal": (dict(sq=2048), dict(causal=True)),
+    "d256": (dict(sq=1024, dqk=256), dict()),  # D=256's full backward issues dP^T early (GPU_EARLY_DP)
     "d256-causal": (dict(sq=1024, dqk=256), dict(causal=True)),
     "d80-odd-lengths": (dict(sq=1000, sk=1537, dqk=80), dict(causal=True)),
     "mla-192-128": (dict(sq=1024, dqk=192, dv=128), dict(causal=True)),
