@@ -36,8 +36,18 @@ if [ -n "$PACK" ]; then
   packer=$!
   trap 'kill $packer 2>/dev/null' EXIT
 fi
+# SM / memory clocks, power and temperature every 500 ms while a timing stage runs (clocks_<stage>.csv), and
+# the SM clock's range over the stage: timings differ between machines of the same kind
+clocks_start() { sampler=""; case $1 in bench-*|attention-ab|attention-bar|attention-order|jax-settings)
+  command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv,noheader,nounits -lms 500 > "$OUT/clocks_$1.csv" 2>/dev/null & sampler=$!; } ;; esac; }
+clocks_stop() { [ -n "$sampler" ] || return 0; kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+  awk -F', ' '$2 > 0 { n++; s += $2; if (!lo || $2 < lo) lo = $2; if ($2 > hi) hi = $2 }
+    END { if (n) printf "clocks during %s: SM %d-%d MHz (mean %.0f, %d samples)\n", stage, lo, hi, s / n, n }' \
+    stage="$1" "$OUT/clocks_$1.csv"; }
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
+  clocks_start "$stage"
   case $stage in
     env) { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
            python3 -c 'import torch, triton, jax; print(torch.__version__, triton.__version__, jax.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt" ;;
@@ -118,6 +128,7 @@ for stage in "${stages[@]}"; do
     tune-norms) python3 benchmarks/bench_norms.py --tune --no-sweep 2>&1 | tee "$OUT/tune_norms.log" | tail -120 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
+  clocks_stop "$stage"
   pack
 done
 exit $status
