@@ -448,6 +448,14 @@ FOCUSED_SWEEPS = {
     "fp8warps8": ([("B1 S128k fp8", 1, 131072, False, True, (16,)), ("B1 S64k fp8", 1, 65536, False, True, (16,))],
                   (None,), ((256, 4, 3), (256, 8, 3)) * 3,
                   "only FP8 at B=1 S=64k / 128k, 16 splits: the 256-key tile at 4 and 8 warps, three times"),
+    # FP8 key groups at the 256-key tile (one program per SM, 16 splits): one softmax state per warp's keys,
+    # so a step has no exchange between warps (sm_90: 2 CTA barriers per step instead of 8). 8 warps x 8 groups:
+    # 531 instructions per thread and step, 248 registers, no spills; 8 x 4: 846, 8 B of stack; 4 x 4: 946,
+    # 64 B of stack (LDL / STL in the loop); the default 4 x 1: 1016, no spills
+    "fp8groups256": ([("B1 S128k fp8", 1, 131072, False, True, (16,))], (None,),
+                     ((256, 4, 3, 1), (256, 8, 3, 8), (256, 8, 3, 4), (256, 4, 3, 4)) * 3,
+                     "only FP8 at B=1 S=128k, 16 splits: the 256-key tile with 1 / 8 / 4 key groups at 4 and 8 "
+                     "warps, three times"),
     # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
               ((None, None, None),) * 3,
