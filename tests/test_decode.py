@@ -807,17 +807,19 @@ def test_torch_fp8_pairs(name, groups, k_pairs, decode_config):
     assert decode_constexpr(built, "K_PAIRS") == {k_pairs is None and groups == 1 and spec["dqk"] <= 256}
 
 
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_torch_fp8_wide_key_blocks(block_n, decode_config):
-    """The GPU's FP8 tiles (128 keys; 256 at one program per SM on long spans) in the interpreter: ragged and
-    empty sequences, lengths inside and past a block, several splits, against the float64 reference."""
-    built = decode_config(block_n=block_n)
+@pytest.mark.parametrize("block_n,groups", [(128, 1), (256, 1), (256, 8)])
+def test_torch_fp8_wide_key_blocks(block_n, groups, decode_config):
+    """The GPU's FP8 tiles (128 keys; 256 at one program per SM on long spans; and 256 in 8 key groups of 32,
+    the candidate of ``--splits-fp8groups256``) in the interpreter: ragged and empty sequences, lengths inside
+    and past a block, several splits, against the float64 reference."""
+    built = decode_config(block_n=block_n, key_groups=groups)
     q, k, v, kw = make_case(_seed(f"fp8-wide-{block_n}"), dtype="bfloat16", hq=8, hkv=2, dqk=128,
                             lens=(0, 1, 300, 700), fp8="tensor")
     for splits in (None, 3):
         check_decode(q, k, v, kw, dict(causal=True), num_splits=splits, floor=1e-3)
     assert decode_constexpr(built, "BLOCK_N") == {block_n} and decode_constexpr(built, "V_PAIRS") == {True}
-    assert decode_constexpr(built, "K_PAIRS") == {True}
+    assert decode_constexpr(built, "KEY_GROUPS") == {groups}
+    assert decode_constexpr(built, "K_PAIRS") == {groups == 1}  # K pairs need one key group
 
 
 def test_torch_fp8_pairs_float16_queries():
