@@ -674,15 +674,16 @@ def _dot_precision(dtype: str) -> str:
 def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
-                   target: Target, k_pairs: Optional[bool] = None) -> Launch:
+                   target: Target, k_pairs_wanted: Optional[bool] = None) -> Launch:
     left, right = window_scalars(options)
     # FP8 V read as pairs of columns (see load_e4m3_pairs) for 16-bit queries: even head dims and strides (two
     # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
     # are; torch_api.decode._check_pairs_base refuses a misaligned view)
     v_pairs = (cache.fp8 and dtype != "float32" and head_dim_v % 2 == 0 and tiles.block_dv >= 32
                and pow2_divisor(*v_strides, cap=2) == 2)
-    # K too (q's even and odd columns against K's, see block_qk): one column chunk and one key group
-    k_pairs = (k_pairs is not False and cache.fp8 and dtype != "float32" and head_dim_qk % 2 == 0
+    # K too (q's even and odd columns against K's, see block_qk): one column chunk and one key group, unless
+    # DecodeConfig.k_pairs is False
+    k_pairs = (k_pairs_wanted is not False and cache.fp8 and dtype != "float32" and head_dim_qk % 2 == 0
                and tiles.block_dqk >= 32 and tiles.dqk_chunks == 1 and tiles.key_groups == 1
                and pow2_divisor(*k_strides, cap=2) == 2)
     qo = (*q_strides, *out_strides)
@@ -790,7 +791,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                   v_strides=strides.get("v_cache") or cache.strides(cache.head_dim_v), group=shape.group,
                   head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v, dtype=shape.dtype, tiles=tiles,
                   has_seqlens=True, alibi_stride=shape.heads_q if options.alibi_batched else 0,
-                  k_pairs=config.k_pairs)
+                  k_pairs_wanted=config.k_pairs)
     finals = (Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
     inputs = tuple(n for n, here in present.items() if here)
     if splits == 1:
@@ -846,7 +847,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
                                 alibi_batched=False)
     q_strides = contiguous_q_strides((b, sq, hq, shape.head_dim_qk))
     common = dict(cache=None, target=target, group=shape.group, head_dim_qk=shape.head_dim_qk, head_dim_v=dv,
-                  dtype=shape.dtype, has_sinks=False, alibi_stride=0, k_pairs=config.k_pairs)
+                  dtype=shape.dtype, has_sinks=False, alibi_stride=0, k_pairs_wanted=config.k_pairs)
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group

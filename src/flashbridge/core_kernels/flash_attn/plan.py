@@ -65,7 +65,7 @@ class AttentionConfig:
       ``MUFU.EX2`` run sits between the ``dp^T`` MMAs and their wait), same instruction count, stack 56 B
       (causal: 128 -> 152 B; applied to the masked segments too it was 208). The dQ loop is left as it is:
       ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = the default
-      of :data:`GPU_EARLY_DP` (on for D=128, and for D=64 without a causal mask or window).
+      of :data:`GPU_EARLY_DP` (on for D=128, and for D=64 and D=256 without a causal mask or window).
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
