@@ -125,6 +125,8 @@ class AttentionConfig:
 #          dQ 4 stages 375 / 330 (359 / 323)
 #   D=256: forward 128 x 64, 8 warps, 2 stages 434 / 395 (169 / 153: the first table had it at 64 x 32);
 #          dK/dV 32 x 32, 4 warps 141 / 131 (102 / 98); dQ 128 x 32 125 / 122 (102 / 98)
+#          (the same dK/dV tile at 8 warps, spill-free where 4 warps spill 16 / 136 B full / causal: backward
+#          13.96 -> 21.8 ms full, 7.42 -> 11.5 causal, B=4 S=4096, attention_ab_dkdv_num_warps-8_d256_h200.json)
 # "dkdv_gqa_causal": the dK/dV tile of causal calls whose K / V heads serve several query heads (each dK/dV
 # program walks group x Sq query rows): D=128, GQA 32/8, S=4096, alternating both four times in one process
 # (bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'), median backward 325.5 -> 339.3 TFLOP/s;
