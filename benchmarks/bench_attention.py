@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashbridge.core_kernels.flash_attn.plan import (GPU_TILES, AttentionConfig, check_attention_args,
-                                                      plan_attention_bwd, plan_attention_fwd)
+from flashbridge.core_kernels.flash_attn.plan import (GPU_DKDV_COL_SPLIT, GPU_TILES, AttentionConfig,
+                                                      check_attention_args, plan_attention_bwd, plan_attention_fwd)
 from flashbridge.torch_api._runtime import execute, target_for
 from flashbridge.torch_api.attention import flash_attention
 
@@ -407,7 +407,9 @@ TUNE_CANDIDATES = {
                  (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 8, 3), (128, 32, 8, 4)]},
     256: {"fwd": [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
                   (128, 64, 8, 3)],
-          "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2)],
+          # run with the default column split (GPU_DKDV_COL_SPLIT) like the plan's own tile
+          "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 128, 8, 2),
+                   (64, 128, 8, 2), (32, 128, 4, 2)],
           "dq": [(64, 16, 8, 2), (32, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)]},
 }
 
@@ -483,7 +485,11 @@ def tune(d, causal, s=4096):
         except Exception as exc:
             keep({"kernel": "fwd", "tile": f"default, masked_num_stages={masked}", "error": str(exc)[:120]})
     rows += time_program_configs(b, s, H, H, d, causal)
-    bwd_cands = {kernel: list(dict.fromkeys([tiles[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
+    # the plan's dK/dV default: the "dkdv_split" tile where the head dim splits dK/dV's columns (GPU_DKDV_COL_SPLIT;
+    # the candidates then run split too)
+    defaults = {"dkdv": tiles.get("dkdv_split", tiles["dkdv"]) if GPU_DKDV_COL_SPLIT.get(d) else tiles["dkdv"],
+                "dq": tiles["dq"]}
+    bwd_cands = {kernel: list(dict.fromkeys([defaults[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
         for tile in cands:

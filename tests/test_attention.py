@@ -963,7 +963,95 @@ def test_fused_backward_needs_one_warp_count():
     assert kernels(128, fused_backward=False) == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                                                   "attn_bwd_dq_kernel"]
     assert kernels(256, fused_backward=True) == kernels(256) == kernels(256, fused_backward=False)
-    assert kernels(256, fused_backward=True, dq_num_warps=4)[1:] == ["attn_bwd_kernel"]
+    assert kernels(256, fused_backward=True, dkdv_col_split=1, dq_num_warps=4)[1:] == ["attn_bwd_kernel"]
+    # a split dK/dV grid (D=256's default) always runs as its own launch, whatever the warp counts
+    assert kernels(256, fused_backward=True, dkdv_num_warps=8, dq_num_warps=8)[1:] == ["attn_bwd_dkdv_kernel",
+                                                                                    "attn_bwd_dq_kernel"]
+
+
+def test_dkdv_col_split_defaults_and_errors():
+    """GPU_DKDV_COL_SPLIT: D=256 (and head dims padded to it) splits dK/dV's columns over two programs per
+    key block with the table's "dkdv_split" tile (grid axis 0 doubled); other head dims, float32 inputs and
+    the interpreter keep one program; the config overrides (back to the unsplit tile); bad values and
+    halves narrower than 16 columns are errors naming the field."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import (GPU_TILES, AttentionConfig, check_attention_args,
+                                                          plan_attention_bwd)
+
+    gpu, cpu = Target(interpret=False, num_sms=132), Target(interpret=True, num_sms=4)
+
+    def dkdv(d, causal=False, dtype="bfloat16", target=gpu, dv=None, **settings):
+        info_q, info_v = ((2, 512, 4, d), dtype), ((2, 512, 4, dv or d), dtype)
+        shape, options = check_attention_args(q=info_q, k=info_q, v=info_v, causal=causal)
+        launch = plan_attention_bwd(shape, options, target=target, config=AttentionConfig(**settings)).launches[1]
+        c = launch.constexpr_dict()
+        return c.get("COL_SPLIT"), launch.grid[0], (c.get("BLOCK_M"), c.get("BLOCK_N"), launch.num_warps,
+                                                     launch.num_stages)
+
+    split_tile, tile = GPU_TILES[256]["dkdv_split"], GPU_TILES[256]["dkdv"]
+    assert dkdv(256) == dkdv(256, causal=True) == (2, 2 * 512 // split_tile[1], split_tile)
+    assert dkdv(192, dv=128, causal=True)[0] == 2
+    assert dkdv(256, dkdv_col_split=1) == (1, 512 // tile[1], tile)
+    assert dkdv(128)[0] is None  # the one-launch kernel: never split
+    assert dkdv(256, dtype="float32")[0] == 1
+    assert dkdv(256, target=cpu)[0] is None  # the interpreter's tiles share a warp count: one launch
+    assert dkdv(64, target=cpu, dkdv_col_split=2)[:2] == (2, 2 * 512 // 64)
+    with pytest.raises(ValueError, match="AttentionConfig.dkdv_col_split"):
+        AttentionConfig(dkdv_col_split=3)
+    with pytest.raises(ValueError, match="AttentionConfig.dkdv_col_split"):
+        dkdv(16, target=cpu, dkdv_col_split=2)
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=2, sq=70, sk=90, hq=4, hkv=2, dqk=32, causal=True),
+    dict(b=1, sq=64, sk=130, hq=2, hkv=1, dqk=64, dv=32, softcap=5.0, alibi=True),
+    dict(seqlens=[(5, 5), (130, 130), (63, 90)], hq=4, hkv=2, dqk=48, causal=True, window_size=(40, 7),
+         sinks=True),
+], ids=["causal-gqa", "dqk!=dv-mods", "varlen-window-padded"])
+def test_dkdv_col_split_matches_the_reference(case):
+    """AttentionConfig.dkdv_col_split=2 on the interpreter: dq, dk, dv (and dsinks) against the float64
+    reference through the torch and the JAX runtime, on causal GQA with ragged tails, Dqk != Dv with softcap
+    and ALiBi, and packed sequences with a window and a head dim padded to 64 (column halves masked); the
+    split's results also agree with one program per key block to float32 rounding."""
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+    from flashbridge.jax_api._runtime import execute as jax_execute
+    from flashbridge.torch_api._runtime import dtype_name, execute, target_for
+
+    case = dict(case)
+    spec = {n: case.pop(n) for n in ("b", "sq", "sk", "seqlens", "alibi", "sinks", "hq", "hkv", "dqk", "dv")
+            if n in case}
+    q, k, v, kw = make_inputs(len(str(case)), **spec)
+    tensors = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor)}
+    infos = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+    sizes = {n: kw[n] for n in ("max_seqlen_q", "max_seqlen_k") if n in kw}
+    shape, options = check_attention_args(**infos, **sizes, **case)
+    target = target_for(q.device)
+    out, lse = execute(plan_attention_fwd(shape, options, target=target), {"q": q, "k": k, "v": v, **tensors})
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **tensors}
+    sinks_dtype = {"sinks_dtype": "float32"} if "sinks" in kw else {}
+
+    def plan(config):
+        return lambda t: plan_attention_bwd(shape, options, target=t, config=config, **sinks_dtype)
+
+    split, whole = AttentionConfig(dkdv_col_split=2), AttentionConfig(dkdv_col_split=1)
+    assert plan(split)(target).launches[1].constexpr_dict()["COL_SPLIT"] == 2
+    runs = {"torch": execute(plan(split)(target), inputs),
+            "jax": jax_execute(plan(split), {n: torch_to_jax(t) for n, t in inputs.items()})}
+    unsplit = execute(plan(whole)(target), inputs)
+    rgrads = ref.flash_attention_bwd(np64(dout), np64(q), np64(k), np64(v), **ref_options(kw, **case))
+    nleaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    nkw = dict(kw)
+    if "sinks" in kw:
+        nkw["sinks"] = kw["sinks"].detach().clone().requires_grad_(True)
+        nleaves.append(nkw["sinks"])
+    n_out, _ = naive_torch(*nleaves[:3], **nkw, **case)
+    ngrads = torch.autograd.grad((n_out * dout).sum(), nleaves)
+    for framework, grads in runs.items():
+        for name, got, want, naive, one in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads, ngrads, unsplit):
+            assert_close(np64(got), want, naive, name=f"{framework} {name}")
+            np.testing.assert_allclose(np64(got), np64(one), rtol=1e-5, atol=1e-5, err_msg=f"{framework} {name}")
 
 
 @pytest.mark.parametrize("case", [

@@ -82,6 +82,9 @@ CASES = {
     "d128-causal": (dict(sq=2048), dict(causal=True)),
     "d256": (dict(sq=1024, dqk=256), dict()),  # D=256's full backward issues dP^T early (GPU_EARLY_DP)
     "d256-causal": (dict(sq=1024, dqk=256), dict(causal=True)),
+    # D=256's dK/dV kernel splits the columns (GPU_DKDV_COL_SPLIT): ragged tails, GQA, a window
+    "d256-gqa-ragged": (dict(seqlens=[(1, 1), (17, 17), (700, 700), (300, 1000), (1000, 129)], hq=8, hkv=2,
+                             dqk=256), dict(causal=True, window_size=(400, -1))),
     "d80-odd-lengths": (dict(sq=1000, sk=1537, dqk=80), dict(causal=True)),
     "mla-192-128": (dict(sq=1024, dqk=192, dv=128), dict(causal=True)),
     "gqa-32-8": (dict(sq=2048, hq=32, hkv=8), dict(causal=True)),
@@ -186,7 +189,7 @@ def test_gpu_sdpa_drop_in():
     assert_close(out, ref64, naive, name="sdpa", floor=1e-3)
 
 
-@pytest.mark.parametrize("name", ["d128-causal", "gqa-32-8", "varlen-ragged", "softcap-alibi-sinks"])
+@pytest.mark.parametrize("name", ["d128-causal", "gqa-32-8", "varlen-ragged", "softcap-alibi-sinks", "d256-gqa-ragged"])
 def test_gpu_jax_matches_torch_bitwise(name):
     jax = pytest.importorskip("jax")
     if not jax.devices("gpu"):
@@ -212,7 +215,8 @@ def test_gpu_jax_matches_torch_bitwise(name):
 
 
 def _memcheck_case():
-    """A ragged packed batch, forward and backward, torch and JAX (for compute-sanitizer)."""
+    """Ragged packed batches, forward and backward, torch and JAX (for compute-sanitizer): D=128, and D=256
+    (its dK/dV kernel splits the columns) with a padded Dqk."""
     from flashbridge.torch_api.attention import flash_attention
     spec, options = CASES["varlen-ragged"]
     q, k, v, kw = _inputs(0, **spec, sinks=True, alibi=True)
@@ -222,6 +226,15 @@ def _memcheck_case():
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     print("torch ragged varlen forward + backward: ok")
+    for dqk in (256, 200):
+        spec256, options256 = CASES["d256-gqa-ragged"]
+        q2, k2, v2, kw2 = _inputs(1, **{**spec256, "dqk": dqk, "dv": 256}, sinks=True)
+        for t in (q2, k2, v2):
+            t.requires_grad_(True)
+        out2 = flash_attention(q2, k2, v2, **kw2, **options256, softcap=20.0)
+        out2.backward(torch.randn_like(out2))
+        torch.cuda.synchronize()
+        print(f"torch ragged varlen D={dqk}/256 forward + backward: ok")
     try:
         import jax
         from flashbridge.jax_api.attention import flash_attention as jfa

@@ -83,23 +83,44 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dp_t(v, do, v_o, do_o, DOT_PRECISION: tl.constexpr, COL_SPLIT: tl.constexpr):
+    """dP^T [N, M] = v do^T, over both column halves when the dK/dV columns are split."""
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if COL_SPLIT > 1:
+        dp_t = tl.dot(v_o, tl.trans(do_o), dp_t, input_precision=DOT_PRECISION)
+    return dp_t
+
+
+@triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q_head, DO_head, L2_head, D_head, blk, offs_n, offs_dqk, offs_dv,
-    stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
+    dk, dv, k, v, k_o, v_o, Q_head, DO_head, L2_head, D_head, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o,
+    offs_dv_o, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
+    COL_SPLIT: tl.constexpr,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
     transpose of p. APPLY_MASK: the scores take the mask; CHECK_ROWS: the block may reach past the
-    sequence's last query (its loads are masked; APPLY_MASK is then set too)."""
+    sequence's last query (its loads are masked; APPLY_MASK is then set too).
+
+    COL_SPLIT = 2 (``AttentionConfig.dkdv_col_split``): ``dk`` / ``dv`` are this program's half of the
+    columns (``offs_dqk`` / ``offs_dv``; ``k`` / ``v`` the same half of the key block), and the scores and
+    dP^T take the other half too (``k_o`` / ``v_o``, ``offs_*_o``): each program recomputes both, half
+    its accumulators' registers for 1.5x the products."""
     offs_r = tl.arange(0, BLOCK_M)
     m_start = blk * BLOCK_M
     offs_m = m_start + offs_r
     row_ok = offs_m < len_q
+    # BLOCK_DQK / BLOCK_DV (the padded widths) decide whether any column can lie past DQK / DV: also for halves
     q = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk, row_ok, DQK, BLOCK_DQK, CHECK_ROWS)  # [M, Dqk]
     do = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv, row_ok, DV, BLOCK_DV, CHECK_ROWS)  # [M, Dv]
+    if COL_SPLIT > 1:
+        q_o = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk_o, row_ok, DQK, BLOCK_DQK, CHECK_ROWS)
+        do_o = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv_o, row_ok, DV, BLOCK_DV, CHECK_ROWS)
+    else:
+        q_o, do_o = q, do  # unused
     if CHECK_ROWS:
         # Rows past the sequence read lse2 = +inf (-> p = 0) and delta = 0: they add nothing.
         lse2 = tl.load(L2_head + offs_m, mask=row_ok, other=float("inf"))
@@ -112,14 +133,16 @@ def _dkdv_step(
     # extra live tile made ptxas spill more: sm_90, D=128 causal, stack 128 -> 208 B).
     DP_FIRST: tl.constexpr = EARLY_DP and not APPLY_MASK
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+    if COL_SPLIT > 1:
+        qk_t = tl.dot(k_o, tl.trans(q_o), qk_t, input_precision=DOT_PRECISION)
     if DP_FIRST:
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+        dp_t = _dp_t(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                            HAS_ALIBI)  # [N, M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     if not DP_FIRST:
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+        dp_t = _dp_t(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -127,12 +150,12 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_q_range(
-    dk, dv, k, v, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, kh, b, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
-    stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
-    window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EARLY_DP: tl.constexpr,
+    dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, kh, b, blk_lo, blk_hi, offs_n, offs_dqk, offs_dv,
+    offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag,
+    len_q, len_k, window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
@@ -145,10 +168,11 @@ def _dkdv_q_range(
         DO_head = DO_seq + kh * stride_doh
         l_off = tl.cast(kh, tl.int64) * stride_lh
         for blk in range(blk_lo, blk_hi):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, blk, offs_n,
-                                offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q,
-                                len_k, window_left, window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
-                                APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP)
+            dk, dv = _dkdv_step(dk, dv, k, v, k_o, v_o, Q_head, DO_head, L2_seq + l_off, D_seq + l_off, blk,
+                                offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_dos, qk_scale,
+                                cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
+                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                                DOT_PRECISION, EARLY_DP, COL_SPLIT)
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -157,17 +181,17 @@ def _dkdv_q_range(
             h = kh * GROUP + g
             slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
             l_off = tl.cast(h, tl.int64) * stride_lh
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L2_seq + l_off,
-                                D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, stride_qs, stride_dos, qk_scale,
-                                cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
-                                BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                DOT_PRECISION, EARLY_DP)
+            dk, dv = _dkdv_step(dk, dv, k, v, k_o, v_o, Q_seq + h * stride_qh, DO_seq + h * stride_doh,
+                                L2_seq + l_off, D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
+                                stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left,
+                                window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS,
+                                HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(
-    kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
+    kh, b, q_start, len_q, k_start, len_k, n_start, part, Q, K, V, DO, LSE2, DELTA, SLOPES,
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -175,9 +199,10 @@ def _dkdv_program(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, COL_SPLIT: tl.constexpr = 1,
 ):
-    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``."""
+    """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``: all their
+    columns, or with COL_SPLIT = 2 the half ``part`` (0 or 1) of them (see :func:`_dkdv_step`)."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -189,21 +214,33 @@ def _dkdv_program(
     stride_lh = aligned(stride_lh, LSE_ALIGN)
     offs_c = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_c  # [N] key index within the sequence
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    # this program's columns of dK / dV (all of them, or one half), and with a split the other half
+    offs_dqk = tl.arange(0, BLOCK_DQK // COL_SPLIT)
+    offs_dv = tl.arange(0, BLOCK_DV // COL_SPLIT)
+    offs_dqk_o, offs_dv_o = offs_dqk, offs_dv  # unused without a split
+    if COL_SPLIT > 1:
+        offs_dqk_o = offs_dqk + (1 - part) * (BLOCK_DQK // COL_SPLIT)
+        offs_dv_o = offs_dv + (1 - part) * (BLOCK_DV // COL_SPLIT)
+        offs_dqk += part * (BLOCK_DQK // COL_SPLIT)
+        offs_dv += part * (BLOCK_DV // COL_SPLIT)
     key_ok = offs_n < len_k
     row0 = k_start + n_start
-    k = load_rows(K + tl.cast(b, tl.int64) * stride_kb + kh * stride_kh, row0, offs_c, stride_ks, offs_dqk, key_ok,
-                  DQK, BLOCK_DQK, True)  # [N, Dqk]
-    v = load_rows(V + tl.cast(b, tl.int64) * stride_vb + kh * stride_vh, row0, offs_c, stride_vs, offs_dv, key_ok,
-                  DV, BLOCK_DV, True)  # [N, Dv]
+    K_head = K + tl.cast(b, tl.int64) * stride_kb + kh * stride_kh
+    V_head = V + tl.cast(b, tl.int64) * stride_vb + kh * stride_vh
+    k = load_rows(K_head, row0, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, True)  # [N, Dqk]
+    v = load_rows(V_head, row0, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, True)  # [N, Dv]
+    if COL_SPLIT > 1:
+        k_o = load_rows(K_head, row0, offs_c, stride_ks, offs_dqk_o, key_ok, DQK, BLOCK_DQK, True)
+        v_o = load_rows(V_head, row0, offs_c, stride_vs, offs_dv_o, key_ok, DV, BLOCK_DV, True)
+    else:
+        k_o, v_o = k, v  # unused
 
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     diag = len_k - len_q
     lo, full_lo, full_hi, hi = q_block_range(n_start, len_q, len_k, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LOCAL)
-    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK // COL_SPLIT], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV // COL_SPLIT], dtype=tl.float32)
     # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
     Q_seq = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
     DO_seq = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
@@ -222,11 +259,12 @@ def _dkdv_program(
         b_hi = full_hi
     bounds = (lo, a_hi, b_hi, hi)
     for seg in tl.static_range(3):
-        dk, dv = _dkdv_q_range(dk, dv, k, v, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b, bounds[seg],
-                               bounds[seg + 1], offs_n, offs_dqk, offs_dv, stride_qs, stride_qh, stride_dos,
-                               stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
-                               window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, seg != 1, seg == 2,
-                               HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b,
+                               bounds[seg], bounds[seg + 1], offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
+                               stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2,
+                               diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK,
+                               BLOCK_DV, seg != 1, seg == 2, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                               EARLY_DP, COL_SPLIT)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
@@ -247,20 +285,26 @@ def attn_bwd_dkdv_kernel(
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, COL_SPLIT: tl.constexpr,
 ):
-    pid_n, kh, b = block_schedule(HEAD_GROUP)  # key block 0 sees the most causal queries: it starts first
+    # grid axis 0: key blocks x COL_SPLIT column parts, a block's parts adjacent (they share its K / V and
+    # every Q / dO tile in L2); key block 0 sees the most causal queries: it starts first
+    pid_n, kh, b = block_schedule(HEAD_GROUP)
+    part = 0
+    if COL_SPLIT > 1:
+        part = pid_n % COL_SPLIT
+        pid_n = pid_n // COL_SPLIT
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
     if n_start >= len_k:
         return
-    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
+    _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, part, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
                   softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                   stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                   stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                   DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
-                  HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN)
+                  HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, COL_SPLIT)
 
 
 @triton.jit
@@ -401,7 +445,7 @@ def attn_bwd_kernel(
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
         if n_start < len_k:
-            _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
+            _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, 0, Q, K, V, DO, LSE2, DELTA, SLOPES,
                           sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
                           stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,

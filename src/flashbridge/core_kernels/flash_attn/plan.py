@@ -56,7 +56,7 @@ class AttentionConfig:
       bf16, S=4096: one ``--order-only`` run gave backward D=128 full 383 -> 395 TFLOP/s, causal 349 -> 354,
       D=64 causal 312 -> 328, GQA 32/8 causal 322 -> 331; alternating both four times in one process
       (``bench_attention.py --ab 4``) MHA differs by less than 1.5% either way and GQA causal gains 1.4%.
-      D=256's default tiles differ in warps and keep two launches.
+      D=256's default splits the dK/dV grid's columns (``dkdv_col_split``) and keeps two launches.
     * ``early_dp``: order of the products in the dK/dV loop's unmasked segment. False: ``p^T`` recomputed
       from ``k q^T``, then ``dv += p^T dout``, then ``dp^T = v dout^T``; True: ``dp^T`` issued right after
       ``k q^T``, before the exponentials, so the tensor cores compute it while the warps evaluate ``p^T``,
@@ -66,6 +66,11 @@ class AttentionConfig:
       (causal: 128 -> 152 B; applied to the masked segments too it was 208). The dQ loop is left as it is:
       ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = the default
       of :data:`GPU_EARLY_DP` (on for D=128, and for D=64 and D=256 without a causal mask or window).
+    * ``dkdv_col_split``: 1 or 2 dK/dV programs per key block. With 2 each program accumulates half of
+      dK's and dV's columns (half the accumulator registers, so larger tiles fit) and recomputes the
+      scores and dP^T over both halves (1.5x the dK/dV kernel's products); the backward then runs as two
+      launches. Needs padded head dims >= 32. Identical results up to the products' summation order. None
+      = the default of :data:`GPU_DKDV_COL_SPLIT`, else 1.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -90,6 +95,7 @@ class AttentionConfig:
     head_group: Optional[int] = None
     fused_backward: Optional[bool] = None
     early_dp: Optional[bool] = None
+    dkdv_col_split: Optional[int] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -101,6 +107,8 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.masked_num_stages: must be None or >= 1, got {self.masked_num_stages}")
         if self.head_group is not None and self.head_group < 1:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
+        if self.dkdv_col_split not in (None, 1, 2):
+            raise ValueError(f"AttentionConfig.dkdv_col_split: must be None, 1 or 2, got {self.dkdv_col_split!r}")
         for flag in ("fused_backward", "early_dp"):
             value = getattr(self, flag)
             if not (value is None or isinstance(value, bool)):
@@ -135,7 +143,8 @@ GPU_TILES = {
     64: {"fwd": (128, 64, 8, 3), "fwd_masked": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)},
     128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 128, 8, 3), "dkdv": (64, 128, 8, 3),
           "dkdv_gqa_causal": (32, 128, 8, 3), "dq": (128, 64, 8, 4)},
-    256: {"fwd": (128, 64, 8, 2), "fwd_masked": (128, 64, 8, 2), "dkdv": (32, 32, 4, 2), "dq": (128, 32, 8, 2)},
+    256: {"fwd": (128, 64, 8, 2), "fwd_masked": (128, 64, 8, 2), "dkdv": (32, 32, 4, 2),
+          "dkdv_split": (32, 128, 8, 2), "dq": (128, 32, 8, 2)},
 }
 # Pipelining depth of the masked segments per forward entry where the H200 timed it faster than the entry's
 # num_stages (AttentionConfig.masked_num_stages overrides it): D=128's full forward 503 vs 475 TFLOP/s at
@@ -157,6 +166,15 @@ GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
 # (kept off). D=256 (attention_ab_early_dp-True_d256_h200.json, B=4 H=16, S=4096), backward ms: full
 # 14.31 -> 13.99 (2.3%, every alternation), causal 7.41 -> 7.40 (kept off).
 GPU_EARLY_DP = {64: {"dkdv": True}, 128: {"dkdv": True, "dkdv_masked": True}, 256: {"dkdv": True}}
+# dK/dV programs per key block (AttentionConfig.dkdv_col_split) per padded head dim where the H200 timed a
+# split faster, for full attention ("dkdv") and causal / windowed calls ("dkdv_masked"); absent = 1. A split
+# plan takes the table's "dkdv_split" tile where it has one. D=256: half of dK / dV's 256 columns per program
+# leaves room for 128-key tiles with 8 warps on wgmma (sm_90, Triton 3.6: 255 registers, no stack, full and
+# causal; the unsplit 32 x 32 tile: 16 / 136 B of stack). H200, B=4 H=16 S=4096, alternating three times in
+# one process (attention_ab_dkdv_col_split-2_dkdv_block_m-32_dkdv_block_n-128_dkdv_num_warps-8_d256_h200.json),
+# backward: full 14.06 -> 11.43 ms (195.5 -> 240.6 TFLOP/s), causal 7.43 -> 6.05 ms (184.9 -> 227.2); a split
+# at 64 x 64 / 8 warps lost (16.2 / 9.3 ms), at 32 x 64 / 4 warps full +4%, causal -10%.
+GPU_DKDV_COL_SPLIT = {256: {"dkdv": 2, "dkdv_masked": 2}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
@@ -422,6 +440,28 @@ def _early_dp(config: AttentionConfig, shape: AttnShape, options: AttnOptions, t
     return bool(_timed_default(GPU_EARLY_DP, entry, shape, target))
 
 
+def _dkdv_entry(shape: AttnShape, options: AttnOptions, target: Target, col_split: int) -> str:
+    """The tile table's entry for the dK/dV kernel: "dkdv_split" for a split plan where the table has one,
+    else "dkdv_gqa_causal" for causal GQA (where present), else "dkdv"."""
+    if col_split > 1 and not target.interpret:
+        table, key = _gpu_key(shape)
+        if "dkdv_split" in table[key]:
+            return "dkdv_split"
+    return "dkdv_gqa_causal" if shape.group > 1 and options.causal else "dkdv"
+
+
+def _dkdv_col_split(config: AttentionConfig, shape: AttnShape, options: AttnOptions, target: Target) -> int:
+    """The dK/dV kernel's ``COL_SPLIT`` constexpr: the config's, else :data:`GPU_DKDV_COL_SPLIT`'s, else 1."""
+    split = config.dkdv_col_split
+    if split is None:
+        entry = "dkdv_masked" if options.causal or options.has_local else "dkdv"
+        split = _timed_default(GPU_DKDV_COL_SPLIT, entry, shape, target) or 1
+    if split > 1 and min(_pad(shape.head_dim_qk), _pad(shape.head_dim_v)) < 32:
+        raise ValueError(f"AttentionConfig.dkdv_col_split: a split needs padded head dims >= 32 (halves of at "
+                         f"least 16 columns), got Dqk={shape.head_dim_qk}, Dv={shape.head_dim_v}")
+    return split
+
+
 def _timed_default(per_dim: dict, kernel: str, shape: AttnShape, target: Target):
     """The value an H200 timing set for ``kernel`` ("fwd", "fwd_masked", ...) in ``per_dim`` (keyed like
     :data:`GPU_TILES`), or None: in the interpreter, for float32 inputs and where nothing was timed."""
@@ -590,8 +630,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     def name(n):
         return n if present[n] else "q"  # placeholder pointer for an absent input
 
-    kv_m, kv_n, kv_warps, kv_stages = _tile("dkdv_gqa_causal" if shape.group > 1 and options.causal else "dkdv",
-                                            shape, target, config)
+    col_split = _dkdv_col_split(config, shape, options, target)
+    kv_m, kv_n, kv_warps, kv_stages = _tile(_dkdv_entry(shape, options, target, col_split), shape, target, config)
     q_m, q_n, q_warps, q_stages = _tile("dq", shape, target, config)
     lse_b, lse_h = _lse_strides(shape)
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
@@ -621,11 +661,12 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
         constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
                     ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
         num_warps=4 if target.interpret else 8, num_stages=1)
-    kv_grid = (cdiv(shape.seqlen_k, kv_n), shape.heads_kv, shape.batch)
+    kv_grid = (cdiv(shape.seqlen_k, kv_n) * col_split, shape.heads_kv, shape.batch)
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's default tiles: 4 and 8) the dQ path
     # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread)
-    if config.fused_backward is not False and kv_warps == q_warps:  # None (the default) = fused
+    # (the one-launch kernel runs one dK/dV program per key block)
+    if config.fused_backward is not False and kv_warps == q_warps and col_split == 1:  # None = fused
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
         main = [Launch(
@@ -648,7 +689,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dkdv_scalars,
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group)),
+                            *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group),
+                            ("COL_SPLIT", col_split)),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
