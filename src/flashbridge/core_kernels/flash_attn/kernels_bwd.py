@@ -83,12 +83,43 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dp_t(v, do, v_o, do_o, DOT_PRECISION: tl.constexpr, COL_SPLIT: tl.constexpr):
-    """dP^T [N, M] = v do^T, over both column halves when the dK/dV columns are split."""
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+def _column_parts(BLOCK_D: tl.constexpr, part, COL_SPLIT: tl.constexpr):
+    """Column offsets of dK/dV part ``part`` of COL_SPLIT (all BLOCK_D columns without a split) and of the
+    other half (the same offsets without a split, unused)."""
+    offs = tl.arange(0, BLOCK_D // COL_SPLIT)
+    offs_o = offs
     if COL_SPLIT > 1:
-        dp_t = tl.dot(v_o, tl.trans(do_o), dp_t, input_precision=DOT_PRECISION)
-    return dp_t
+        offs_o = offs + (1 - part) * (BLOCK_D // COL_SPLIT)
+        offs += part * (BLOCK_D // COL_SPLIT)
+    return offs, offs_o
+
+
+@triton.jit
+def _load_parts(A, stride_a, offs_a, offs_a_o, DA: tl.constexpr, BLOCK_A: tl.constexpr,
+                B, stride_b, offs_b, offs_b_o, DB: tl.constexpr, BLOCK_B: tl.constexpr,
+                start, offs, rows_ok, CHECK_ROWS: tl.constexpr, COL_SPLIT: tl.constexpr):
+    """Rows ``start + offs`` of two arrays (q and dO, or k and v) as :func:`load_rows` reads them: this
+    program's columns (``offs_a`` / ``offs_b``) and, with a column split, the other half's (``offs_*_o``;
+    without one the same tiles again, unused). Both arrays first, then both other halves: the order the
+    H200-timed kernel was compiled with. BLOCK_A / BLOCK_B (the padded widths) decide whether any column
+    can lie past DA / DB, for halves too. Returns (a, b, a_o, b_o)."""
+    a = load_rows(A, start, offs, stride_a, offs_a, rows_ok, DA, BLOCK_A, CHECK_ROWS)
+    b = load_rows(B, start, offs, stride_b, offs_b, rows_ok, DB, BLOCK_B, CHECK_ROWS)
+    a_o, b_o = a, b
+    if COL_SPLIT > 1:
+        a_o = load_rows(A, start, offs, stride_a, offs_a_o, rows_ok, DA, BLOCK_A, CHECK_ROWS)
+        b_o = load_rows(B, start, offs, stride_b, offs_b_o, rows_ok, DB, BLOCK_B, CHECK_ROWS)
+    return a, b, a_o, b_o
+
+
+@triton.jit
+def _dot_t_parts(a, b, a_o, b_o, DOT_PRECISION: tl.constexpr, COL_SPLIT: tl.constexpr):
+    """``a b^T`` over the full contraction: this program's columns, plus the other half's with a split
+    (S^T = k q^T and dP^T = v do^T)."""
+    c = tl.dot(a, tl.trans(b), input_precision=DOT_PRECISION)
+    if COL_SPLIT > 1:
+        c = tl.dot(a_o, tl.trans(b_o), c, input_precision=DOT_PRECISION)
+    return c
 
 
 @triton.jit
@@ -113,14 +144,9 @@ def _dkdv_step(
     m_start = blk * BLOCK_M
     offs_m = m_start + offs_r
     row_ok = offs_m < len_q
-    # BLOCK_DQK / BLOCK_DV (the padded widths) decide whether any column can lie past DQK / DV: also for halves
-    q = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk, row_ok, DQK, BLOCK_DQK, CHECK_ROWS)  # [M, Dqk]
-    do = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv, row_ok, DV, BLOCK_DV, CHECK_ROWS)  # [M, Dv]
-    if COL_SPLIT > 1:
-        q_o = load_rows(Q_head, m_start, offs_r, stride_qs, offs_dqk_o, row_ok, DQK, BLOCK_DQK, CHECK_ROWS)
-        do_o = load_rows(DO_head, m_start, offs_r, stride_dos, offs_dv_o, row_ok, DV, BLOCK_DV, CHECK_ROWS)
-    else:
-        q_o, do_o = q, do  # unused
+    # q [M, Dqk], do [M, Dv] (halves with a split)
+    q, do, q_o, do_o = _load_parts(Q_head, stride_qs, offs_dqk, offs_dqk_o, DQK, BLOCK_DQK, DO_head, stride_dos,
+                                   offs_dv, offs_dv_o, DV, BLOCK_DV, m_start, offs_r, row_ok, CHECK_ROWS, COL_SPLIT)
     if CHECK_ROWS:
         # Rows past the sequence read lse2 = +inf (-> p = 0) and delta = 0: they add nothing.
         lse2 = tl.load(L2_head + offs_m, mask=row_ok, other=float("inf"))
@@ -132,17 +158,15 @@ def _dkdv_step(
     # exponentials, so the tensor cores compute it while the warps evaluate P^T (in the masked segments the
     # extra live tile made ptxas spill more: sm_90, D=128 causal, stack 128 -> 208 B).
     DP_FIRST: tl.constexpr = EARLY_DP and not APPLY_MASK
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
-    if COL_SPLIT > 1:
-        qk_t = tl.dot(k_o, tl.trans(q_o), qk_t, input_precision=DOT_PRECISION)
+    qk_t = _dot_t_parts(k, q, k_o, q_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     if DP_FIRST:
-        dp_t = _dp_t(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
+        dp_t = _dot_t_parts(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                            HAS_ALIBI)  # [N, M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     if not DP_FIRST:
-        dp_t = _dp_t(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
+        dp_t = _dot_t_parts(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -215,25 +239,15 @@ def _dkdv_program(
     offs_c = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_c  # [N] key index within the sequence
     # this program's columns of dK / dV (all of them, or one half), and with a split the other half
-    offs_dqk = tl.arange(0, BLOCK_DQK // COL_SPLIT)
-    offs_dv = tl.arange(0, BLOCK_DV // COL_SPLIT)
-    offs_dqk_o, offs_dv_o = offs_dqk, offs_dv  # unused without a split
-    if COL_SPLIT > 1:
-        offs_dqk_o = offs_dqk + (1 - part) * (BLOCK_DQK // COL_SPLIT)
-        offs_dv_o = offs_dv + (1 - part) * (BLOCK_DV // COL_SPLIT)
-        offs_dqk += part * (BLOCK_DQK // COL_SPLIT)
-        offs_dv += part * (BLOCK_DV // COL_SPLIT)
+    offs_dqk, offs_dqk_o = _column_parts(BLOCK_DQK, part, COL_SPLIT)
+    offs_dv, offs_dv_o = _column_parts(BLOCK_DV, part, COL_SPLIT)
     key_ok = offs_n < len_k
     row0 = k_start + n_start
     K_head = K + tl.cast(b, tl.int64) * stride_kb + kh * stride_kh
     V_head = V + tl.cast(b, tl.int64) * stride_vb + kh * stride_vh
-    k = load_rows(K_head, row0, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, True)  # [N, Dqk]
-    v = load_rows(V_head, row0, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, True)  # [N, Dv]
-    if COL_SPLIT > 1:
-        k_o = load_rows(K_head, row0, offs_c, stride_ks, offs_dqk_o, key_ok, DQK, BLOCK_DQK, True)
-        v_o = load_rows(V_head, row0, offs_c, stride_vs, offs_dv_o, key_ok, DV, BLOCK_DV, True)
-    else:
-        k_o, v_o = k, v  # unused
+    # k [N, Dqk], v [N, Dv] (halves with a split)
+    k, v, k_o, v_o = _load_parts(K_head, stride_ks, offs_dqk, offs_dqk_o, DQK, BLOCK_DQK, V_head, stride_vs, offs_dv,
+                                 offs_dv_o, DV, BLOCK_DV, row0, offs_c, key_ok, True, COL_SPLIT)
 
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     diag = len_k - len_q
