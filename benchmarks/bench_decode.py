@@ -302,7 +302,7 @@ def run_rows(with_jax=True):
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
 # --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# merge_block_states[, merge_block_elements[, k_pairs[, l2_prefetch]]]]]) tiles, help)
+# merge_block_states[, merge_block_elements[, k_pairs]]]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
@@ -456,15 +456,6 @@ FOCUSED_SWEEPS = {
                      ((256, 4, 3, 1), (256, 8, 3, 8), (256, 8, 3, 4), (256, 4, 3, 4)) * 3,
                      "only FP8 at B=1 S=128k, 16 splits: the 256-key tile with 1 / 8 / 4 key groups at 4 and 8 "
                      "warps, three times"),
-    # DecodeConfig.l2_prefetch: each step asks L2 for the key block this many blocks ahead, beyond the two
-    # tiles the 3-stage pipeline has requested (sm_90: 4 CCTL.E.PF2 per thread and 128-key bf16 block, the
-    # loops otherwise the same). At B=1 S=16k a program walks 8 blocks: 6 ahead covers its split from the start
-    "l2pf": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
-              ("B32 S8k", 32, 8192, False, False), ("B1 S16k paged64", 1, 16384, True, False),
-              ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
-             tuple((None,) * 7 + (ahead,) for ahead in (0, 3, 4, 6, 2)) * 2,
-             "only DecodeConfig.l2_prefetch 0 / 3 / 4 / 6 / 2 key blocks ahead at the default tiles and split "
-             "counts, twice, alternating"),
     # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
               ((None, None, None),) * 3,
@@ -501,10 +492,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in (own_splits[0] if own_splits else splits_list):
             for tile in tiles:  # see FOCUSED_SWEEPS for the tuple's fields; None = the plan's default
-                block_n, warps, stages, groups, merge_n, merge_e, k_pairs, l2 = (*tile, *(None,) * 5)[:8]
+                block_n, warps, stages, groups, merge_n, merge_e, k_pairs = (*tile, None, None, None, None)[:7]
                 cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   merge_block_states=merge_n, merge_block_elements=merge_e, k_pairs=k_pairs,
-                                   l2_prefetch=l2)
+                                   merge_block_states=merge_n, merge_block_elements=merge_e, k_pairs=k_pairs)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)

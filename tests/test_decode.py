@@ -759,51 +759,6 @@ def test_decode_key_groups_are_checked():
     assert decode_tiles(4, 64, 64, INTERPRETER).key_groups == 1
 
 
-L2_PREFETCH_CASES = ["nhd-contig-mha-sq1", "nhd-paged16-gqa8-sq8", "hnd-paged64-mqa-d128", "window-both-sides",
-                     "fp8-head-paged-hnd", "mla-576-512", "all"]
-
-
-@pytest.mark.parametrize("ahead", [1, 3])
-@pytest.mark.parametrize("name", L2_PREFETCH_CASES)
-def test_torch_decode_l2_prefetch(name, ahead, decode_config):
-    """DecodeConfig.l2_prefetch: the steps that ask L2 for a later key block (in the interpreter: load its
-    rows and drop them) leave every result as it was -- ragged and empty sequences, splits shorter than the
-    distance, paged / HND / FP8 caches, 576-dim keys (9 lines per row), windows -- against the float64
-    reference."""
-    built = decode_config(l2_prefetch=ahead)
-    spec, options, splits = CASES[name]
-    q, k, v, kw = make_case(_seed(name) + ahead, **spec)
-    check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert decode_constexpr(built, "L2_AHEAD") == {ahead}
-
-
-def test_jax_decode_l2_prefetch_matches_torch_bitwise(decode_config):
-    built = decode_config(l2_prefetch=2)
-    ja = _japi()
-    spec, options, splits = CASES["nhd-paged16-gqa8-sq8"]
-    q, k, v, kw = make_case(_seed("l2-prefetch"), **spec)
-    out, lse = tapi.decode_attention(q, k, v, num_splits=splits, **kw, **options, return_lse=True)
-    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
-    jout, jlse = jax.jit(lambda q, k, v, jkw: ja.decode_attention(q, k, v, num_splits=splits, **jkw, **options,
-                                                                  return_lse=True))(
-        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
-    np.testing.assert_array_equal(np64(jout), np64(out))
-    np.testing.assert_array_equal(np64(jlse), np64(lse))
-    assert len(built) >= 2 and decode_constexpr(built, "L2_AHEAD") == {2}
-
-
-def test_decode_l2_prefetch_is_checked():
-    from flashbridge.core_kernels import INTERPRETER
-    from flashbridge.core_kernels.decode.plan import MAX_L2_PREFETCH, DecodeConfig, decode_tiles
-
-    for bad in (-1, MAX_L2_PREFETCH + 1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="DecodeConfig.l2_prefetch"):
-            DecodeConfig(l2_prefetch=bad)
-    assert decode_tiles(4, 64, 64, INTERPRETER).l2_ahead == 0
-    assert decode_tiles(4, 64, 64, INTERPRETER, DecodeConfig(l2_prefetch=0)).l2_ahead == 0
-    assert decode_tiles(4, 64, 64, INTERPRETER, DecodeConfig(l2_prefetch=5)).l2_ahead == 5
-
-
 def test_decode_config_rejects_bad_blocks():
     from flashbridge.core_kernels.decode.plan import DecodeConfig
     with pytest.raises(ValueError, match="DecodeConfig.block_n"):

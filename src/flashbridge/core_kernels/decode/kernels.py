@@ -145,45 +145,6 @@ def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, P
     return page, slot
 
 
-# Ask L2 for the 128-byte line at $1 when $2 is non-zero ($0 is a dummy: inline asm needs an output). A hint
-# with no result: nothing waits on it, and a line already in L2 or on its way costs one request.
-_PREFETCH_L2 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-
-
-@triton.jit
-def prefetch_rows_l2(rows, ok, ROW_BYTES: tl.constexpr, INLINE_PTX: tl.constexpr):
-    """Prefetch into L2 the first ROW_BYTES bytes of each row ``rows`` [N] whose ``ok`` holds, one request per
-    128-byte line (a row not aligned to 128 bytes may leave its last line to the load itself: a hint, never
-    needed for correctness). The interpreter, which cannot run PTX, loads the same bytes and drops them, so
-    that the CPU tests touch exactly the addresses the GPU would prefetch."""
-    rows8 = rows.to(tl.pointer_type(tl.int8), bitcast=True)
-    for line in tl.static_range((ROW_BYTES + 127) // 128):
-        if INLINE_PTX:
-            tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [rows8 + line * 128, ok.to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.load(rows8 + line * 128, mask=ok)
-
-
-@triton.jit
-def prefetch_block_l2(K, V, BLOCK_TABLE, b, kh64, blk, blk_end, length, num_pages, stride_tb, stride_kp,
-                      stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, INLINE_PTX: tl.constexpr):
-    """Prefetch key block ``blk`` of one (sequence, kv head) into L2 (K and V rows), if ``blk < blk_end``:
-    lines requested ahead of the pipeline's own loads, which then find them in L2. Only rows of keys inside
-    the sequence are touched; the page-table entry read for a block past the end is clamped to one the
-    sequence owns (entry 0 at worst: the table has at least one column)."""
-    n_start = tl.maximum(tl.minimum(blk, blk_end - 1), 0) * BLOCK_N
-    offs_k = n_start + tl.arange(0, BLOCK_N)
-    ok = offs_k < tl.where(blk < blk_end, length, 0)  # keys of the sequence, none past the range
-    page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, ok, stride_tb, num_pages, PAGED, PAGE_SIZE,
-                             PAGE_SIZE % BLOCK_N == 0, True)
-    prefetch_rows_l2(K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh), ok,
-                     DQK * K.dtype.element_ty.primitive_bitwidth // 8, INLINE_PTX)
-    prefetch_rows_l2(V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh), ok,
-                     DV * V.dtype.element_ty.primitive_bitwidth // 8, INLINE_PTX)
-
-
 @triton.jit
 def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
@@ -232,16 +193,14 @@ def decode_kv_range(
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1, K_PAIRS: tl.constexpr = False, pf_end=0,
-    L2_AHEAD: tl.constexpr = 0, INLINE_PTX: tl.constexpr = False,
+    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1, K_PAIRS: tl.constexpr = False,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
     block is inside the sequence and visible from every row. KEY_GROUPS > 1: the block's keys as [G, N / G]
     (group g holds keys g * N / G ..), one softmax state per group (see the module docstring). V_PAIRS:
     ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_e4m3_pairs`); otherwise ``acc_odd``
-    is unused. K_PAIRS: q / ``q_odd`` are q's even / odd columns (see :func:`block_qk`). L2_AHEAD > 0: each
-    step first asks L2 for block ``blk + L2_AHEAD`` if it lies before ``pf_end`` (:func:`prefetch_block_l2`)."""
+    is unused. K_PAIRS: q / ``q_odd`` are q's even / odd columns (see :func:`block_qk`)."""
     if KEY_GROUPS == 1:
         offs_n = tl.arange(0, BLOCK_N)
     else:
@@ -249,10 +208,6 @@ def decode_kv_range(
         offs_n = tl.arange(0, KEY_GROUPS)[:, None] * NG + tl.arange(0, NG)[None, :]  # [G, N / G]
     kh64 = tl.cast(kh, tl.int64)
     for blk in range(blk_lo, blk_hi):
-        if L2_AHEAD > 0:
-            prefetch_block_l2(K, V, BLOCK_TABLE, b, kh64, blk + L2_AHEAD, pf_end, length, num_pages, stride_tb,
-                              stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV, BLOCK_N,
-                              PAGED, PAGE_SIZE, INLINE_PTX)
         n_start = blk * BLOCK_N
         offs_k = n_start + offs_n  # [N] or [G, N / G]
         key_ok = offs_k < length
@@ -296,7 +251,6 @@ def decode_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
     WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr, K_PAIRS: tl.constexpr,
-    L2_AHEAD: tl.constexpr, INLINE_PTX: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -375,11 +329,6 @@ def decode_fwd_kernel(
     # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
     # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi).
     bounds = (lo, full_lo, full_hi, hi)
-    if L2_AHEAD > 0:  # the split's first blocks past the pipeline's own first loads, before the loop starts
-        for ahead in tl.static_range(1, L2_AHEAD):
-            prefetch_block_l2(K, V, BLOCK_TABLE, b, tl.cast(kh, tl.int64), s_lo + ahead, s_hi, length, num_pages,
-                              stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV,
-                              BLOCK_N, PAGED, PAGE_SIZE, INLINE_PTX)
     for seg in tl.static_range(3):
         acc, acc_odd, m_i, l_i = decode_kv_range(
             acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
@@ -387,7 +336,7 @@ def decode_fwd_kernel(
             slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
             stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
             seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE,
-            KEY_GROUPS, K_PAIRS, s_hi, L2_AHEAD, INLINE_PTX)
+            KEY_GROUPS, K_PAIRS)
     if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
         m_all = tl.max(m_i, 0)
         weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]

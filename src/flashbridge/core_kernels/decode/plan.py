@@ -42,7 +42,6 @@ MERGE_STATES_PER_STEP = 16  # states the merge kernel folds per dependent round 
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
 # keys per split (at one program per SM) from which contiguous FP8 caches take 256-key tiles (see decode_tiles)
 FP8_WIDE_SPLIT_KEYS = 8192
-MAX_L2_PREFETCH = 16  # DecodeConfig.l2_prefetch: the most key blocks a step may prefetch ahead
 
 TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
@@ -70,10 +69,6 @@ class DecodeConfig:
       and odd columns against them in two dots (``load_e4m3_pairs`` in ``decode/kernels.py``; needs an even
       head dim, even K strides, one column chunk and one key group). None = True where it applies; False =
       K widened by Triton (``k.to(f16)``).
-    * ``l2_prefetch``: each step of the decode kernel first asks L2 for the cache lines of the key block this
-      many blocks ahead (K and V rows, one ``prefetch.global.L2`` per 128-byte line; the split's first blocks
-      before its loop), so that more of the cache is on its way from memory than the pipeline's shared-memory
-      buffers hold. 0 = off; None = the default for the tile (see :func:`decode_tiles`).
 
     The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
     interpreter pays per program and per operation, not per element.
@@ -89,7 +84,6 @@ class DecodeConfig:
     merge_block_states: Optional[int] = None
     key_groups: Optional[int] = None
     k_pairs: Optional[bool] = None
-    l2_prefetch: Optional[int] = None
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
@@ -97,10 +91,6 @@ class DecodeConfig:
             minimum = 1 if name.startswith("merge") or name == "key_groups" else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
-        if self.l2_prefetch is not None and (isinstance(self.l2_prefetch, bool) or not isinstance(self.l2_prefetch, int)
-                                             or not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH):
-            raise ValueError(f"DecodeConfig.l2_prefetch: must be None or an int from 0 (off) to {MAX_L2_PREFETCH} "
-                             f"(key blocks ahead), got {self.l2_prefetch!r}")
         if not (self.k_pairs is None or isinstance(self.k_pairs, bool)):
             raise ValueError(f"DecodeConfig.k_pairs: must be None, True or False, got {self.k_pairs!r}")
 
@@ -491,7 +481,6 @@ class DecodeTiles:
     # > 0: the tile was picked for a batch that leaves SMs idle, to run this many programs per SM
     # (choose_num_splits then fills the SMs once); 0: the cache kind's own split rule
     programs_per_sm: int = 0
-    l2_ahead: int = 0  # key blocks ahead that each step prefetches into L2 (0: none)
 
 
 def _one_wave_splits(target: Target, programs_per_sm: int, base: int) -> int:
@@ -587,9 +576,8 @@ def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
         raise ValueError(f"DecodeConfig.key_groups: {groups} groups of a {bn}-key block leave fewer than 16 keys "
                          f"per group" if chunks == 1 else
                          f"DecodeConfig.key_groups: head dims above 256 (q.k in chunks) take one group, got {groups}")
-    l2_ahead = 0 if config.l2_prefetch is None else config.l2_prefetch
     return DecodeTiles(bm, bn, block_dqk, chunks, block_dv, config.num_warps or warps, config.num_stages or stages,
-                       groups, per_sm, l2_ahead)
+                       groups, per_sm)
 
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
@@ -727,7 +715,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
                     ("WIDEN_ASM", (v_pairs or k_pairs) and not target.interpret),
                     ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups),
-                    ("K_PAIRS", k_pairs), ("L2_AHEAD", tiles.l2_ahead), ("INLINE_PTX", not target.interpret)),
+                    ("K_PAIRS", k_pairs)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
