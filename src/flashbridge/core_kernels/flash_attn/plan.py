@@ -173,7 +173,10 @@ GPU_EARLY_DP = {64: {"dkdv": True}, 128: {"dkdv": True, "dkdv_masked": True}, 25
 # causal; the unsplit 32 x 32 tile: 16 / 136 B of stack). H200, B=4 H=16 S=4096, alternating three times in
 # one process (attention_ab_dkdv_col_split-2_dkdv_block_m-32_dkdv_block_n-128_dkdv_num_warps-8_d256_h200.json),
 # backward: full 14.06 -> 11.43 ms (195.5 -> 240.6 TFLOP/s), causal 7.43 -> 6.05 ms (184.9 -> 227.2); a split
-# at 64 x 64 / 8 warps lost (16.2 / 9.3 ms), at 32 x 64 / 4 warps full +4%, causal -10%.
+# at 64 x 64 / 8 warps lost (16.2 / 9.3 ms), at 32 x 64 / 4 warps full +4%, causal -10%. D=128 and D=64 keep
+# one program (attention_ab_dkdv_col_split-2_h200.json, three alternations, backward ms: D=128 full 3.52 -> 4.94,
+# causal 1.92 -> 2.68, GQA 32/8 full 7.10 -> 9.92, D=64 full 1.96 -> 2.97): their unsplit tiles already run on
+# wgmma, so a split only adds products and gives up the one-launch backward.
 GPU_DKDV_COL_SPLIT = {256: {"dkdv": 2, "dkdv_masked": 2}}
 # float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
 GPU_TILES_FP32 = {
