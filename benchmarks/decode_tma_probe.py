@@ -37,11 +37,16 @@ GROUP = HQ // HKV
 
 
 @triton.jit
-def probe_split_kernel(Q, K, V, PART_O, PART_L, keys_per_split, total_keys, sm_scale,
+def probe_split_kernel(Q, K, V, PART_O, PART_L, SEQLENS, keys_per_split, total_keys, sm_scale, stride_rt,
                        HEADS_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, WARP_SPEC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+                       LOAD_LEN: tl.constexpr = False, RUNTIME_STRIDE: tl.constexpr = False):
     """Grid (splits, Hkv). Partial (out, lse) of split ``s`` for query head ``h`` at ``PART_O[s, h, :]`` /
-    ``PART_L[s, h]`` (natural-log lse), the layout the library's merge kernel reads."""
+    ``PART_L[s, h]`` (natural-log lse), the layout the library's merge kernel reads. Two of the library
+    kernel's properties can be switched on to see what each costs: LOAD_LEN takes the split's key range from
+    the sequence length in ``SEQLENS`` (a load the first K / V requests then wait for, as the library's
+    ragged lengths need), RUNTIME_STRIDE the token stride from ``stride_rt`` instead of a constant (the
+    library's strides are runtime integers: 64-bit multiplies per address instead of shifts)."""
     split = tl.program_id(0)
     kh = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -53,8 +58,13 @@ def probe_split_kernel(Q, K, V, PART_O, PART_L, keys_per_split, total_keys, sm_s
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if LOAD_LEN:
+        keys_per_split = tl.load(SEQLENS) // tl.num_programs(0)
     lo = split * keys_per_split
-    stride_s = HEADS_KV * D
+    if RUNTIME_STRIDE:
+        stride_s = stride_rt
+    else:
+        stride_s = HEADS_KV * D
     if TMA:
         k_desc = tl.make_tensor_descriptor(K + kh * D, shape=[total_keys, D], strides=[stride_s, 1],
                                            block_shape=[BLOCK_N, D])
@@ -83,10 +93,14 @@ def probe_split_kernel(Q, K, V, PART_O, PART_L, keys_per_split, total_keys, sm_s
     tl.store(PART_L + split * n_heads + h, lse, mask=row_ok)
 
 
-# (block_n, warps, stages, TMA, warp specialisation); splits at one program per SM like the library's plan
+# (block_n, warps, stages, TMA, warp specialisation[, length loaded, runtime stride]); splits at one program per
+# SM like the library's plan. H200 (decode_tma_probe_h200.json): TMA slower than cp.async at every setting,
+# and the pointer control itself 2.7 us faster than the library's kernel; the last three rows ask why.
 VARIANTS = [(128, 4, 3, False, False), (128, 4, 3, True, False), (128, 4, 2, True, False), (128, 4, 4, True, False),
             (128, 8, 3, True, False), (64, 4, 4, True, False), (64, 4, 6, True, False), (128, 4, 3, True, True),
-            (64, 4, 4, True, True), (128, 8, 3, True, True)]
+            (64, 4, 4, True, True), (128, 8, 3, True, True), (128, 4, 3, False, False, True, False),
+            (128, 4, 3, False, False, False, True), (128, 4, 3, False, False, True, True)]
+ATTRIBUTION = [v for v in VARIANTS if not v[3]]  # --attribution: the pointer variants only
 
 
 def main():
@@ -100,7 +114,9 @@ def main():
     parser.add_argument("--seqlen", type=int, default=16384)
     parser.add_argument("--splits", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the whole list")
+    parser.add_argument("--attribution", action="store_true", help="only the pointer variants")
     args = parser.parse_args()
+    variants = ATTRIBUTION if args.attribution else VARIANTS
 
     # device-side tensor descriptors live in a global scratch buffer the launcher allocates through this hook
     triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
@@ -115,10 +131,11 @@ def main():
     merge = plan_merge(splits, HQ, D, "bfloat16", target=target_for(q.device))
 
     def probe_step(variant, k, v, with_merge=True):
-        block_n, warps, stages, tma, ws = variant
-        probe_split_kernel[(splits, HKV)](q, k, v, part_o, part_l, s // splits, s, scale, HEADS_KV=HKV, GROUP=GROUP,
-                                          D=D, BLOCK_M=16, BLOCK_N=block_n, TMA=tma, STAGES=stages, WARP_SPEC=ws,
-                                          num_warps=warps)
+        block_n, warps, stages, tma, ws, load_len, runtime_stride = (*variant, False, False)[:7]
+        probe_split_kernel[(splits, HKV)](q, k, v, part_o, part_l, lens, s // splits, s, scale, HKV * D,
+                                          HEADS_KV=HKV, GROUP=GROUP, D=D, BLOCK_M=16, BLOCK_N=block_n, TMA=tma,
+                                          STAGES=stages, WARP_SPEC=ws, LOAD_LEN=load_len,
+                                          RUNTIME_STRIDE=runtime_stride, num_warps=warps)
         if with_merge:
             return execute(merge, {"outs": part_o, "lses": part_l})
         return None
@@ -127,7 +144,7 @@ def main():
     ref, ref_lse = decode_attention(q, k0, v0, cache_seqlens=lens, num_splits=splits, return_lse=True)
     rows = []
     checked = {}
-    for variant in VARIANTS:  # correctness first: the merged probe against the library's decode
+    for variant in variants:  # correctness first: the merged probe against the library's decode
         try:
             part_o.fill_(float("nan"))
             out, lse = probe_step(variant, k0, v0)
@@ -149,7 +166,7 @@ def main():
         ms = _graph_time(library_step)
         rows.append({"round": rnd, "provider": "library default", "ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12})
         print(rows[-1], flush=True)
-        for variant in VARIANTS:
+        for variant in variants:
             if not checked[variant]:
                 continue
             for with_merge in (False, True):
@@ -160,11 +177,13 @@ def main():
                 step()
                 ms = _graph_time(step)
                 rows.append({"round": rnd, "provider": "probe", "variant": dict(zip(
-                    ("block_n", "warps", "stages", "tma", "warp_specialize"), variant)), "merge": with_merge,
+                    ("block_n", "warps", "stages", "tma", "warp_specialize", "length_loaded", "runtime_stride"),
+                    variant)), "merge": with_merge,
                     "ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12})
                 print(rows[-1], flush=True)
     out_dir = os.environ.get("OUT") or "."
-    path = os.path.join(out_dir, "decode_tma_probe_h200.json")
+    path = os.path.join(out_dir, "decode_tma_probe_attribution_h200.json" if args.attribution
+                        else "decode_tma_probe_h200.json")
     with open(path, "w") as f:
         json.dump({"shape": {"b": b, "s": s, "hq": HQ, "hkv": HKV, "d": D, "splits": splits},
                    "checked": {str(k): v for k, v in checked.items()}, "rows": rows,

@@ -327,16 +327,25 @@ def decode_fwd_kernel(
     acc_odd = acc
 
     # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
-    # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi).
+    # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi). The masked ones are empty
+    # for most splits (only a window's edge or a sequence's ragged tail has blocks there), and a branch around
+    # them skips their loops' pipeline prologue and drain as well: sm_90, the B=1 split kernel ran ~900
+    # instructions of empty prologue before its first useful load and as many after its last.
     bounds = (lo, full_lo, full_hi, hi)
     for seg in tl.static_range(3):
-        acc, acc_odd, m_i, l_i = decode_kv_range(
-            acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, tl.maximum(bounds[seg], s_lo),
-            tl.minimum(bounds[seg + 1], s_hi), tok, row_ok, offs_dqk, offs_dv, length, num_pages, qk_scale, cap2,
-            slope2, diag, window_left, window_right, stride_tb, stride_kp, stride_ks, stride_kh, stride_vp,
-            stride_vs, stride_vh, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE,
-            seg != 1, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE,
-            KEY_GROUPS, K_PAIRS)
+        seg_lo = tl.maximum(bounds[seg], s_lo)
+        seg_hi = tl.minimum(bounds[seg + 1], s_hi)
+        args = (acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, seg_lo, seg_hi, tok, row_ok,
+                offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right,
+                stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh)  # the runtime values
+        if seg == 1:
+            acc, acc_odd, m_i, l_i = decode_kv_range(
+                *args, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, False, HAS_LOCAL,
+                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS, K_PAIRS)
+        elif seg_lo < seg_hi:
+            acc, acc_odd, m_i, l_i = decode_kv_range(
+                *args, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, True, HAS_LOCAL,
+                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS, K_PAIRS)
     if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
         m_all = tl.max(m_i, 0)
         weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]
