@@ -35,7 +35,7 @@ def attn_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    MASKED_BLOCK_N: tl.constexpr, TAIL_BLOCKS: tl.constexpr = True,
+    MASKED_BLOCK_N: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -71,7 +71,7 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LOCAL)
     bounds = (lo, full_lo, full_hi, hi)  # masked, fully visible (no mask arithmetic), masked (BLOCK_N units)
-    for seg in tl.static_range(3 if TAIL_BLOCKS else 2):  # TAIL_BLOCKS False: the plan proved the last one empty
+    for seg in tl.static_range(3):
         # key blocks of this segment's width: BLOCK_N for the visible one, MASKED_BLOCK_N for the masked ones
         split = 1 if seg == 1 else BLOCK_N // MASKED_BLOCK_N
         acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, bounds[seg] * split, bounds[seg + 1] * split,

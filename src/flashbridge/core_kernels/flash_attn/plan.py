@@ -570,16 +570,6 @@ def _alibi_stride(shape: AttnShape, options: AttnOptions) -> int:
     return shape.heads_q if options.alibi_batched else 0
 
 
-def _tail_blocks(shape: AttnShape, options: AttnOptions, loop_len: int, block: int) -> bool:
-    """Whether a kernel's trailing masked segment can hold blocks (its ``TAIL_BLOCKS``): a causal mask or a
-    window edge, per-sequence lengths, or a loop axis of ``loop_len`` (keys for the forward and dQ, queries for
-    dK/dV) that ``block`` does not divide. Without any, every program walks whole visible blocks, and the
-    kernel leaves the segment out: an empty segment still runs its pipelined loop's prologue and drain (the
-    decode kernel lost ~2 us per call to them at B=1 S=16k, see decode/kernels.py), and a runtime branch
-    around it makes ptxas serialize the causal kernels' wgmmas."""
-    return bool(options.causal or options.has_local or shape.varlen or loop_len % block)
-
-
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
                        config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
@@ -612,8 +602,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("HEAD_GROUP", _head_group(config, options, target)),
-                    ("MASKED_BLOCK_N", _masked_block_n(fwd_entry, shape, target, config, bn)),
-                    ("TAIL_BLOCKS", _tail_blocks(shape, options, shape.seqlen_k, bn))),
+                    ("MASKED_BLOCK_N", _masked_block_n(fwd_entry, shape, target, config, bn))),
         num_warps=warps,
         num_stages=stages,
     )
@@ -653,8 +642,6 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     flags = _flags(shape, options)
     head_group = _head_group(config, options, target)
     early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
-    kv_tail = _tail_blocks(shape, options, shape.seqlen_q, kv_m)  # dK/dV walks query blocks
-    q_tail = _tail_blocks(shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
@@ -693,7 +680,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
-                        ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail)),
+                        ("HEAD_GROUP", head_group)),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
@@ -706,7 +693,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group),
-                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail)),
+                            ("COL_SPLIT", col_split)),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
@@ -715,7 +702,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dq_scalars,
                 outputs=("dq",),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail)),
+                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group)),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
