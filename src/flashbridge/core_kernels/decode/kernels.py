@@ -332,8 +332,9 @@ def decode_fwd_kernel(
     # them skips their loops' pipeline prologue and drain as well: sm_90, the B=1 split kernel ran ~900
     # instructions of empty prologue before its first useful load and as many after its last (H200, Hq=32,
     # Hkv=8, D=128: B=1 S=16k 24.0 -> 22.25 us per step, FP8 S=128k 69.4 -> 68.6; decode_h200.json and
-    # benchmarks/NOTES.md). The decode tiles run on mma.sync; with wgmma accumulators live across such a
-    # branch ptxas serializes the MMAs (the attention forward, compile-only), and no decode kernel did.
+    # benchmarks/NOTES.md). The same branch in the attention forward made ptxas serialize the causal kernels'
+    # wgmmas (compile-only); every decode kernel compiles without that (`bench_decode.py --ptxas`, the
+    # cascade's wgmma kernel included).
     bounds = (lo, full_lo, full_hi, hi)
     for seg in tl.static_range(3):
         seg_lo = tl.maximum(bounds[seg], s_lo)
