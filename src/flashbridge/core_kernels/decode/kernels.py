@@ -339,17 +339,13 @@ def decode_fwd_kernel(
     for seg in tl.static_range(3):
         seg_lo = tl.maximum(bounds[seg], s_lo)
         seg_hi = tl.minimum(bounds[seg + 1], s_hi)
-        args = (acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, seg_lo, seg_hi, tok, row_ok,
+        if seg == 1 or seg_lo < seg_hi:  # `seg == 1` is a constexpr: the middle segment has no branch
+            acc, acc_odd, m_i, l_i = decode_kv_range(
+                acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, seg_lo, seg_hi, tok, row_ok,
                 offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right,
-                stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh)  # the runtime values
-        if seg == 1:
-            acc, acc_odd, m_i, l_i = decode_kv_range(
-                *args, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, False, HAS_LOCAL,
-                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS, K_PAIRS)
-        elif seg_lo < seg_hi:
-            acc, acc_odd, m_i, l_i = decode_kv_range(
-                *args, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, True, HAS_LOCAL,
-                HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS, K_PAIRS)
+                stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV, BLOCK_M,
+                BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, seg != 1, HAS_LOCAL, HAS_SOFTCAP,
+                HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS, K_PAIRS)
     if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
         m_all = tl.max(m_i, 0)
         weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]
