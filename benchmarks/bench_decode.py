@@ -24,8 +24,8 @@ import itertools
 import math
 import traceback
 
-from _common import (compile_launch_sm90, environment, jax_dispatch_ms, kernel_trace, print_table, save,
-                     save_figure, time_jax)
+from _common import (compile_launch_sm90, environment, jax_dispatch_ms, kernel_trace, launch_trace, print_table,
+                     save, save_figure, time_jax)
 
 import numpy as np
 
@@ -197,7 +197,9 @@ def stream_floor(b, s):
                         "all_ms": {"x".join(map(str, c)): t for c, t in results}}
 
 
-def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
+def _jax_steps(b, s, *, paged=False, fp8=False, steps=None):
+    """The JAX rows' timed function: ``steps`` decode steps in one jitted call, each on one of several
+    rotated cache copies. Returns (fn, args, bytes read per step, steps)."""
     import jax
     import jax.numpy as jnp
 
@@ -232,10 +234,52 @@ def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
             outs.append(decode_attention(q, ks[c], vs[c], cache_seqlens=lens, **extra, **scales))
         return outs
 
-    ms = time_jax(many, qs, ks, vs, tables, lens) / steps
+    return many, (qs, ks, vs, tables, lens), nbytes, steps
+
+
+def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
+    many, args, nbytes, steps = _jax_steps(b, s, paged=paged, fp8=fp8, steps=steps)
+    ms = time_jax(many, *args) / steps
     # host time to dispatch a step: the row measures the host, not the kernels, once it nears ``ms``
-    host_ms = jax_dispatch_ms(many, qs, ks, vs, tables, lens) / steps
+    host_ms = jax_dispatch_ms(many, *args) / steps
     return ms, nbytes, {"host_ms": host_ms}
+
+
+def jax_launch_diagnosis(b=1, s=16384):
+    """Why a JAX decode step at B=1 S=16k is slower than torch's graph replay: one jitted call of the JAX
+    row's 32 steps under CUPTI (torch.profiler), every kernel matched to the host's launch call. Tells
+    whether XLA launched each kernel itself (one ``cuLaunchKernel`` per kernel) or replayed a captured graph
+    (``cuGraphLaunch``), how long the device sat idle between kernels, and whether those gaps were the host
+    launching late. Under ``XLA_FLAGS`` of the caller's choice (process-wide), so run it once per setting."""
+    import os
+
+    import jax
+    import torch
+
+    torch.zeros(1, device="cuda")  # a CUDA context for the profiler's CUPTI session (it records JAX's work too)
+    many, args, nbytes, steps = _jax_steps(b, s)
+    jitted = jax.jit(many)
+    ms = time_jax(many, *args) / steps
+    trace = launch_trace(lambda: jax.block_until_ready(jitted(*args)), calls=3)
+    idle = [r["idle_before_us"] for r in trace["rows"] if r["idle_before_us"] is not None]
+    # per-step time against steps per call: a fixed cost per execution shrinks with more steps, a per-launch
+    # cost does not
+    by_steps = {}
+    for n in (8, 128):
+        fn, fn_args, _, _ = _jax_steps(b, s, steps=n)
+        by_steps[n] = time_jax(fn, *fn_args) / n
+    by_steps[steps] = ms
+    calls = trace["api_calls"]
+    result = {"case": f"B{b} S{s}", "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": steps,
+              "step_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "step_ms_by_steps": by_steps,
+              "kernels_per_call": trace["kernels"] / 3, "api_calls": calls,
+              "graph_launches_per_call": sum(v["count"] for k, v in calls.items() if "Graph" in k),
+              "mean_idle_us": trace["mean_idle_before_us"], "max_idle_us": max(idle, default=0.0),
+              "host_bound_gaps": trace["host_bound_gaps"], "gaps": trace["gaps"],
+              "mean_launch_call_us": trace["mean_launch_call_us"],
+              "device_us_per_step": sum(r["us"] for r in trace["rows"]) / 3 / steps}
+    print({k: v for k, v in result.items() if k != "api_calls"})
+    return result
 
 
 def trace_paths(b=1, s=16384):
@@ -656,7 +700,14 @@ def main():
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
                         help="only the JAX rows (e.g. to compare XLA_FLAGS settings), printed, not saved")
+    parser.add_argument("--jax-launch-trace", metavar="TAG",
+                        help="only the JAX B=1 S=16k row under CUPTI: kernel and graph launches, idle gaps "
+                             "(saved as decode_jax_launch_TAG_h200; run once per XLA_FLAGS setting)")
     args = parser.parse_args()
+    if args.jax_launch_trace:
+        result = jax_launch_diagnosis()
+        print(f"wrote {save(f'decode_jax_launch_{args.jax_launch_trace}_h200', {'environment': environment(), **result})}")
+        return
     if args.ptxas:
         ptxas_report()
         return

@@ -3,7 +3,7 @@
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
 #   jax-settings attention-jax-settings attention-steady profile-attention profile-decode profile-decode-sass attention-bar
-#   decode-probe
+#   decode-probe decode-jax-launch
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
 # 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
@@ -94,6 +94,12 @@ for stage in "${stages[@]}"; do
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_norms.py --jax-only
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
                   done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
+    # the JAX decode step at B=1 S=16k under CUPTI, per XLA setting: kernel vs graph launches, idle gaps
+    decode-jax-launch) for setting in default cmdbuf off; do
+                    flags=""; [ $setting = cmdbuf ] && flags="$CMDBUF_FLAGS"; [ $setting = off ] && flags="--xla_gpu_enable_command_buffer="
+                    echo "--- $setting"
+                    XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-launch-trace $setting
+                  done 2>&1 | tee "$OUT/decode_jax_launch.log" | grep -v Warning | tail -30 ;;
     # the steady torch and JAX rows at S=1024 (where JAX trails) without and with XLA command buffers
     attention-jax-settings) for tag in default cmdbuf; do
                     flags=""; [ $tag = cmdbuf ] && flags="$CMDBUF_FLAGS"
