@@ -969,6 +969,41 @@ def test_fused_backward_needs_one_warp_count():
                                                                                     "attn_bwd_dq_kernel"]
 
 
+def test_tail_segments_left_out_only_when_provably_empty():
+    """TAIL_BLOCKS: the dQ and dK/dV kernels (and the one-launch backward's halves) drop their trailing
+    masked segment only when no program can have blocks there -- no causal mask or window, equal fixed
+    lengths, and a loop axis the block divides (keys for dQ, queries for dK/dV); ragged, causal and
+    windowed calls keep it, and so does every call with ``skip_empty_tail=False``. The forward always
+    keeps it."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                          plan_attention_fwd)
+
+    gpu = Target(interpret=False, num_sms=132)
+
+    def tails(s_q, s_k, config=AttentionConfig(), **options):
+        info_q, info_k = ((2, s_q, 4, 128), "bfloat16"), ((2, s_k, 4, 128), "bfloat16")
+        shape, opts = check_attention_args(q=info_q, k=info_k, v=info_k, **options)
+        assert "TAIL_BLOCKS" not in plan_attention_fwd(shape, opts, target=gpu, config=config).launches[0].constexpr_dict()
+        found = {}
+        for launch in plan_attention_bwd(shape, opts, target=gpu, config=config).launches[1:]:
+            c = launch.constexpr_dict()
+            found.update({k: v for k, v in c.items() if k.endswith("TAIL_BLOCKS")})
+        assert found
+        return found
+
+    assert set(tails(4096, 4096).values()) == {False}
+    assert set(tails(4096, 4096, config=AttentionConfig(skip_empty_tail=False)).values()) == {True}
+    assert set(tails(4096, 4096, causal=True).values()) == {True}
+    assert set(tails(4096, 4096, window_size=(256, 256)).values()) == {True}
+    ragged_keys = tails(4096, 4000)
+    assert ragged_keys["Q_TAIL_BLOCKS"] and not ragged_keys["KV_TAIL_BLOCKS"]
+    ragged_queries = tails(4000, 4096)
+    assert not ragged_queries["Q_TAIL_BLOCKS"] and ragged_queries["KV_TAIL_BLOCKS"]
+    with pytest.raises(ValueError, match="AttentionConfig.skip_empty_tail"):
+        AttentionConfig(skip_empty_tail=1)
+
+
 def test_dkdv_col_split_defaults_and_errors():
     """GPU_DKDV_COL_SPLIT: D=256 (and head dims padded to it) splits dK/dV's columns over two programs per
     key block with the table's "dkdv_split" tile (grid axis 0 doubled); other head dims, float32 inputs and

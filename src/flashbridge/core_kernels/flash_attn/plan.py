@@ -71,6 +71,18 @@ class AttentionConfig:
       scores and dP^T over both halves (1.5x the dK/dV kernel's products); the backward then runs as two
       launches. Needs padded head dims >= 32. Identical results up to the products' summation order. None
       = the default of :data:`GPU_DKDV_COL_SPLIT`, else 1.
+    * ``skip_empty_tail``: whether the backward's dK/dV and dQ kernels (and the one-launch backward's two
+      halves) leave their trailing masked segment out when the plan proves it empty: no causal mask or
+      window, fixed lengths, a loop axis the block divides. An empty segment still runs its pipelined loop's
+      prologue and drain (the decode kernel lost ~2 us per call to them at B=1 S=16k), and a runtime branch
+      around it makes ptxas serialize the causal kernels' wgmmas, so the choice is made at compile time.
+      sm_90, Triton 3.6, B=4 S=4096 full attention: one-launch D=128 backward 4944 -> 3072 instructions
+      (stack 56 -> 24 B, the dK/dV loop's spill reloads 12 -> 6), D=256 dK/dV 255 -> 239 registers; causal
+      kernels unchanged. H200, B=4 S=4096 bf16, alternating four times with ``skip_empty_tail=False``
+      (``attention_ab_skip_empty_tail-False*_h200.json``), median full-attention backward ms: D=128 3.447
+      -> 3.439, D=64 1.941 -> 1.927, GQA 32/8 D=128 7.061 -> 6.720 (-5%), D=256 11.47 -> 11.05 (-4%, every
+      sample). The forward keeps its three segments: the same change there measured ~6% slower on every
+      full-attention row of the H200's D=128 table (``attention_h200_d128_tail_fwd.json``). None = True.
 
     The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
     (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
@@ -96,6 +108,7 @@ class AttentionConfig:
     fused_backward: Optional[bool] = None
     early_dp: Optional[bool] = None
     dkdv_col_split: Optional[int] = None
+    skip_empty_tail: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -109,7 +122,7 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
         if self.dkdv_col_split not in (None, 1, 2):
             raise ValueError(f"AttentionConfig.dkdv_col_split: must be None, 1 or 2, got {self.dkdv_col_split!r}")
-        for flag in ("fused_backward", "early_dp"):
+        for flag in ("fused_backward", "early_dp", "skip_empty_tail"):
             value = getattr(self, flag)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"AttentionConfig.{flag}: must be None, True or False, got {value!r}")
@@ -570,6 +583,17 @@ def _alibi_stride(shape: AttnShape, options: AttnOptions) -> int:
     return shape.heads_q if options.alibi_batched else 0
 
 
+def _tail_blocks(config: AttentionConfig, shape: AttnShape, options: AttnOptions, loop_len: int, block: int) -> bool:
+    """Whether a backward kernel keeps its trailing masked segment (its ``TAIL_BLOCKS``): always with
+    ``skip_empty_tail=False``, else when the segment can hold blocks: a causal mask or a window edge,
+    per-sequence lengths, or a loop axis of ``loop_len`` (queries for dK/dV, keys for dQ) that ``block`` does
+    not divide. Without any, every program walks whole visible blocks and the kernel leaves the segment out
+    (see ``AttentionConfig.skip_empty_tail``)."""
+    if config.skip_empty_tail is False:
+        return True
+    return bool(options.causal or options.has_local or shape.varlen or loop_len % block)
+
+
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
                        config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
@@ -642,6 +666,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     flags = _flags(shape, options)
     head_group = _head_group(config, options, target)
     early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
+    kv_tail = _tail_blocks(config, shape, options, shape.seqlen_q, kv_m)  # dK/dV walks query blocks
+    q_tail = _tail_blocks(config, shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
@@ -680,7 +706,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
-                        ("HEAD_GROUP", head_group)),
+                        ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail)),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
@@ -693,7 +719,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group),
-                            ("COL_SPLIT", col_split)),
+                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail)),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
@@ -702,7 +728,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dq_scalars,
                 outputs=("dq",),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group)),
+                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail)),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
