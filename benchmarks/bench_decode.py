@@ -7,9 +7,13 @@ the queries, outputs and split partials are not counted). bf16 unless said; Hq=3
 best of a few grid / tile / warp settings): what any kernel that reads them reaches at that size.
 
 Timing: decode steps last tens of microseconds, less than the host needs to issue them, so every torch
-provider is timed inside a CUDA graph (``triton.testing.do_bench_cudagraph``) and the JAX path as N steps
-in one jitted function; each timed call reads one of several copies of the cache, rotated so that the
-copies together exceed the L2 many times (every call reads HBM).
+provider is timed inside a CUDA graph (``triton.testing.do_bench_cudagraph``) and the JAX path as a decode
+loop in one jitted function (``jax.lax.fori_loop`` over 128 steps, each step's output the next step's
+query), wall clock per step; each timed step reads one of several copies of the cache, rotated so that the
+copies together exceed the L2 many times (every step reads HBM). A jitted call carries a fixed host cost
+(dispatch, its outputs, the command buffer's update) of a few hundred microseconds, which 32 unrolled steps
+at B=1 S=16k (~0.7 ms of kernels) did not hide: ``--jax-launch-trace`` shows the kernels back to back
+inside a call either way.
 
     python benchmarks/bench_decode.py              # the issue's rows (contiguous, paged, fp8, JAX), plot
     python benchmarks/bench_decode.py --splits     # also sweep num_splits / block_n for the plan defaults
@@ -31,7 +35,8 @@ import numpy as np
 
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 60 * 2**20
-JAX_STEPS = 32  # decode steps per jitted call: a call lasts ~1 ms or more, so per-call dispatch is not timed
+JAX_STEPS = 32  # unrolled decode steps per jitted call (the diagnosis's unrolled form)
+JAX_LOOP_STEPS = 128  # decode steps per jitted call in the JAX rows' loop: the call's fixed host cost amortised
 ROWS = [  # (label, batch, kv length)
     ("B1 S16k", 1, 16384),
     ("B1 S128k", 1, 131072),
@@ -197,9 +202,12 @@ def stream_floor(b, s):
                         "all_ms": {"x".join(map(str, c)): t for c, t in results}}
 
 
-def _jax_steps(b, s, *, paged=False, fp8=False, steps=None):
-    """The JAX rows' timed function: ``steps`` decode steps in one jitted call, each on one of several
-    rotated cache copies. Returns (fn, args, bytes read per step, steps)."""
+def _jax_steps(b, s, *, paged=False, fp8=False, steps=None, loop=False):
+    """The JAX rows' timed function: decode steps in one jitted call, each on one of several rotated cache
+    copies. Unrolled (``loop=False``): ``steps`` independent steps. ``loop=True``: a decode loop, as a
+    generation loop runs it: ``jax.lax.fori_loop`` over rounds of one step per copy, each step's output the
+    next step's query (a chain, like torch's graph of steps on one stream). Returns (fn, args, bytes read
+    per step, steps)."""
     import jax
     import jax.numpy as jnp
 
@@ -207,7 +215,11 @@ def _jax_steps(b, s, *, paged=False, fp8=False, steps=None):
 
     nbytes = kv_bytes(b, s, 1 if fp8 else 2)
     copies = n_copies(nbytes)
-    steps = steps or max(copies, JAX_STEPS)
+    if loop:
+        rounds = max(1, math.ceil((steps or JAX_LOOP_STEPS) / copies))
+        steps = rounds * copies
+    else:
+        steps = steps or max(copies, JAX_STEPS)
     key = jax.random.key(0)
     ks, vs, tables = [], [], []
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -221,64 +233,73 @@ def _jax_steps(b, s, *, paged=False, fp8=False, steps=None):
             shape = (b, s, HKV, D)
         ks.append(jax.random.normal(k1, shape, jnp.bfloat16).astype(dtype))
         vs.append(jax.random.normal(k2, shape, jnp.bfloat16).astype(dtype))
-    # a distinct query per step: XLA would merge two steps with the same operands into one
-    qs = list(jax.random.normal(key, (steps, b, 1, HQ, D), jnp.bfloat16))
     lens = jnp.full((b,), s, jnp.int32)
     scales = {"k_scale": jnp.ones((), jnp.float32), "v_scale": jnp.ones((), jnp.float32)} if fp8 else {}
 
+    def step(q, c, ks, vs, tables, lens):
+        extra = {"block_table": tables[c]} if paged else {}
+        return decode_attention(q, ks[c], vs[c], cache_seqlens=lens, **extra, **scales)
+
+    if loop:
+        def many(q, ks, vs, tables, lens):
+            def one_round(_, q):
+                for c in range(copies):
+                    q = step(q, c, ks, vs, tables, lens)  # out (B, 1, Hq, Dv) has the query's shape (Dv = Dqk)
+                return q
+            return jax.lax.fori_loop(0, rounds, one_round, q)
+
+        return many, (jax.random.normal(key, (b, 1, HQ, D), jnp.bfloat16), ks, vs, tables, lens), nbytes, steps
+
+    # a distinct query per step: XLA would merge two steps with the same operands into one
+    qs = list(jax.random.normal(key, (steps, b, 1, HQ, D), jnp.bfloat16))
+
     def many(qs, ks, vs, tables, lens):
-        outs = []
-        for i, q in enumerate(qs):
-            c = i % copies
-            extra = {"block_table": tables[c]} if paged else {}
-            outs.append(decode_attention(q, ks[c], vs[c], cache_seqlens=lens, **extra, **scales))
-        return outs
+        return [step(q, i % copies, ks, vs, tables, lens) for i, q in enumerate(qs)]
 
     return many, (qs, ks, vs, tables, lens), nbytes, steps
 
 
-def jax_ours(b, s, *, paged=False, fp8=False, steps=None):
-    many, args, nbytes, steps = _jax_steps(b, s, paged=paged, fp8=fp8, steps=steps)
+def jax_ours(b, s, *, paged=False, fp8=False, steps=None, loop=True):
+    many, args, nbytes, steps = _jax_steps(b, s, paged=paged, fp8=fp8, steps=steps, loop=loop)
     ms = time_jax(many, *args) / steps
     # host time to dispatch a step: the row measures the host, not the kernels, once it nears ``ms``
     host_ms = jax_dispatch_ms(many, *args) / steps
-    return ms, nbytes, {"host_ms": host_ms}
+    return ms, nbytes, {"host_ms": host_ms, "steps_per_call": steps, "loop": loop}
 
 
 def jax_launch_diagnosis(b=1, s=16384):
-    """Why a JAX decode step at B=1 S=16k is slower than torch's graph replay: one jitted call of the JAX
-    row's 32 steps under CUPTI (torch.profiler), every kernel matched to the host's launch call. Tells
-    whether XLA launched each kernel itself (one ``cuLaunchKernel`` per kernel) or replayed a captured graph
-    (``cuGraphLaunch``), how long the device sat idle between kernels, and whether those gaps were the host
-    launching late. Under ``XLA_FLAGS`` of the caller's choice (process-wide), so run it once per setting."""
+    """Why a JAX decode step at B=1 S=16k can be slower than torch's graph replay: both forms of the JAX
+    rows' timed function (32 unrolled steps; the decode loop) under CUPTI (torch.profiler), every kernel
+    matched to the host's launch call. Tells whether XLA launched each kernel itself (one ``cuLaunchKernel``
+    per kernel) or from a captured graph, how long the device sat idle between kernels (within a call: the
+    device time per step is what torch's graph rows measure), and the wall-clock time per step at 8 / 32 / 128
+    steps per call (a fixed cost per call shrinks with more steps, a per-launch cost does not). Under
+    ``XLA_FLAGS`` of the caller's choice (process-wide), so run it once per setting."""
     import os
 
     import jax
     import torch
 
     torch.zeros(1, device="cuda")  # a CUDA context for the profiler's CUPTI session (it records JAX's work too)
-    many, args, nbytes, steps = _jax_steps(b, s)
-    jitted = jax.jit(many)
-    ms = time_jax(many, *args) / steps
-    trace = launch_trace(lambda: jax.block_until_ready(jitted(*args)), calls=3)
-    idle = [r["idle_before_us"] for r in trace["rows"] if r["idle_before_us"] is not None]
-    # per-step time against steps per call: a fixed cost per execution shrinks with more steps, a per-launch
-    # cost does not
-    by_steps = {}
-    for n in (8, 128):
-        fn, fn_args, _, _ = _jax_steps(b, s, steps=n)
-        by_steps[n] = time_jax(fn, *fn_args) / n
-    by_steps[steps] = ms
-    calls = trace["api_calls"]
-    result = {"case": f"B{b} S{s}", "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": steps,
-              "step_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "step_ms_by_steps": by_steps,
-              "kernels_per_call": trace["kernels"] / 3, "api_calls": calls,
-              "graph_launches_per_call": sum(v["count"] for k, v in calls.items() if "Graph" in k),
-              "mean_idle_us": trace["mean_idle_before_us"], "max_idle_us": max(idle, default=0.0),
-              "host_bound_gaps": trace["host_bound_gaps"], "gaps": trace["gaps"],
-              "mean_launch_call_us": trace["mean_launch_call_us"],
-              "device_us_per_step": sum(r["us"] for r in trace["rows"]) / 3 / steps}
-    print({k: v for k, v in result.items() if k != "api_calls"})
+    result = {"case": f"B{b} S{s}", "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    for loop in (False, True):
+        many, args, nbytes, steps = _jax_steps(b, s, loop=loop)
+        jitted = jax.jit(many)
+        trace = launch_trace(lambda: jax.block_until_ready(jitted(*args)), calls=3)
+        idle = [r["idle_before_us"] for r in trace["rows"] if r["idle_before_us"] is not None]
+        by_steps = {}
+        for n in (8, 32, 128):
+            fn, fn_args, _, n = _jax_steps(b, s, steps=n, loop=loop)
+            by_steps[n] = time_jax(fn, *fn_args) / n
+        calls = trace["api_calls"]
+        form = {"steps": steps, "step_ms_by_steps": by_steps, "kernels_per_call": trace["kernels"] / 3,
+                "api_calls": calls, "mean_idle_us": trace["mean_idle_before_us"], "max_idle_us": max(idle, default=0.0),
+                "host_bound_gaps": trace["host_bound_gaps"], "gaps": trace["gaps"],
+                "mean_launch_call_us": trace["mean_launch_call_us"],
+                "device_us_per_step": sum(r["us"] for r in trace["rows"]) / 3 / steps,
+                "host_ms_per_step": jax_dispatch_ms(many, *args) / steps}
+        result["loop" if loop else "unrolled"] = form
+        print("loop" if loop else "unrolled", {k: v for k, v in form.items() if k != "api_calls"})
     return result
 
 
@@ -338,9 +359,13 @@ def run_rows(with_jax=True):
             record(label, "flashinfer", lambda: torch_flashinfer(b, s))
         except ImportError:
             pass
-        if with_jax:
-            record(label, "flashbridge-jax NHD", lambda: jax_ours(b, s))
-            record(label, "flashbridge-jax paged64", lambda: jax_ours(b, s, paged=True))
+    # the JAX rows after every torch row: JAX's runtime threads can still make CUDA calls (freeing a finished
+    # row's buffers) while torch captures a graph, and in torch's global capture mode such a call invalidates
+    # the capture. Most likely what happened when a table lost every row after the first capture that
+    # followed the JAX rows of B=1 S=16k (``operation failed due to a previous error during capture``)
+    for label, b, s in ROWS if with_jax else ():
+        record(label, "flashbridge-jax NHD", lambda: jax_ours(b, s))
+        record(label, "flashbridge-jax paged64", lambda: jax_ours(b, s, paged=True))
     return rows
 
 

@@ -95,7 +95,7 @@ for stage in "${stages[@]}"; do
                     XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
                   done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
     # the JAX decode step at B=1 S=16k under CUPTI, per XLA setting: kernel vs graph launches, idle gaps
-    decode-jax-launch) for setting in default cmdbuf off; do
+    decode-jax-launch) for setting in ${JAX_LAUNCH_SETTINGS:-default cmdbuf off}; do
                     flags=""; [ $setting = cmdbuf ] && flags="$CMDBUF_FLAGS"; [ $setting = off ] && flags="--xla_gpu_enable_command_buffer="
                     echo "--- $setting"
                     XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-launch-trace $setting
