@@ -773,34 +773,6 @@ def test_decode_config_rejects_bad_blocks():
         DecodeConfig(k_pairs=1)
 
 
-def test_merge_tile_stays_within_its_register_budget():
-    """The merge kernel's default tile holds at most MERGE_STEP_ELEMENTS states x elements per round (more
-    spilled on sm_90), keeps two programs per SM where the merge is large enough, and follows explicit
-    settings: decode of a large batch at 16 and 8 splits, the cascade at B=32, one sequence."""
-    from flashbridge.core_kernels import Target
-    from flashbridge.core_kernels.decode.plan import (MERGE_STEP_ELEMENTS, DecodeConfig, check_cascade_args,
-                                                      check_decode_args, plan_cascade, plan_decode)
-    gpu = Target(interpret=False, num_sms=132)
-
-    def merge_tile(b, splits, config=DecodeConfig()):
-        shape, options, _ = check_decode_args(q=((b, 1, 32, 128), "bfloat16"), k_cache=((b, 4096, 8, 128), "bfloat16"),
-                                              v_cache=((b, 4096, 8, 128), "bfloat16"), cache_seqlens=((b,), "int32"))
-        merge = plan_decode(shape, options, target=gpu, num_splits=splits, config=config).launches[-1]
-        c = merge.constexpr_dict()
-        return c["BLOCK_E"], c["BLOCK_N"], merge.grid[0]
-
-    assert merge_tile(64, 16) == (256, 16, 64 * 32 * 128 // 256)
-    assert merge_tile(64, 8) == (512, 8, 64 * 32 * 128 // 512)
-    assert merge_tile(1, 16) == (16, 16, 32 * 128 // 16)  # one sequence: two programs per SM
-    assert merge_tile(64, 16, DecodeConfig(merge_block_elements=512))[:2] == (512, 16)  # explicit wins
-    shape, shared_len, options, _ = check_cascade_args(
-        q=((32, 1, 32, 128), "bfloat16"), shared_k=((4096, 8, 128), "bfloat16"), shared_v=((4096, 8, 128), "bfloat16"),
-        k_cache=((512, 64, 8, 128), "bfloat16"), v_cache=((512, 64, 8, 128), "bfloat16"),
-        cache_seqlens=((32,), "int32"), block_table=((32, 16), "int32"))
-    c = plan_cascade(shape, shared_len, options, target=gpu).launches[-1].constexpr_dict()
-    assert c["BLOCK_E"] * c["BLOCK_N"] <= MERGE_STEP_ELEMENTS
-
-
 # FP8 caches with 16-bit queries: V read as pairs of columns into two accumulators (kernels.load_e4m3_pairs)
 # wherever Dv and the V strides are even and each half has >= 16 columns; the plain widening otherwise. K the
 # same way (q's even and odd columns against K's) with one column chunk and one key group.

@@ -39,9 +39,6 @@ MAX_PAGE_SIZE = 1024
 MAX_SPLITS = 1024
 _CHUNK_DQK = 64
 MERGE_STATES_PER_STEP = 16  # states the merge kernel folds per dependent round (DecodeConfig.merge_block_states)
-# states x elements one merge program holds per round (fp32, 4 warps): sm_90 (Triton 3.6) spills above it,
-# 16 x 512 to 544-560 B of stack (B=64 decode at 16 splits, the B=32 cascade); 16 x 256 and 8 x 512 do not
-MERGE_STEP_ELEMENTS = 4096
 MAX_AUTO_SPLITS = 64  # the most splits choose_num_splits picks
 # keys per split (at one program per SM) from which contiguous FP8 caches take 256-key tiles (see decode_tiles)
 FP8_WIDE_SPLIT_KEYS = 8192
@@ -734,10 +731,9 @@ def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Op
     # program 32 -> 16: S=16k 25.6 -> 25.1 us per step, S=128k 126.8 -> 126.5, FP8 70.5 -> 70.3; 8 and 64-128
     # slower, and 32 or 8 states per step too.
     elements = n_rows * head_dim_v
-    block_n = config.merge_block_states or min(MERGE_STATES_PER_STEP, next_power_of_2(max(n_a, n_b, 1)))
     block_e = config.merge_block_elements or (
-        256 if target.interpret else
-        max(16, min(512, MERGE_STEP_ELEMENTS // block_n, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
+        256 if target.interpret else max(16, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
+    block_n = config.merge_block_states or min(MERGE_STATES_PER_STEP, next_power_of_2(max(n_a, n_b, 1)))
     state_stride = elements  # states are contiguous (rows, Dv) slabs
     return Launch(
         kernel=f"{_K}:merge_states_kernel",
