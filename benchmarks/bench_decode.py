@@ -525,6 +525,12 @@ FOCUSED_SWEEPS = {
                      ((256, 4, 3, 1), (256, 8, 3, 8), (256, 8, 3, 4), (256, 4, 3, 4)) * 3,
                      "only FP8 at B=1 S=128k, 16 splits: the 256-key tile with 1 / 8 / 4 key groups at 4 and 8 "
                      "warps, three times"),
+    # the merge tile where main's default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
+    # 16 splits) against the parked cap (git revert 7749a7b: 16 x 256) and 8 x 512, three times each
+    "mergetile": ([("B64 S4k", 64, 4096, False, False)], (16,),
+                  ((None, None, None, None, 16, 512), (None, None, None, None, 16, 256),
+                   (None, None, None, None, 8, 512)) * 3,
+                  "only B=64 S=4096 at 16 splits: merge tiles 16 x 512 (the default, spills), 16 x 256 and 8 x 512"),
     # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
               ((None, None, None),) * 3,
