@@ -973,39 +973,47 @@ def test_jax_append_jit_donated_then_decode(name):
             np.testing.assert_array_equal(np64(a), np64(b))
 
 
-def test_jax_generation_loop_in_scan_matches_torch_bitwise():
-    """The pattern the JAX docstring recommends for short decode steps: the generation loop inside one jitted
-    call (``jax.lax.scan`` carrying the donated cache and the lengths), each step appending its token and
-    decoding over the grown cache; equal, bit for bit, to the same steps run one by one in torch."""
+def run_generation_loops(k, v, lens, qs, k_new, v_new, *, num_splits=None, device=None):
+    """The same generation loop both ways: in JAX inside one jitted call (``jax.lax.scan`` carrying the
+    donated cache and the lengths; each step appends its token, then decodes over the grown cache), as the JAX
+    decode docstring recommends, and in torch one step at a time. ``device``: where the JAX arrays go (JAX's
+    default device otherwise). Returns ((k, v, lens, outs) of JAX, the same of torch)."""
     ja = _japi()
-    g = torch.Generator().manual_seed(_seed("scan-loop"))
-    steps, b, s_max, hkv, hq, d = 3, 2, 64, 2, 4, 16
-    k, v = (torch.randn(b, s_max, hkv, d, generator=g) for _ in range(2))
-    qs = torch.randn(steps, b, 1, hq, d, generator=g)
-    k_new, v_new = (torch.randn(steps, b, 1, hkv, d, generator=g) for _ in range(2))
-    lens = torch.tensor([5, 20], dtype=torch.int32)
 
     def generate(kc, vc, lens, qs, k_new, v_new):
         def one_step(carry, xs):
             kc, vc, lens = carry
             q, kn, vn = xs
             kc, vc = ja.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens)
-            out = ja.decode_attention(q, kc, vc, cache_seqlens=lens + 1, num_splits=2)
+            out = ja.decode_attention(q, kc, vc, cache_seqlens=lens + 1, num_splits=num_splits)
             return (kc, vc, lens + 1), out
 
         (kc, vc, lens), outs = jax.lax.scan(one_step, (kc, vc, lens), (qs, k_new, v_new))
         return kc, vc, lens, outs
 
+    args = [jax.device_put(torch_to_jax(x), device) for x in (k, v, lens, qs, k_new, v_new)]
     with _no_error():
-        jk, jv, jlens, jouts = jax.jit(generate, donate_argnums=(0, 1))(
-            *(torch_to_jax(x) for x in (k, v, lens, qs, k_new, v_new)))
+        jax_run = jax.jit(generate, donate_argnums=(0, 1))(*args)
     kc, vc, tlens, outs = k.clone(), v.clone(), lens.clone(), []
-    for i in range(steps):
+    for i in range(qs.shape[0]):
         tapi.append_kv_cache(kc, vc, k_new[i], v_new[i], cache_seqlens=tlens)
         tlens = tlens + 1
-        outs.append(tapi.decode_attention(qs[i], kc, vc, cache_seqlens=tlens, num_splits=2))
+        outs.append(tapi.decode_attention(qs[i], kc, vc, cache_seqlens=tlens, num_splits=num_splits))
+    return jax_run, (kc, vc, tlens, torch.stack(outs))
+
+
+def test_jax_generation_loop_in_scan_matches_torch_bitwise():
+    """The JAX generation loop in one jitted call (:func:`run_generation_loops`) equals, bit for bit, the same
+    steps run one by one in torch: outputs, lengths and the cache."""
+    g = torch.Generator().manual_seed(_seed("scan-loop"))
+    steps, b, s_max, hkv, hq, d = 3, 2, 64, 2, 4, 16
+    k, v = (torch.randn(b, s_max, hkv, d, generator=g) for _ in range(2))
+    qs = torch.randn(steps, b, 1, hq, d, generator=g)
+    k_new, v_new = (torch.randn(steps, b, 1, hkv, d, generator=g) for _ in range(2))
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    (jk, jv, jlens, jouts), (kc, vc, tlens, outs) = run_generation_loops(k, v, lens, qs, k_new, v_new, num_splits=2)
     np.testing.assert_array_equal(np.asarray(jlens), tlens.numpy())
-    np.testing.assert_array_equal(np64(jouts), np64(torch.stack(outs)))
+    np.testing.assert_array_equal(np64(jouts), np64(outs))
     np.testing.assert_array_equal(np64(jk), np64(kc))
     np.testing.assert_array_equal(np64(jv), np64(vc))
     # the steps saw their own tokens: the last step's output differs from a decode without the appends

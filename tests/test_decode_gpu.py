@@ -15,7 +15,8 @@ import torch
 
 from helpers import assert_close, np64
 from test_attention import naive_torch
-from test_decode import decode_config, decode_constexpr, make_case  # noqa: F401  (decode_config: a fixture)
+from test_decode import (decode_config, decode_constexpr, make_case,  # noqa: F401  (decode_config: a fixture)
+                         run_generation_loops)
 
 pytestmark = pytest.mark.gpu
 
@@ -199,41 +200,20 @@ def test_gpu_jax_append_donated_in_place():
 
 
 def test_gpu_jax_generation_loop_in_scan_matches_torch_bitwise():
-    """A JAX generation loop inside one jitted call (``jax.lax.scan`` carrying the donated cache: append the
-    step's token, decode over the grown cache), as the JAX decode docstring recommends and the benchmark's
-    JAX rows time; bit for bit the same steps run one by one in torch, cache included."""
+    """The JAX generation loop in one jitted call (``run_generation_loops``: scan, donated cache, append then
+    decode per step), as the JAX decode docstring recommends and the benchmark's JAX rows time, at the
+    benchmark's head shape: bit for bit the same steps run one by one in torch, cache included."""
     jax = pytest.importorskip("jax")
     if not jax.devices("gpu"):
         pytest.skip("JAX has no GPU backend")
-    from flashbridge.jax_api import decode as jdecode
-    from flashbridge.torch_api.decode import append_kv_cache, decode_attention
-    from helpers import torch_to_jax
     steps = 4
     q, k, v, kw = _cuda(*make_case(11, **BENCH, lens=(4000, 1, 2000), s_max=4096))
-    lens = kw["cache_seqlens"]
     g = torch.Generator(device="cuda").manual_seed(12)
     qs = torch.randn((steps, *q.shape), device="cuda", generator=g).to(torch.bfloat16)
     k_new, v_new = (torch.randn(steps, 3, 1, 8, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
-
-    def generate(kc, vc, lens, qs, k_new, v_new):
-        def one_step(carry, xs):
-            kc, vc, lens = carry
-            q, kn, vn = xs
-            kc, vc = jdecode.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens)
-            return (kc, vc, lens + 1), jdecode.decode_attention(q, kc, vc, cache_seqlens=lens + 1)
-
-        (kc, vc, _), outs = jax.lax.scan(one_step, (kc, vc, lens), (qs, k_new, v_new))
-        return kc, vc, outs
-
-    dev = jax.devices("gpu")[0]
-    args = [jax.device_put(torch_to_jax(t.cpu()), dev) for t in (k, v, lens, qs, k_new, v_new)]
-    jk, jv, jouts = jax.jit(generate, donate_argnums=(0, 1))(*args)
-    kc, vc, tlens, outs = k.clone(), v.clone(), lens.clone(), []
-    for i in range(steps):
-        append_kv_cache(kc, vc, k_new[i], v_new[i], cache_seqlens=tlens)
-        tlens = tlens + 1
-        outs.append(decode_attention(qs[i], kc, vc, cache_seqlens=tlens))
-    np.testing.assert_array_equal(np64(jouts), np64(torch.stack(outs)))
+    (jk, jv, _, jouts), (kc, vc, _, outs) = run_generation_loops(k, v, kw["cache_seqlens"], qs, k_new, v_new,
+                                                                device=jax.devices("gpu")[0])
+    np.testing.assert_array_equal(np64(jouts), np64(outs))
     np.testing.assert_array_equal(np64(jk), np64(kc))
     np.testing.assert_array_equal(np64(jv), np64(vc))
 
