@@ -5,13 +5,13 @@ TFLOP/s = 4 * B * H * Sq * Sk * D forward (halved when causal; for windows and p
 count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward. bf16 throughout.
 
     python benchmarks/bench_attention.py              # main grid, GQA / varlen / window rows, plot
-    python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the issue's bar)
+    python benchmarks/bench_attention.py --quick      # D=128 only, S=4096 (the target rows' length)
     python benchmarks/bench_attention.py --tune       # also time block-size candidates for plan defaults
     python benchmarks/bench_attention.py --tune-only --dims 64,256   # only the candidates
     python benchmarks/bench_attention.py --order-only  # only head_group / fused_backward (AttentionConfig)
     python benchmarks/bench_attention.py --ab 4       # the defaults against fused_backward=False, alternating 4x
     python benchmarks/bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'   # ... against another setting
-    python benchmarks/bench_attention.py --bar-rows 5   # the bar's rows: ours, Flex and SDPA flash alternating 5x
+    python benchmarks/bench_attention.py --bar-rows 5   # the target rows: ours, Flex and SDPA flash alternating 5x
     python benchmarks/bench_attention.py --dims 64 --seqlens 1024 --no-extra \
         --only 'flashbridge-torch steady,flashbridge-jax steady' --tag cmdbuf   # some rows, a named file
     python benchmarks/bench_attention.py --steady-diagnosis 64,1024   # why the JAX steady forward trails there
@@ -342,7 +342,7 @@ BAR_PROVIDERS = ("flashbridge-torch", "flex (compiled)", "sdpa-flash")
 
 
 def bar_rows(reps: int, d: int = 128, seqlens=(4096, 16384)) -> list[dict]:
-    """The bar's rows (forward >= Flex and >= 1.4x SDPA flash, backward >= Flex), each provider timed per call
+    """The target rows (forward >= Flex and >= 1.4x SDPA flash, backward >= Flex), each provider timed per call
     ``reps`` times, the providers alternating within each round (fresh inputs every time), so that a
     comparison of two providers does not ride on one sample each or on the drift between runs (~3%)."""
     out = []
@@ -385,7 +385,7 @@ def bar_rows(reps: int, d: int = 128, seqlens=(4096, 16384)) -> list[dict]:
 PROGRAM_CONFIGS = (dict(head_group=1), dict(head_group=4), dict(head_group=8), dict(head_group=16),
                    dict(head_group=64), dict(fused_backward=False), dict(fused_backward=False, head_group=1))
 # --order-only: the defaults against grid order and the two-launch backward (head_group 8 / 16 / 64 were
-# timed on 2026-11-30, attention_order_h200.json; fewer settings compile fewer kernels)
+# timed on 2026-11-30 and lost to 4; fewer settings compile fewer kernels)
 ORDER_ONLY_CONFIGS = (dict(head_group=1), dict(), dict(fused_backward=False), dict(fused_backward=False, head_group=1))
 # (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
 # sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
@@ -475,7 +475,7 @@ def tune(d, causal, s=4096):
             keep({"kernel": "fwd", "tile": (bm, bn, w, st), "error": str(exc)[:120]})
     if out is None:
         return rows
-    for masked in (1, 2, 3):  # the default tile with other masked-segment depths (sm_90 spills differ: NOTES)
+    for masked in (1, 2, 3):  # the default tile with other masked-segment depths (sm_90 spills differ: docs/performance.md)
         cfg = AttentionConfig(masked_num_stages=masked)
         try:
             plan = plan_attention_fwd(shape, options, target=target, config=cfg)
@@ -552,7 +552,7 @@ def main():
                              "(MHA D=128 / D=64 full and causal, GQA 32/8 D=128 full and causal): for differences "
                              "smaller than the drift between separate runs (~3%%)")
     parser.add_argument("--bar-rows", type=int, metavar="N",
-                        help="only the issue's bar rows (D=128, S=4096 / 16384, full and causal): ours, "
+                        help="only the target rows (D=128, S=4096 / 16384, full and causal): ours, "
                              "FlexAttention and SDPA flash per call, alternating N times in one process, medians")
     parser.add_argument("--ab-config", default='{"fused_backward": false}', metavar="JSON",
                         help="the AttentionConfig keywords --ab compares the defaults with")

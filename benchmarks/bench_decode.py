@@ -15,7 +15,7 @@ copies together exceed the L2 many times (every step reads HBM). A jitted call c
 at B=1 S=16k (~0.7 ms of kernels) did not hide: ``--jax-launch-trace`` shows the kernels back to back
 inside a call either way.
 
-    python benchmarks/bench_decode.py              # the issue's rows (contiguous, paged, fp8, JAX), plot
+    python benchmarks/bench_decode.py              # the table's rows (contiguous, paged, fp8, JAX), plot
     python benchmarks/bench_decode.py --splits     # also sweep num_splits / block_n for the plan defaults
     python benchmarks/bench_decode.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead of
                                                    # time, print registers / spills / shared memory
@@ -42,7 +42,7 @@ ROWS = [  # (label, batch, kv length)
     ("B1 S128k", 1, 131072),
     ("B32 S8k", 32, 8192),
 ]
-# the issue's bars (TB/s; the B32 row is a ratio to cuDNN measured in the same run)
+# the targets (TB/s; the B32 row is a ratio to cuDNN measured in the same run)
 TARGETS = {"B1 S16k": 3.4, "B1 S128k": 3.9, "B32 S8k": ("cudnn", 0.95)}
 
 
@@ -280,7 +280,7 @@ def jax_launch_diagnosis(b=1, s=16384):
     import jax
     import torch
 
-    torch.zeros(1, device="cuda")  # a CUDA context for the profiler's CUPTI session (it records JAX's work too)
+    torch.zeros(1, device="cuda")  # a CUDA context for the profiler's CUPTI collection (it records JAX's work too)
     result = {"case": f"B{b} S{s}", "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for loop in (False, True):
         many, args, nbytes, steps = _jax_steps(b, s, loop=loop)
@@ -379,7 +379,7 @@ FOCUSED_SWEEPS = {
     "s16k": ([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
              ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
               (64, 4, 3, 4), (64, 4, 4, 4), (128, 4, 2, 4)),
-             "only B=1 S=16k (its bar is the furthest off): split counts around the default and deeper "
+             "only B=1 S=16k (the furthest from its target): split counts around the default and deeper "
              "pipelines / smaller key blocks, with and without key groups"),
     # DecodeConfig.key_groups at the default tiles and split counts (None): one softmax state per group of a
     # key block's keys, so that the step's row max / sum stay inside a warp (9 -> 2 CTA barriers per step)
@@ -513,7 +513,7 @@ FOCUSED_SWEEPS = {
                  "against the default, at 16 / 32 / 48 splits, twice"),
     # the 256-key FP8 tile at 8 warps (two per scheduler to cover the one-warp chain's fixed-latency waits,
     # 30% of its stall samples); with K pairs sm_90 gives 579 instructions per thread and step (631 with K
-    # widened, which measured 72.2-73.1 us against 70.95 at 4 warps in the fourteenth session)
+    # widened, which measured 72.2-73.1 us against 70.95 at 4 warps)
     "fp8warps8": ([("B1 S128k fp8", 1, 131072, False, True, (16,)), ("B1 S64k fp8", 1, 65536, False, True, (16,))],
                   (None,), ((256, 4, 3), (256, 8, 3)) * 3,
                   "only FP8 at B=1 S=64k / 128k, 16 splits: the 256-key tile at 4 and 8 warps, three times"),
@@ -525,13 +525,13 @@ FOCUSED_SWEEPS = {
                      ((256, 4, 3, 1), (256, 8, 3, 8), (256, 8, 3, 4), (256, 4, 3, 4)) * 3,
                      "only FP8 at B=1 S=128k, 16 splits: the 256-key tile with 1 / 8 / 4 key groups at 4 and 8 "
                      "warps, three times"),
-    # the merge tile where main's default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
-    # 16 splits) against the parked cap (git revert 7749a7b: 16 x 256) and 8 x 512, three times each
+    # the merge tile where the default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
+    # 16 splits) against 16 x 256 (no stack) and 8 x 512, three times each
     "mergetile": ([("B64 S4k", 64, 4096, False, False)], (16,),
                   ((None, None, None, None, 16, 512), (None, None, None, None, 16, 256),
                    (None, None, None, None, 8, 512)) * 3,
                   "only B=64 S=4096 at 16 splits: merge tiles 16 x 512 (the default, spills), 16 x 256 and 8 x 512"),
-    # the FP8 bar's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
+    # the FP8 target's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
               ((None, None, None),) * 3,
               "only B=1 S=128k, bf16 and FP8 caches, at the default tiles and split counts, three times each"),
@@ -589,7 +589,7 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
 
 
 def verdicts(rows):
-    """The issue's bars, measured against this run's own baselines."""
+    """The targets, measured against this run's own baselines."""
     row_of = {(r["case"], r["provider"]): r for r in rows}
     by = {key: r.get("tbs") for key, r in row_of.items()}
     lines = []

@@ -94,7 +94,7 @@ def probe_split_kernel(Q, K, V, PART_O, PART_L, SEQLENS, keys_per_split, total_k
 
 
 # (block_n, warps, stages, TMA, warp specialisation[, length loaded, runtime stride]); splits at one program per
-# SM like the library's plan. H200 (decode_tma_probe_h200.json): TMA slower than cp.async at every setting,
+# SM like the library's plan. H200, 2026-11-30: TMA slower than cp.async at every setting,
 # and the pointer control itself 2.7 us faster than the library's kernel; the last three rows ask why.
 VARIANTS = [(128, 4, 3, False, False), (128, 4, 3, True, False), (128, 4, 2, True, False), (128, 4, 4, True, False),
             (128, 8, 3, True, False), (64, 4, 4, True, False), (64, 4, 6, True, False), (128, 4, 3, True, True),

@@ -1,6 +1,6 @@
 """Where a kernel's hot loop spends its cycles, from Nsight Compute's per-SASS-instruction source page
 (``ncu --section SourceCounters --import-source yes --page source --print-source sass --csv``, as written by
-``scripts/gpu_session.sh profile-decode-sass``)::
+``scripts/gpu_suite.sh profile-decode-sass``)::
 
     python benchmarks/ncu_sass_summary.py ncu_sass_fp8-s128k.csv [more.csv ...] [--top 30]
 

@@ -6,7 +6,7 @@ range)::
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
         --csv --page details python3 benchmarks/profile_attention_bwd.py --which ours > ours.csv
 
-``scripts/gpu_session.sh profile-attention`` runs both at D=128, S=4096 and writes the CSVs beside a
+``scripts/gpu_suite.sh profile-attention`` runs both at D=128, S=4096 and writes the CSVs beside a
 side-by-side summary (``benchmarks/ncu_summary.py``).
 """
 from __future__ import annotations

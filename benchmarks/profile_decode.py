@@ -4,7 +4,7 @@ Nsight Compute::
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
         --csv --page details python3 benchmarks/profile_decode.py --case fp8-s128k > fp8.csv
 
-``scripts/gpu_session.sh profile-decode`` profiles the bf16 B=1 S=16k step, the bare read of its bytes
+``scripts/gpu_suite.sh profile-decode`` profiles the bf16 B=1 S=16k step, the bare read of its bytes
 (``bench_decode.py``'s read floor, as many programs as our split kernel) and the FP8 B=1 S=128k step, and
 writes a side-by-side summary of the longest kernel of each (``benchmarks/ncu_summary.py``).
 """

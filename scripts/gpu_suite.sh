@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Everything a GPU session runs, in one command on the H200 machine (see README "GPU tests and benchmarks").
-#   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
-#   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
-#   jax-settings attention-jax-settings attention-steady profile-attention profile-decode profile-decode-sass attention-bar
-#   decode-probe decode-jax-launch
+# The GPU tests, compute-sanitizer runs and benchmarks in one command on the H200 machine
+# (docs/development.md describes every stage and the variables that shape them).
+#   scripts/gpu_suite.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
+#   bench-attention-quick bench-attention attention-ab attention-bar bench-decode decode-probe bench-ce ce-jax
+#   host-overhead profile-attention profile-decode profile-decode-sass
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
-# 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
-# written: the benchmarks save their JSON after every row).
-# Without $OUT they stay in ./gpu-out. Carried wheels (jax-triton, liger-kernel) are read from .whl/.
+# 30 s while one runs, so a run cut short still returns what it wrote (the benchmarks save their JSON after
+# every row). Without $OUT they stay in ./gpu-out. Wheels the machine lacks (jax-triton, liger-kernel) are
+# installed from .whl/ when that folder holds any.
 set -uo pipefail
 PACK=${OUT:-}
 export OUT=${PACK:+/tmp/fb-run}
@@ -28,8 +28,6 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/
 status=0
 MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --splits), ATTN_ARGS (e.g. --tune), CE_ARGS (e.g. --jax-sweep) pass options on
 ATTN_DIMS=${ATTN_DIMS:-}
-# XLA command buffers (CUDA graphs) for every kind of thunk, ours included: the jax-settings stages
-CMDBUF_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
 NCU_SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
 pack() { [ -n "$PACK" ] && tar czf "$PACK/.results.tgz" -C "$OUT" . 2>/dev/null && mv -f "$PACK/.results.tgz" "$PACK/results.tgz"; }
 if [ -n "$PACK" ]; then
@@ -39,7 +37,7 @@ if [ -n "$PACK" ]; then
 fi
 # SM / memory clocks, power and temperature every 500 ms while a timing stage runs (clocks_<stage>.csv), and
 # the SM clock's range over the stage: timings differ between machines of the same kind
-clocks_start() { sampler=""; case $1 in bench-*|attention-ab|attention-bar|attention-order|jax-settings)
+clocks_start() { sampler=""; case $1 in bench-*|attention-ab|attention-bar)
   command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
     --format=csv,noheader,nounits -lms 500 > "$OUT/clocks_$1.csv" 2>/dev/null & sampler=$!; } ;; esac; }
 clocks_stop() { [ -n "$sampler" ] || return 0; kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
@@ -75,41 +73,13 @@ for stage in "${stages[@]}"; do
     # ATTN_DIMS=64,128 splits the full matrix across runs (one results file per split)
     bench-attention) python3 benchmarks/bench_attention.py ${ATTN_DIMS:+--dims $ATTN_DIMS} ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -60 ;;
     host-overhead) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -30 ;;
-    attention-order) python3 benchmarks/bench_attention.py --order-only 2>&1 | tee "$OUT/attention_order.log" | grep -v "^order" | tail -20 ;;
     # defaults against one AttentionConfig setting, alternating in one process: ATTN_AB_CONFIG='{"dkdv_block_m": 32}',
     # ATTN_AB_DIMS=256 for other head dims (default 128,64 and GQA 32/8 at 128)
     attention-ab) python3 benchmarks/bench_attention.py --ab ${ATTN_AB:-4} ${ATTN_AB_CONFIG:+--ab-config "$ATTN_AB_CONFIG"} ${ATTN_AB_DIMS:+--ab-dims $ATTN_AB_DIMS} 2>&1 | tee "$OUT/attention_ab.log" | tail -30 ;;
-    # the bar's D=128 rows, ours / Flex / SDPA flash alternating ATTN_BAR_REPS times (~3 min at 5)
+    # the target rows (D=128, S=4096 / 16384, full and causal): ours / Flex / SDPA flash alternating
+    # ATTN_BAR_REPS times in one process (~3 min at 5)
     attention-bar) python3 benchmarks/bench_attention.py --bar-rows ${ATTN_BAR_REPS:-5} 2>&1 | tee "$OUT/attention_bar.log" | tail -12 ;;
     bench-attention-quick) python3 benchmarks/bench_attention.py --quick 2>&1 | tee "$OUT/bench_attention.log" | tail -40 ;;
-    # the JAX rows alone under four allocator / launch settings (the JAX-vs-torch gap of the norms; the host
-    # time of a decode step): XLA's default, a preallocated pool, + command buffers for every thunk kind, and
-    # command buffers off (XLA then launches every thunk itself: shows whether updating a captured graph per
-    # call is part of the host's time)
-    jax-settings) for setting in "PREALLOCATE=false" "PREALLOCATE=true MEM_FRACTION=0.5" "PREALLOCATE=true MEM_FRACTION=0.5 CMDBUF=1" "PREALLOCATE=false CMDBUF=off"; do
-                    echo "--- $setting"
-                    prealloc=false; [[ $setting == *PREALLOCATE=true* ]] && prealloc=true
-                    flags=""; [[ $setting == *CMDBUF=1* ]] && flags="$CMDBUF_FLAGS"
-                    [[ $setting == *CMDBUF=off* ]] && flags="--xla_gpu_enable_command_buffer="
-                    XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_norms.py --jax-only
-                    XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-only
-                  done 2>&1 | tee "$OUT/jax_settings.log" | grep -v Warning | tail -80 ;;
-    # the JAX decode step at B=1 S=16k under CUPTI, per XLA setting: kernel vs graph launches, idle gaps
-    decode-jax-launch) for setting in ${JAX_LAUNCH_SETTINGS:-default cmdbuf off}; do
-                    flags=""; [ $setting = cmdbuf ] && flags="$CMDBUF_FLAGS"; [ $setting = off ] && flags="--xla_gpu_enable_command_buffer="
-                    echo "--- $setting"
-                    XLA_FLAGS="$flags" python3 benchmarks/bench_decode.py --jax-launch-trace $setting
-                  done 2>&1 | tee "$OUT/decode_jax_launch.log" | grep -v Warning | tail -30 ;;
-    # the steady torch and JAX rows at S=1024 (where JAX trails) without and with XLA command buffers
-    attention-jax-settings) for tag in default cmdbuf; do
-                    flags=""; [ $tag = cmdbuf ] && flags="$CMDBUF_FLAGS"
-                    echo "--- $tag"
-                    XLA_FLAGS="$flags" python3 benchmarks/bench_attention.py --dims 64,128 --seqlens 1024 --no-extra \
-                      --only "flashbridge-torch steady,flashbridge-jax steady" --tag "$tag"
-                  done 2>&1 | tee "$OUT/attention_jax_settings.log" | grep -v Warning | tail -40 ;;
-    # the steady forward of both paths on swapped inputs, with traces of the steady loops (STEADY_DIAG=D,S)
-    # (STEADY_TAG names the results file, e.g. when XLA_FLAGS differ)
-    attention-steady) python3 benchmarks/bench_attention.py --steady-diagnosis ${STEADY_DIAG:-64,1024} ${STEADY_TAG:+--tag $STEADY_TAG} 2>&1 | tee "$OUT/attention_steady${STEADY_TAG:+_$STEADY_TAG}.log" | grep -v Warning | tail -40 ;;
     # Nsight Compute on one backward of ours and of FlexAttention (PROFILE_ARGS, e.g. "--causal --d 64"), side by side
     profile-attention) for which in ours flex; do
                          ncu --clock-control none --profile-from-start off $NCU_SECTIONS --csv --page details \
