@@ -1,9 +1,11 @@
-"""Every docstring example of the public modules runs (on the CPU, through the interpreter), and every
-benchmark and helper script at least compiles (they run only on the GPU machine, so CI would not see a
-syntax error in them otherwise)."""
+"""The documentation runs: every Python block of the README and every docstring example of the public
+modules (on the CPU, through the interpreter); the README and docs/ link only to files and headings that
+exist; every benchmark and helper script at least compiles (they run only on the GPU machine, so CI would
+not see a syntax error in them otherwise)."""
 import doctest
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -28,6 +30,67 @@ def test_docstring_examples_run(name):
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "CHANGELOG.md"]
+
+
+def _python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(first line number, source) of every fenced ```python block."""
+    blocks, start, body = [], None, []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if start is None and line.strip() == "```python":
+            start, body = number + 1, []
+        elif start is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(body) + "\n"))
+            start = None
+        elif start is not None:
+            body.append(line)
+    assert start is None, f"{path.name}: a ```python block opened at line {start - 1} is never closed"
+    return blocks
+
+
+README_BLOCKS = _python_blocks(README)
+
+
+def test_readme_has_a_tour():
+    assert len(README_BLOCKS) >= 4, "the README's tour lost its Python blocks"
+
+
+@pytest.mark.parametrize("start, source", README_BLOCKS, ids=[f"README.md:{n}" for n, _ in README_BLOCKS])
+def test_readme_block_runs(start, source):
+    """Each block runs on its own, in a fresh namespace, exactly as a reader would paste it: a traceback
+    names README.md and the line. On a machine without a GPU the kernels run through the interpreter."""
+    code = compile("\n" * (start - 1) + source, str(README), "exec")
+    exec(code, {"__name__": "__readme__"})
+
+
+def test_readme_stays_user_documentation():
+    """Development notes and measurement history belong in docs/ and git, not in the README."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250 and len(text.encode()) <= 20_000, "README.md: at most 250 lines / 20 KB"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(path):
+    """Every relative link of the README, docs/ and the changelog names a file (or folder) in the tree, and
+    a #heading in a Markdown file that has it."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # links inside code blocks are code
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        assert dest.exists(), f"{path.name}: link to {target!r}, which does not exist"
+        if anchor and dest.suffix == ".md":
+            headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}
+            assert anchor in headings, f"{path.name}: link to {target!r}, but {dest.name} has no such heading"
+
+
 SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for d in ("benchmarks", "scripts") for p in (ROOT / d).glob("*.py"))
 
 
