@@ -65,3 +65,215 @@ def test_reference_is_a_complex_rotation():
     np.testing.assert_array_equal(neox[..., 8:], x[..., 8:])
     # packed positions restart per sequence
     np.testing.assert_array_equal(R.positions((6, 2, 4), cu_seqlens=[0, 2, 2, 6]), [0, 1, 0, 1, 2, 3])
+
+
+# ------------------------------------------------------------------------------------------------ torch
+
+torch = pytest.importorskip("torch")
+from flashbridge import torch_api as ft  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOOR = {"float32": 2e-6, "float16": 1e-4, "bfloat16": 1e-3}
+
+# tokens ((B, S) or (T,) packed), heads, k heads (0: no k), head dim, rotary dim, dtype, interleaved, positions
+CASES = [
+    ((2, 17), 3, 0, 16, 16, "float32", False, "sequence"),
+    ((2, 17), 3, 1, 20, 12, "bfloat16", True, "position_ids"),
+    ((1, 63), 4, 2, 64, 64, "float16", False, "position_ids_1"),
+    ((45,), 2, 2, 10, 8, "float32", True, "cu_seqlens"),
+    ((30,), 5, 0, 128, 64, "bfloat16", False, "packed_position_ids"),
+    ((3, 5), 1, 7, 2, 2, "float32", False, "sequence"),
+    ((1, 130), 2, 1, 96, 96, "bfloat16", True, "sequence"),
+    ((2, 9), 32, 8, 128, 128, "bfloat16", False, "position_ids"),
+]
+CU_SEQLENS = {45: [0, 7, 7, 30, 45]}  # an empty sequence among them
+
+
+def _case_id(c):
+    tokens, h, hk, d, rd, dtype, inter, pos = c
+    return f"{'x'.join(map(str, tokens))}-h{h}k{hk}-d{d}r{rd}-{dtype}-{'gptj' if inter else 'neox'}-{pos}"
+
+
+def _inputs(case):
+    """float64 values exactly representable in the case's dtype, and the index arrays, as numpy."""
+    tokens, h, hk, d, rd, dtype, inter, pos = case
+    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()) + SEED_OFFSET)
+    rows = 150
+    cos, sin = R.cos_sin_table(rows, rd)
+    # the tables in the inputs' dtype, as a model usually keeps them (the kernel widens them to float32)
+    cos, sin = rounded(cos, dtype), rounded(sin, dtype)
+    x = rounded(rng.standard_normal((*tokens, h, d)), dtype)
+    k = rounded(rng.standard_normal((*tokens, hk, d)), dtype) if hk else None
+    dy = rounded(rng.standard_normal(x.shape), dtype)
+    dk = rounded(rng.standard_normal(k.shape), dtype) if hk else None
+    idx = {}
+    if pos == "position_ids":
+        idx["position_ids"] = rng.integers(0, rows, tokens)
+    elif pos == "position_ids_1":
+        idx["position_ids"] = rng.integers(0, rows, (1, tokens[1])).astype(np.int32)
+    elif pos == "packed_position_ids":
+        idx["position_ids"] = rng.integers(0, rows, tokens).astype(np.int32)
+    elif pos == "cu_seqlens":
+        idx["cu_seqlens"] = np.array(CU_SEQLENS[tokens[0]], dtype=np.int32)
+    return x, k, cos, sin, dy, dk, idx
+
+
+def _naive(x, cos, sin, dtype, conjugate=False, **idx):
+    """RoPE in the inputs' dtype with every product and sum rounded: the error a plain implementation makes."""
+    pos = R.positions(x.shape, **idx)
+    c, s = cos[pos][..., None, :], sin[pos][..., None, :]
+    s = -s if conjugate else s
+    half = c.shape[-1]
+    a, b = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if _naive.interleaved else (slice(0, half), slice(half, 2 * half))
+    out = x.copy()
+    out[..., a] = rounded(rounded(x[..., a] * c, dtype) - rounded(x[..., b] * s, dtype), dtype)
+    out[..., b] = rounded(rounded(x[..., b] * c, dtype) + rounded(x[..., a] * s, dtype), dtype)
+    return out
+
+
+def _expected(case):
+    """Per output (x, and k when present): (reference, naive) forward and backward."""
+    tokens, h, hk, d, rd, dtype, inter, pos = case
+    x, k, cos, sin, dy, dk, idx = _inputs(case)
+    _naive.interleaved = inter
+    out = []
+    for a, da in ((x, dy), (k, dk)):
+        if a is None:
+            continue
+        out.append((R.rotary_embedding(a, cos, sin, interleaved=inter, **idx), _naive(a, cos, sin, dtype, **idx),
+                    R.rotary_embedding_bwd(da, cos, sin, interleaved=inter, **idx),
+                    _naive(da, cos, sin, dtype, conjugate=True, **idx)))
+    return out
+
+
+def _torch(a, dtype, grad=False):
+    if a is None:
+        return None
+    if np.issubdtype(np.asarray(a).dtype, np.integer):
+        return torch.tensor(a)
+    return torch.tensor(a, dtype=TORCH_DTYPES[dtype], requires_grad=grad)
+
+
+def _torch_run(case, inplace=False):
+    """(outputs, input gradients) of the torch op on the case's inputs."""
+    tokens, h, hk, d, rd, dtype, inter, pos = case
+    x, k, cos, sin, dy, dk, idx = _inputs(case)
+    tx, tk = _torch(x, dtype, True), _torch(k, dtype, True)
+    kw = dict(interleaved=inter, inplace=inplace, **{n: _torch(v, dtype) for n, v in idx.items()})
+    tcos, tsin = _torch(cos, dtype), _torch(sin, dtype)
+    if inplace:  # a non-leaf, as the output of a projection would be (autograd forbids writing into leaves)
+        src = (tx, tk)
+        tx, tk = tx * 1, (tk * 1 if tk is not None else None)
+    if tk is None:
+        outs = (ft.rotary_embedding(tx, tcos, tsin, **kw),)
+    else:
+        outs = ft.rotary_embedding_qk(tx, tk, tcos, tsin, **kw)
+    grads = torch.autograd.grad(outs, [t for t in (src if inplace else (tx, tk)) if t is not None],
+                                [_torch(dy, dtype)] + ([_torch(dk, dtype)] if tk is not None else []))
+    return outs, grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_torch_forward_backward(case):
+    dtype = case[5]
+    outs, grads = _torch_run(case)
+    for (ref, naive, dref, dnaive), out, grad, name in zip(_expected(case), outs, grads, ("x", "k")):
+        assert out.dtype == TORCH_DTYPES[dtype] and out.shape == ref.shape
+        assert_close(out, ref, naive, name=f"{name} out", floor=FLOOR[dtype])
+        assert_close(grad, dref, dnaive, name=f"d{name}", floor=FLOOR[dtype])
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]], ids=_case_id)
+def test_torch_inplace(case):
+    """In place: through the kernel without autograd (x itself updated, version bumped), and through the
+    out-of-place op plus a recorded copy with autograd; both equal the out-of-place result bit for bit."""
+    tokens, h, hk, d, rd, dtype, inter, pos = case
+    x, k, cos, sin, dy, dk, idx = _inputs(case)
+    outs, grads = _torch_run(case)
+    in_outs, in_grads = _torch_run(case, inplace=True)
+    for a, b in zip((*outs, *grads), (*in_outs, *in_grads)):
+        assert torch.equal(a, b)
+    kw = dict(interleaved=inter, **{n: _torch(v, dtype) for n, v in idx.items()})
+    tx, tk = _torch(x, dtype), _torch(k, dtype)
+    ptr, version = tx.data_ptr(), tx._version
+    with torch.no_grad():
+        if tk is None:
+            res = (ft.rotary_embedding(tx, _torch(cos, dtype), _torch(sin, dtype), inplace=True, **kw),)
+        else:
+            res = ft.rotary_embedding_qk(tx, tk, _torch(cos, dtype), _torch(sin, dtype), inplace=True, **kw)
+    assert res[0] is tx and tx.data_ptr() == ptr and tx._version > version
+    for a, b in zip(res, outs):
+        assert torch.equal(a, b)
+
+
+def test_torch_strided_views_of_a_packed_qkv():
+    """q and k sliced out of one (B, S, 3, H, D) projection: read through their strides, rotated in place
+    into the projection (v untouched), equal to the contiguous result."""
+    rng = np.random.default_rng(7)
+    qkv = torch.tensor(rng.standard_normal((2, 11, 3, 4, 32)), dtype=torch.float32)
+    cos, sin = (torch.tensor(t, dtype=torch.float32) for t in R.cos_sin_table(16, 24))
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    ref_q, ref_k = ft.rotary_embedding_qk(q.contiguous(), k.contiguous(), cos, sin)
+    got_q, got_k = ft.rotary_embedding_qk(q, k, cos, sin)
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+    v_before = v.clone()
+    ft.rotary_embedding_qk(q, k, cos, sin, inplace=True)
+    assert torch.equal(qkv[:, :, 0], ref_q) and torch.equal(qkv[:, :, 1], ref_k)
+    assert torch.equal(qkv[:, :, 2], v_before)
+
+
+def test_torch_inplace_bumps_the_version_autograd_checks():
+    """A tensor saved for another op's backward, then rotated in place: autograd refuses the stale value."""
+    w = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(1, 3, 4, 8)
+    y = (w * x).sum()  # saves x for w's gradient
+    cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+    ft.rotary_embedding(x, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_torch_cos_sin_get_no_gradient():
+    x = torch.randn(1, 5, 2, 8, requires_grad=True)
+    cos, sin = (torch.tensor(t, dtype=torch.float32, requires_grad=True) for t in R.cos_sin_table(5, 8))
+    ft.rotary_embedding(x, cos, sin).sum().backward()
+    assert x.grad is not None and cos.grad is None and sin.grad is None
+
+
+def test_torch_compile_fullgraph_and_opcheck():
+    rng = np.random.default_rng(5)
+    q = torch.tensor(rng.standard_normal((2, 7, 4, 16)), dtype=torch.float32, requires_grad=True)
+    k = torch.tensor(rng.standard_normal((2, 7, 2, 16)), dtype=torch.float32, requires_grad=True)
+    cos, sin = (torch.tensor(t, dtype=torch.float32) for t in R.cos_sin_table(8, 12))
+    pos = torch.tensor(rng.integers(0, 8, (2, 7)))
+
+    def block(q, k):
+        q2, k2 = ft.rotary_embedding_qk(q * 2, k, cos, sin, position_ids=pos)
+        return (q2 * ft.rotary_embedding(q, cos, sin, interleaved=True)).sum() + k2.square().sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    compiled(q, k).backward()
+    got = [t.grad.clone() for t in (q, k)]
+    q.grad = k.grad = None
+    block(q, k).backward()
+    for a, t in zip(got, (q, k)):
+        torch.testing.assert_close(a, t.grad)
+
+    def inplace(q, k):  # no autograd: the mutating op, functionalised by torch.compile
+        q2 = q * 1
+        ft.rotary_embedding_qk(q2, k, cos, sin, inplace=True)
+        return q2
+
+    qd, kd = q.detach(), k.detach()
+    want_q, want_k = ft.rotary_embedding_qk(qd, kd, cos, sin)
+    k_copy = kd.clone()
+    with torch.no_grad():
+        got_q = torch.compile(inplace, fullgraph=True, backend="aot_eager")(qd, k_copy)
+    assert torch.equal(got_q, want_q) and torch.equal(k_copy, want_k)
+
+    cu = torch.tensor([0, 3, 14], dtype=torch.int32)
+    packed = qd.reshape(14, 4, 16)
+    torch.library.opcheck(torch.ops.flashbridge.rotary.default, (q, k, cos, sin, pos, None, False, False))
+    torch.library.opcheck(torch.ops.flashbridge.rotary.default, (packed, None, cos, sin, None, cu, True, False))
+    torch.library.opcheck(torch.ops.flashbridge.rotary_.default, (qd.clone(), kd.clone(), cos, sin, None, None, False))

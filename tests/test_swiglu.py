@@ -34,3 +34,133 @@ def test_reference_backward_matches_finite_differences():
     # silu at the extremes: no overflow, silu(-inf-ish) = 0, silu(large) = x
     big = np.array([-1000.0, 1000.0])
     np.testing.assert_array_equal(R.swiglu(big, np.ones(2)), [0.0, 1000.0])
+
+
+# ------------------------------------------------------------------------------------------------ torch
+
+torch = pytest.importorskip("torch")
+from flashbridge import torch_api as ft  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOOR = {"float32": 2e-6, "float16": 1e-4, "bfloat16": 1e-3}
+
+# leading shape, I (the output's width), dtype, fused
+CASES = [
+    ((1,), 1, "float32", False),
+    ((1,), 1, "float32", True),
+    ((3,), 17, "float16", False),
+    ((2, 65), 130, "bfloat16", True),
+    ((130,), 64, "float32", True),
+    ((7,), 1000, "bfloat16", False),
+    ((2, 3, 5), 63, "float16", True),
+    ((5,), 4097, "float32", False),
+]
+
+
+def _case_id(c):
+    return f"{'x'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{'fused' if c[3] else 'split'}"
+
+
+def _inputs(case):
+    lead, width, dtype, fused = case
+    rng = np.random.default_rng(zlib.crc32(_case_id(case).encode()) + SEED_OFFSET)
+    # gates over a wide range: the sigmoid's saturated tails and its middle both get checked
+    g = rounded(rng.standard_normal((*lead, width)) * 4, dtype)
+    u = rounded(rng.standard_normal((*lead, width)), dtype)
+    dy = rounded(rng.standard_normal((*lead, width)), dtype)
+    return g, u, dy
+
+
+def _naive(g, u, dy, dtype):
+    """The same math in the inputs' dtype, every intermediate rounded: the error a plain implementation makes."""
+    s = rounded(1.0 / (1.0 + np.exp(-g)), dtype)
+    silu = rounded(g * s, dtype)
+    y = rounded(silu * u, dtype)
+    dg = rounded(rounded(rounded(dy * u, dtype) * s, dtype) * rounded(1.0 + rounded(g * rounded(1.0 - s, dtype), dtype), dtype), dtype)
+    du = rounded(dy * silu, dtype)
+    return y, dg, du
+
+
+def _torch_run(g, u, dy, dtype, fused):
+    """(y, dgate, dup) through the torch op (fused: one [gate | up] input)."""
+    tg = torch.tensor(g, dtype=TORCH_DTYPES[dtype])
+    tu = torch.tensor(u, dtype=TORCH_DTYPES[dtype])
+    if fused:
+        x = torch.cat([tg, tu], dim=-1).requires_grad_()
+        y = ft.swiglu(x)
+        y.backward(torch.tensor(dy, dtype=TORCH_DTYPES[dtype]))
+        dg, du = x.grad.chunk(2, dim=-1)
+    else:
+        tg.requires_grad_()
+        tu.requires_grad_()
+        y = ft.swiglu(tg, tu)
+        y.backward(torch.tensor(dy, dtype=TORCH_DTYPES[dtype]))
+        dg, du = tg.grad, tu.grad
+    assert y.dtype == TORCH_DTYPES[dtype] and tuple(y.shape) == g.shape
+    return y, dg, du
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_torch_forward_backward(case):
+    lead, width, dtype, fused = case
+    g, u, dy = _inputs(case)
+    ref_dg, ref_du = R.swiglu_bwd(dy, g, u)
+    naive_y, naive_dg, naive_du = _naive(g, u, dy, dtype)
+    y, dg, du = _torch_run(g, u, dy, dtype, fused)
+    assert_close(y, R.swiglu(g, u), naive_y, name="y", floor=FLOOR[dtype])
+    assert_close(dg, ref_dg, naive_dg, name="dgate", floor=FLOOR[dtype])
+    assert_close(du, ref_du, naive_du, name="dup", floor=FLOOR[dtype])
+
+
+def test_torch_fused_equals_split_bitwise():
+    g, u, dy = _inputs(((4,), 48, "bfloat16", False))
+    split = _torch_run(g, u, dy, "bfloat16", False)
+    fused = _torch_run(g, u, dy, "bfloat16", True)
+    for a, b in zip(split, fused):
+        assert torch.equal(a, b)
+
+
+def test_torch_non_contiguous_inputs():
+    """Chunk views (strided rows), a transposed gate and a broadcast up all give the contiguous answer."""
+    rng = np.random.default_rng(3)
+    x = torch.tensor(rng.standard_normal((6, 2 * 40)), dtype=torch.float32)
+    gate, up = x.chunk(2, dim=-1)
+    assert gate.stride() == (80, 1)
+    torch.testing.assert_close(ft.swiglu(gate, up), ft.swiglu(x), rtol=0, atol=0)
+    gt = torch.tensor(rng.standard_normal((40, 6)), dtype=torch.float32).t()
+    ub = torch.tensor(rng.standard_normal(40), dtype=torch.float32).expand(6, 40)
+    ref = R.swiglu(np64(gt), np64(ub))
+    assert_close(ft.swiglu(gt, ub), ref, rounded(ref, "float32"), name="y")
+
+
+def test_torch_unused_output_and_no_grad():
+    g = torch.randn(3, 8, requires_grad=True)
+    u = torch.randn(3, 8)
+    with torch.no_grad():
+        y = ft.swiglu(g, u)
+    assert not y.requires_grad
+    (gg,) = torch.autograd.grad(ft.swiglu(g, u).sum(), [g])  # up needs no gradient
+    ref_dg, _ = R.swiglu_bwd(np.ones((3, 8)), np64(g), np64(u))
+    assert_close(gg, ref_dg, rounded(ref_dg, "float32"), name="dgate")
+
+
+def test_torch_compile_fullgraph_and_opcheck():
+    rng = np.random.default_rng(5)
+    x = torch.tensor(rng.standard_normal((4, 2 * 33)), dtype=torch.float32, requires_grad=True)
+    g = torch.tensor(rng.standard_normal((4, 33)), dtype=torch.float32, requires_grad=True)
+
+    def block(x, g):
+        return (ft.swiglu(x) * 2 + ft.swiglu(g, g.sin())).square().sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    compiled(x, g).backward()
+    got = [t.grad.clone() for t in (x, g)]
+    x.grad = g.grad = None
+    block(x, g).backward()
+    for a, t in zip(got, (x, g)):
+        torch.testing.assert_close(a, t.grad)
+    dy = torch.randn(4, 33)
+    torch.library.opcheck(torch.ops.flashbridge.swiglu_fwd.default, (x, None))
+    torch.library.opcheck(torch.ops.flashbridge.swiglu_fwd.default, (g, g.detach().cos().requires_grad_()))
+    torch.library.opcheck(torch.ops.flashbridge.swiglu_bwd.default, (dy, x.detach(), None))
+    torch.library.opcheck(torch.ops.flashbridge.swiglu_bwd.default, (dy, g.detach(), g.detach().cos()))

@@ -4,7 +4,10 @@ from .cross_entropy import LinearCrossEntropyLoss, cross_entropy, linear_cross_e
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
 from .modules import LayerNorm, RMSNorm
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
+from .rotary import rotary_embedding, rotary_embedding_qk
+from .swiglu import swiglu
 
 __all__ = ["LayerNorm", "LinearCrossEntropyLoss", "MultiheadAttention", "RMSNorm", "append_kv_cache",
            "cascade_attention", "cross_entropy", "decode_attention", "flash_attention", "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy", "rms_norm",
+           "rotary_embedding", "rotary_embedding_qk", "swiglu",
            "scaled_dot_product_attention"]
