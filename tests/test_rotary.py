@@ -67,9 +67,13 @@ def test_reference_is_a_complex_rotation():
     np.testing.assert_array_equal(R.positions((6, 2, 4), cu_seqlens=[0, 2, 2, 6]), [0, 1, 0, 1, 2, 3])
 
 
-# ------------------------------------------------------------------------------------------------ torch
+# ---------------------------------------------------------------------------------------- both frameworks
 
 torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from flashbridge import jax_api as fj  # noqa: E402
 from flashbridge import torch_api as ft  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -173,14 +177,35 @@ def _torch_run(case, inplace=False):
     return outs, grads
 
 
+def _jax_run(case, inplace=False):
+    """(outputs, input gradients) of the JAX op on the case's inputs."""
+    tokens, h, hk, d, rd, dtype, inter, pos = case
+    x, k, cos, sin, dy, dk, idx = _inputs(case)
+    kw = dict(interleaved=inter, inplace=inplace, **{n: jnp.asarray(v) for n, v in idx.items()})
+    jcos, jsin = jnp.asarray(cos, dtype), jnp.asarray(sin, dtype)
+    if k is None:
+        out, vjp = jax.vjp(lambda x: (fj.rotary_embedding(x, jcos, jsin, **kw),), jnp.asarray(x, dtype))
+        return out, vjp((jnp.asarray(dy, dtype),))
+    out, vjp = jax.vjp(lambda q, k: fj.rotary_embedding_qk(q, k, jcos, jsin, **kw), jnp.asarray(x, dtype),
+                       jnp.asarray(k, dtype))
+    return out, vjp((jnp.asarray(dy, dtype), jnp.asarray(dk, dtype)))
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_torch_forward_backward(case):
+def test_forward_backward_both_frameworks(case):
     dtype = case[5]
-    outs, grads = _torch_run(case)
-    for (ref, naive, dref, dnaive), out, grad, name in zip(_expected(case), outs, grads, ("x", "k")):
+    t_outs, t_grads = _torch_run(case)
+    j_outs, j_grads = _jax_run(case)
+    for (ref, naive, dref, dnaive), out, grad, jout, jgrad, name in zip(_expected(case), t_outs, t_grads, j_outs,
+                                                                       j_grads, ("x", "k")):
         assert out.dtype == TORCH_DTYPES[dtype] and out.shape == ref.shape
-        assert_close(out, ref, naive, name=f"{name} out", floor=FLOOR[dtype])
-        assert_close(grad, dref, dnaive, name=f"d{name}", floor=FLOOR[dtype])
+        assert jout.dtype == jnp.dtype(dtype) and jout.shape == ref.shape
+        for fw, o, g in (("torch", out, grad), ("jax", jout, jgrad)):
+            assert_close(o, ref, naive, name=f"{fw} {name} out", floor=FLOOR[dtype])
+            assert_close(g, dref, dnaive, name=f"{fw} d{name}", floor=FLOOR[dtype])
+        # the same kernel on the same device: the same bits in both frameworks
+        np.testing.assert_array_equal(np64(out), np64(jout))
+        np.testing.assert_array_equal(np64(grad), np64(jgrad))
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]], ids=_case_id)
@@ -277,3 +302,129 @@ def test_torch_compile_fullgraph_and_opcheck():
     torch.library.opcheck(torch.ops.flashbridge.rotary.default, (q, k, cos, sin, pos, None, False, False))
     torch.library.opcheck(torch.ops.flashbridge.rotary.default, (packed, None, cos, sin, None, cu, True, False))
     torch.library.opcheck(torch.ops.flashbridge.rotary_.default, (qd.clone(), kd.clone(), cos, sin, None, None, False))
+
+
+# -------------------------------------------------------------------------------------------------- JAX
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4]], ids=_case_id)
+def test_jax_inplace_equals_out_of_place(case):
+    """inplace=True aliases the outputs to x / k (and the backward's to the cotangents): the same bits,
+    under jit with x donated too."""
+    outs, grads = _jax_run(case)
+    in_outs, in_grads = _jax_run(case, inplace=True)
+    for a, b in zip((*outs, *grads), (*in_outs, *in_grads)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens, h, hk, d, rd, dtype, inter, pos = case
+    x, k, cos, sin, dy, dk, idx = _inputs(case)
+    idx = {n: jnp.asarray(v) for n, v in idx.items()}
+    step = jax.jit(lambda x, c, s: fj.rotary_embedding(x, c, s, interleaved=inter, inplace=True, **idx),
+                   donate_argnums=0)
+    got = step(jnp.asarray(x, dtype), jnp.asarray(cos, dtype), jnp.asarray(sin, dtype))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(outs[0]))
+
+
+def test_jax_jit_grad_vmap():
+    rng = np.random.default_rng(6)
+    cos, sin = (jnp.asarray(t, jnp.float32) for t in R.cos_sin_table(40, 12))
+    xs = jnp.asarray(rng.standard_normal((3, 2, 9, 3, 16)), jnp.float32)
+    ks = jnp.asarray(rng.standard_normal((3, 2, 9, 1, 16)), jnp.float32)
+    pid = jnp.asarray(rng.integers(0, 40, (2, 9)), jnp.int32)
+
+    def loss(q, k, pos):
+        q2, k2 = fj.rotary_embedding_qk(q, k, cos, sin, position_ids=pos)
+        return jnp.sum(q2 * jnp.sin(q2)) + jnp.sum(k2 ** 2)
+
+    def fwd_and_grad(q, k, pos):
+        return (*fj.rotary_embedding_qk(q, k, cos, sin, position_ids=pos), *jax.grad(loss, argnums=(0, 1))(q, k, pos))
+
+    # the mapped axis folded into the batch: (B, S) position ids tiled, batched ones reshaped. Both sides
+    # jitted: XLA's own sin in the loss rounds differently in and out of jit
+    for pos_axis, positions in ((None, pid), (0, jnp.stack([pid, pid[::-1], pid[:, ::-1]]))):
+        got = jax.jit(jax.vmap(fwd_and_grad, in_axes=(0, 0, pos_axis)))(xs, ks, positions)
+        for i in range(3):
+            want = jax.jit(fwd_and_grad)(xs[i], ks[i], positions if pos_axis is None else positions[i])
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+    # (1, S) position ids broadcast over the folded batch; reference check of a gradient
+    p1 = pid[:1]
+    got = jax.vmap(lambda x: fj.rotary_embedding(x, cos, sin, position_ids=p1))(xs)
+    np.testing.assert_allclose(np.asarray(got[2]), R.rotary_embedding(np.asarray(xs[2]), cos, sin, position_ids=p1),
+                               rtol=1e-6, atol=1e-6)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(fj.rotary_embedding(x, cos, sin) ** 3)))(xs[0])
+    y = R.rotary_embedding(np.asarray(xs[0]), cos, sin)
+    np.testing.assert_allclose(np.asarray(g), R.rotary_embedding_bwd(3 * y ** 2, cos, sin), rtol=2e-5, atol=2e-5)
+    # packed tokens and per-example tables: one launch per example
+    packed = xs.reshape(3, 18, 3, 16)
+    cu = jnp.array([0, 5, 18], jnp.int32)
+    got = jax.vmap(lambda x: fj.rotary_embedding(x, cos, sin, cu_seqlens=cu, interleaved=True))(packed)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(
+            fj.rotary_embedding(packed[i], cos, sin, cu_seqlens=cu, interleaved=True)))
+    tables = jnp.stack([cos, cos * 0.5, -cos])
+    got = jax.vmap(lambda x, c: fj.rotary_embedding(x, c, sin))(xs, tables)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(fj.rotary_embedding(xs[1], tables[1], sin)))
+
+
+def test_jax_cos_sin_get_zero_gradient():
+    x = jnp.ones((1, 5, 2, 8))
+    cos, sin = (jnp.asarray(t, jnp.float32) for t in R.cos_sin_table(5, 8))
+    gx, gc, gs = jax.grad(lambda x, c, s: jnp.sum(fj.rotary_embedding(x, c, s)), argnums=(0, 1, 2))(x, cos, sin)
+    assert float(jnp.abs(gx).sum()) > 0 and not np.any(np.asarray(gc)) and not np.any(np.asarray(gs))
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def _bad_cases():
+    t = lambda *s, dt=torch.float32: torch.randn(*s, dtype=dt)  # noqa: E731
+    j = lambda *s, dt=jnp.float32: jnp.ones(s, dt)  # noqa: E731
+    cs = (t(16, 4), t(16, 4))
+    jcs = (j(16, 4), j(16, 4))
+    i32 = torch.int32
+    return [
+        (lambda: ft.rotary_embedding(t(16, 3, 8), *cs), ValueError, "cu_seqlens"),  # packed, no positions
+        (lambda: ft.rotary_embedding(t(8, 3, 8, 1, 1), *cs), ValueError, "x"),
+        (lambda: ft.rotary_embedding(t(2, 0, 3, 8), *cs), ValueError, "x"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8, dt=torch.float64), *cs), TypeError, "x"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 6), *cs), ValueError, "rotary_dim"),
+        (lambda: ft.rotary_embedding(t(2, 20, 3, 8), *cs), ValueError, "cos"),  # seqlen > table rows
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), t(16, 4), t(16, 3)), ValueError, "sin"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), t(16), t(16)), ValueError, "cos"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), t(16, 4).int(), t(16, 4).int()), TypeError, "cos"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), *cs, position_ids=torch.zeros(2, 7, dtype=i32)), ValueError,
+         "position_ids"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), *cs, position_ids=torch.zeros(2, 8)), TypeError, "position_ids"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), *cs, position_ids=torch.full((2, 8), 16)), ValueError,
+         "position_ids"),
+        (lambda: ft.rotary_embedding(t(10, 3, 8), *cs, cu_seqlens=torch.tensor([0, 4, 9], dtype=i32)), ValueError,
+         "cu_seqlens"),  # does not end at the token count
+        (lambda: ft.rotary_embedding(t(10, 3, 8), *cs, cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=i32)),
+         ValueError, "cu_seqlens"),
+        (lambda: ft.rotary_embedding(t(40, 3, 8), *cs, cu_seqlens=torch.tensor([0, 20, 40], dtype=i32)), ValueError,
+         "cu_seqlens"),  # a sequence longer than the table
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), *cs, cu_seqlens=torch.tensor([0, 16], dtype=i32)), ValueError,
+         "cu_seqlens"),
+        (lambda: ft.rotary_embedding(t(10, 3, 8), *cs, cu_seqlens=torch.tensor([0, 10], dtype=i32),
+                                     position_ids=torch.zeros(10, dtype=i32)), ValueError, "position_ids"),
+        (lambda: ft.rotary_embedding_qk(t(2, 8, 3, 8), t(2, 8, 1, 6), *cs), ValueError, "k"),
+        (lambda: ft.rotary_embedding_qk(t(2, 8, 3, 8), t(2, 8, 1, 8, dt=torch.float16), *cs), TypeError, "k"),
+        (lambda: ft.rotary_embedding_qk(t(2, 8, 3, 8, dt=torch.float64), t(2, 8, 1, 8), *cs), TypeError, "q"),
+        (lambda: ft.rotary_embedding_qk(t(2, 8, 3, 8), None, *cs), TypeError, "k"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8).numpy(), *cs), TypeError, "x"),
+        (lambda: ft.rotary_embedding(t(2, 8, 3, 8), t(16, 4).to("meta"), t(16, 4)), ValueError, "cos"),
+        (lambda: fj.rotary_embedding(j(16, 3, 8), *jcs), ValueError, "cu_seqlens"),
+        (lambda: fj.rotary_embedding(j(2, 8, 3, 6), *jcs), ValueError, "rotary_dim"),
+        (lambda: fj.rotary_embedding(j(2, 8, 3, 8, dt=jnp.int32), *jcs), TypeError, "x"),
+        (lambda: fj.rotary_embedding(j(2, 8, 3, 8), *jcs, position_ids=jnp.full((2, 8), 99, jnp.int32)), ValueError,
+         "position_ids"),
+        (lambda: fj.rotary_embedding(j(10, 3, 8), *jcs, cu_seqlens=jnp.array([0, 4, 9], jnp.int32)), ValueError,
+         "cu_seqlens"),
+        (lambda: fj.rotary_embedding_qk(j(2, 8, 3, 8), j(2, 7, 1, 8), *jcs), ValueError, "k"),
+        (lambda: fj.rotary_embedding([1.0], *jcs), TypeError, "x"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_bad_cases())))
+def test_bad_input_is_rejected_with_a_clear_error(i):
+    fn, exc, arg = _bad_cases()[i]
+    with pytest.raises(exc, match=arg):
+        fn()

@@ -36,9 +36,13 @@ def test_reference_backward_matches_finite_differences():
     np.testing.assert_array_equal(R.swiglu(big, np.ones(2)), [0.0, 1000.0])
 
 
-# ------------------------------------------------------------------------------------------------ torch
+# ---------------------------------------------------------------------------------------- both frameworks
 
 torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from flashbridge import jax_api as fj  # noqa: E402
 from flashbridge import torch_api as ft  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -100,16 +104,32 @@ def _torch_run(g, u, dy, dtype, fused):
     return y, dg, du
 
 
+def _jax_run(g, u, dy, dtype, fused):
+    """(y, dgate, dup) through the JAX op."""
+    jg, ju, jdy = (jnp.asarray(a, dtype) for a in (g, u, dy))
+    if fused:
+        y, vjp = jax.vjp(fj.swiglu, jnp.concatenate([jg, ju], axis=-1))
+        (dx,) = vjp(jdy)
+        return y, dx[..., :g.shape[-1]], dx[..., g.shape[-1]:]
+    y, vjp = jax.vjp(fj.swiglu, jg, ju)
+    return (y, *vjp(jdy))
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_torch_forward_backward(case):
+def test_forward_backward_both_frameworks(case):
     lead, width, dtype, fused = case
     g, u, dy = _inputs(case)
     ref_dg, ref_du = R.swiglu_bwd(dy, g, u)
     naive_y, naive_dg, naive_du = _naive(g, u, dy, dtype)
-    y, dg, du = _torch_run(g, u, dy, dtype, fused)
-    assert_close(y, R.swiglu(g, u), naive_y, name="y", floor=FLOOR[dtype])
-    assert_close(dg, ref_dg, naive_dg, name="dgate", floor=FLOOR[dtype])
-    assert_close(du, ref_du, naive_du, name="dup", floor=FLOOR[dtype])
+    t = _torch_run(g, u, dy, dtype, fused)
+    j = _jax_run(g, u, dy, dtype, fused)
+    assert j[0].dtype == jnp.dtype(dtype) and j[0].shape == g.shape
+    for fw, (y, dg, du) in (("torch", t), ("jax", j)):
+        assert_close(y, R.swiglu(g, u), naive_y, name=f"{fw} y", floor=FLOOR[dtype])
+        assert_close(dg, ref_dg, naive_dg, name=f"{fw} dgate", floor=FLOOR[dtype])
+        assert_close(du, ref_du, naive_du, name=f"{fw} dup", floor=FLOOR[dtype])
+    for a, b in zip(t, j):  # the same kernels on the same device: the same bits
+        np.testing.assert_array_equal(np64(a), np64(b))
 
 
 def test_torch_fused_equals_split_bitwise():
@@ -164,3 +184,60 @@ def test_torch_compile_fullgraph_and_opcheck():
     torch.library.opcheck(torch.ops.flashbridge.swiglu_fwd.default, (g, g.detach().cos().requires_grad_()))
     torch.library.opcheck(torch.ops.flashbridge.swiglu_bwd.default, (dy, x.detach(), None))
     torch.library.opcheck(torch.ops.flashbridge.swiglu_bwd.default, (dy, g.detach(), g.detach().cos()))
+
+
+# -------------------------------------------------------------------------------------------------- JAX
+
+def test_jax_jit_grad_vmap():
+    rng = np.random.default_rng(6)
+    xs = jnp.asarray(rng.standard_normal((3, 5, 2 * 40)) * 3, jnp.float32)
+    up = jnp.asarray(rng.standard_normal((5, 40)), jnp.float32)
+
+    def loss(x):
+        return jnp.sum(fj.swiglu(x) ** 2)
+
+    # vmap folds the mapped axis into the rows; vmap of grad against a loop; both sides jitted
+    got = jax.jit(jax.vmap(jax.value_and_grad(loss)))(xs)
+    for i in range(3):
+        want = jax.jit(jax.value_and_grad(loss))(xs[i])
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+    # an unmapped up is broadcast
+    gates = xs[..., :40]
+    got = jax.vmap(fj.swiglu, in_axes=(0, None))(gates, up)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(fj.swiglu(gates[2], up)))
+    # grad against the reference
+    g = jax.grad(loss)(xs[0])
+    y = R.swiglu(np.asarray(xs[0]))
+    np.testing.assert_allclose(np.asarray(g), R.swiglu_bwd(2 * y, np.asarray(xs[0])), rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def _bad_cases():
+    t = lambda *s, dt=torch.float32: torch.randn(*s, dtype=dt)  # noqa: E731
+    j = lambda *s, dt=jnp.float32: jnp.ones(s, dt)  # noqa: E731
+    return [
+        (lambda: ft.swiglu(t(4, 7)), ValueError, "gate"),  # odd fused width
+        (lambda: ft.swiglu(t(4, 8), t(4, 9)), ValueError, "up"),
+        (lambda: ft.swiglu(t(4, 8), t(4, 8, dt=torch.float16)), TypeError, "up"),
+        (lambda: ft.swiglu(t(4, 8, dt=torch.float64)), TypeError, "gate"),
+        (lambda: ft.swiglu(torch.randint(0, 3, (4, 8))), TypeError, "gate"),
+        (lambda: ft.swiglu(t(0, 8)), ValueError, "gate"),
+        (lambda: ft.swiglu(torch.tensor(1.0)), ValueError, "gate"),
+        (lambda: ft.swiglu(t(4, 8).numpy()), TypeError, "gate"),
+        (lambda: ft.swiglu(None), TypeError, "gate"),
+        (lambda: ft.swiglu(t(4, 8), t(4, 8).to("meta")), ValueError, "up"),
+        (lambda: fj.swiglu(j(4, 7)), ValueError, "gate"),
+        (lambda: fj.swiglu(j(4, 8), j(8, 4)), ValueError, "up"),
+        (lambda: fj.swiglu(j(4, 8, dt=jnp.int32)), TypeError, "gate"),
+        (lambda: fj.swiglu(j(4, 8), j(4, 8, dt=jnp.bfloat16)), TypeError, "up"),
+        (lambda: fj.swiglu([1.0, 2.0]), TypeError, "gate"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_bad_cases())))
+def test_bad_input_is_rejected_with_a_clear_error(i):
+    fn, exc, arg = _bad_cases()[i]
+    with pytest.raises(exc, match=arg):
+        fn()

@@ -7,6 +7,8 @@ from .attention import dot_product_attention, flash_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
+from .rotary import rotary_embedding, rotary_embedding_qk
+from .swiglu import swiglu
 
 _FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "MultiHeadAttention": ".attention_flax"}
 
@@ -21,4 +23,4 @@ def __getattr__(name):
 __all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "append_kv_cache", "cascade_attention",
            "cross_entropy", "decode_attention", "dot_product_attention", "flash_attention",
            "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
-           "linear_cross_entropy_from_layer", "rms_norm"]
+           "linear_cross_entropy_from_layer", "rms_norm", "rotary_embedding", "rotary_embedding_qk", "swiglu"]
