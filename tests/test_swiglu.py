@@ -241,3 +241,55 @@ def test_bad_input_is_rejected_with_a_clear_error(i):
     fn, exc, arg = _bad_cases()[i]
     with pytest.raises(exc, match=arg):
         fn()
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+class _Config:  # the fields of a Hugging Face Llama config that the MLP reads
+    hidden_size, intermediate_size, hidden_act, mlp_bias = 24, 40, "silu", False
+
+
+def test_torch_swiglu_mlp_is_a_llama_mlp():
+    """Same submodules and state dict as LlamaMLP / LigerSwiGLUMLP; equals the eager expression; the fused
+    form with gate_up_proj = [gate; up] gives the same bits."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    mlp = ft.SwiGLUMLP.from_config(_Config())
+    assert sorted(mlp.state_dict()) == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
+    x = torch.randn(2, 7, 24, requires_grad=True)
+    y = mlp(x)
+    eager = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(y, eager, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(y.square().sum(), [x, *mlp.parameters()])
+    want = torch.autograd.grad(eager.square().sum(), [x, *mlp.parameters()])
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    fused = ft.SwiGLUMLP(24, 40, fused=True)
+    assert sorted(fused.state_dict()) == ["down_proj.weight", "gate_up_proj.weight"]
+    with torch.no_grad():
+        fused.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        fused.down_proj.weight.copy_(mlp.down_proj.weight)
+    torch.testing.assert_close(fused(x), y, rtol=1e-6, atol=1e-6)
+    cfg = _Config()
+    cfg.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act"):
+        ft.SwiGLUMLP.from_config(cfg)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_flax_swiglu_mlp(fused):
+    from flax import nnx
+
+    mlp = fj.SwiGLUMLP(24, 40, fused=fused, use_bias=True, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 24)), jnp.float32)
+    if fused:
+        h = mlp.gate_up_proj(x)
+        gate, up = h[:, :40], h[:, 40:]
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    want = mlp.down_proj(jax.nn.silu(gate) * up)
+    np.testing.assert_allclose(np.asarray(mlp(x)), np.asarray(want), rtol=1e-5, atol=1e-6)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(mlp)
+    assert jax.tree.structure(grads) == jax.tree.structure(nnx.state(mlp, nnx.Param))
