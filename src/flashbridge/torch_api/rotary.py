@@ -23,8 +23,8 @@ def _info(t: Optional[Tensor]):
     return None if t is None else (tuple(t.shape), dtype_name(t.dtype))
 
 
-# The ops' implementations look the shape up again on every call: cached (the arguments are hashable), but
-# not where torch.compile traces (the public functions), which would warn about the cache.
+# Shapes are checked by the public functions and looked up again by the ops' implementations: cached (the
+# arguments are hashable), except while torch.compile traces, which would warn about the cache.
 _cached_check = functools.lru_cache(maxsize=1024)(check_rotary_args)
 
 
@@ -130,7 +130,8 @@ def _apply(x, k, cos, sin, *, interleaved, inplace, position_ids, cu_seqlens):
     x_name = "x" if k is None else "q"
     tensors = {x_name: x, "k": k, "cos": cos, "sin": sin, "position_ids": position_ids, "cu_seqlens": cu_seqlens}
     check_tensors(tensors, required=(x_name, "cos", "sin"))
-    shape = _shape(x, k, cos, sin, position_ids, cu_seqlens, x_name, check=check_rotary_args)
+    check = check_rotary_args if torch.compiler.is_compiling() else _cached_check
+    shape = _shape(x, k, cos, sin, position_ids, cu_seqlens, x_name, check=check)
     if not torch.compiler.is_compiling():  # index values are checked where reading them is free: CPU tensors
         host = {n: t.reshape(-1).tolist() for n, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens))
                 if t is not None and t.device.type == "cpu"}
