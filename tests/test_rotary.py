@@ -128,7 +128,10 @@ def _naive(x, cos, sin, dtype, conjugate=False, **idx):
     c, s = cos[pos][..., None, :], sin[pos][..., None, :]
     s = -s if conjugate else s
     half = c.shape[-1]
-    a, b = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if _naive.interleaved else (slice(0, half), slice(half, 2 * half))
+    if _naive.interleaved:
+        a, b = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    else:
+        a, b = slice(0, half), slice(half, 2 * half)
     out = x.copy()
     out[..., a] = rounded(rounded(x[..., a] * c, dtype) - rounded(x[..., b] * s, dtype), dtype)
     out[..., b] = rounded(rounded(x[..., b] * c, dtype) + rounded(x[..., a] * s, dtype), dtype)

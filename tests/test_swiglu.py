@@ -80,7 +80,8 @@ def _naive(g, u, dy, dtype):
     s = rounded(1.0 / (1.0 + np.exp(-g)), dtype)
     silu = rounded(g * s, dtype)
     y = rounded(silu * u, dtype)
-    dg = rounded(rounded(rounded(dy * u, dtype) * s, dtype) * rounded(1.0 + rounded(g * rounded(1.0 - s, dtype), dtype), dtype), dtype)
+    ds = rounded(1.0 + rounded(g * rounded(1.0 - s, dtype), dtype), dtype)  # d silu / dg = s * ds
+    dg = rounded(rounded(rounded(dy * u, dtype) * s, dtype) * ds, dtype)
     du = rounded(dy * silu, dtype)
     return y, dg, du
 

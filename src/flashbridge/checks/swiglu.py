@@ -60,7 +60,8 @@ def _make_run(framework, device, fused, backward):
             outs = (outs[0][..., :cols], outs[0][..., cols:])
         err = max(error_vs_reference(o, r, rounded(r, dtype)) for o, r in zip(outs, refs))
         tensors = 5 if backward else 3
-        return Measurement(max_err=err, tol=1.0, time_ms=time_ms, amount=tensors * rows * cols * (2 if dtype != "float32" else 4),
+        itemsize = 2 if dtype != "float32" else 4
+        return Measurement(max_err=err, tol=1.0, time_ms=time_ms, amount=tensors * rows * cols * itemsize,
                            unit="TB/s", shape=f"{rows}x{cols} {dtype}")
 
     return run

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from ..core_kernels.swiglu.plan import check_swiglu_args, plan_swiglu_bwd, plan_swiglu_fwd

@@ -5,9 +5,9 @@ One kernel, ``rotary_kernel``, rotates the first ``2 * HALF`` dims of every head
     (y_a, y_b) = (x_a cos - x_b sin,  x_b cos + x_a sin)     cos / sin = row ``pos`` of the tables
 
 with ``(a, b) = (i, i + HALF)`` (GPT-NeoX halves) or ``(2i, 2i + 1)`` (INTERLEAVED, GPT-J pairs); the other
-``PASS`` dims of a head are copied. CONJUGATE negates sin: the inverse rotation, which is the backward (the
-rotation is orthogonal). HAS_K rotates a second tensor (k) of the same tokens in the same program, so q and
-k share one launch and one load of each token's cos / sin row.
+``PASS`` dims of a head are copied (COPY_PASS; in place they are already there). CONJUGATE negates sin: the
+inverse rotation, which is the backward (the rotation is orthogonal). HAS_K rotates a second tensor (k) of
+the same tokens in the same program, so q and k share one launch and one load of each token's cos / sin row.
 
 A program owns BLOCK_T tokens x BLOCK_H heads (x BLOCK_HK heads of k): the head dims are contiguous and
 their halves are loaded as two [BLOCK_T, BLOCK_H, ROT_BLOCK] tiles (interleaved: one tile, split in
@@ -91,10 +91,9 @@ def rotary_kernel(
     HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, ROT_BLOCK: tl.constexpr,
     BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, INPLACE: tl.constexpr,
-    HAS_K: tl.constexpr, POS_MODE: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    HAS_K: tl.constexpr, POS_MODE: tl.constexpr, COPY_PASS: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):
     HEAD_DIM: tl.constexpr = 2 * HALF + PASS
-    COPY_PASS: tl.constexpr = PASS > 0 and not INPLACE
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # token index in (B * S) or T
     tok_ok = tok < n_tokens
     b = tok // seqlen

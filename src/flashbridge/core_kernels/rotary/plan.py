@@ -71,8 +71,8 @@ def check_rotary_args(*, x, cos, sin, k=None, position_ids=None, cu_seqlens=None
     check_float_dtype(x_name, dtype)
     packed = len(shape) == 3
     if len(shape) not in (3, 4):
-        raise ValueError(f"{x_name}: expected (batch, seqlen, heads, head_dim) or packed (total_tokens, heads, head_dim), "
-                         f"got shape {fmt_shape(shape)}")
+        raise ValueError(f"{x_name}: expected (batch, seqlen, heads, head_dim) or packed (total_tokens, heads, "
+                         f"head_dim), got shape {fmt_shape(shape)}")
     if any(d < 1 for d in shape):
         raise ValueError(f"{x_name}: empty tensor of shape {fmt_shape(shape)}")
     lead, heads, head_dim = tuple(shape[:-2]), shape[-2], shape[-1]
@@ -82,8 +82,8 @@ def check_rotary_args(*, x, cos, sin, k=None, position_ids=None, cu_seqlens=None
             raise TypeError(f"k: dtype {k[1]} must match {x_name} ({dtype})")
         k_shape = tuple(k[0])
         if len(k_shape) != len(shape) or k_shape[:-2] != lead or k_shape[-1] != head_dim or k_shape[-2] < 1:
-            raise ValueError(f"k: expected shape {fmt_shape((*lead, 'heads', head_dim))} ({x_name}'s tokens and head dim), "
-                             f"got {fmt_shape(k_shape)}")
+            raise ValueError(f"k: expected shape {fmt_shape((*lead, 'heads', head_dim))} ({x_name}'s tokens and head "
+                             f"dim), got {fmt_shape(k_shape)}")
     for name, arg in (("cos", cos), ("sin", sin)):
         check_float_dtype(name, arg[1])
         if len(arg[0]) != 2 or arg[0][0] < 1 or arg[0][1] < 1:
@@ -93,7 +93,8 @@ def check_rotary_args(*, x, cos, sin, k=None, position_ids=None, cu_seqlens=None
                          f"{sin[1]}{fmt_shape(sin[0])}")
     rot_rows, half = cos[0]
     if 2 * half > head_dim:
-        raise ValueError(f"cos: rotary_dim = 2 * cos.shape[1] = {2 * half} exceeds the head dim of {x_name} ({head_dim})")
+        raise ValueError(f"cos: rotary_dim = 2 * cos.shape[1] = {2 * half} exceeds the head dim of {x_name} "
+                         f"({head_dim})")
     if position_ids is not None and cu_seqlens is not None:
         raise ValueError("position_ids: pass either position_ids or cu_seqlens, not both")
     n_seqs, pos_batch = 1, 1
@@ -119,8 +120,8 @@ def check_rotary_args(*, x, cos, sin, k=None, position_ids=None, cu_seqlens=None
     else:
         mode = "sequence"
         if lead[1] > rot_rows:
-            raise ValueError(f"cos: {rot_rows} rows (positions) but {x_name} has seqlen {lead[1]}; pass a table of at least "
-                             f"{lead[1]} rows, or position_ids")
+            raise ValueError(f"cos: {rot_rows} rows (positions) but {x_name} has seqlen {lead[1]}; pass a table of at "
+                             f"least {lead[1]} rows, or position_ids")
     n_tokens = lead[0] * (1 if packed else lead[1])
     return RotaryShape(
         x_shape=tuple(shape), k_shape=None if k is None else tuple(k[0]), n_tokens=n_tokens,
@@ -228,6 +229,7 @@ def plan_rotary(
                     ("ROT_BLOCK", next_power_of_2(shape.half)), ("BLOCK_PASS", next_power_of_2(max(pass_dims, 1))),
                     ("INTERLEAVED", bool(interleaved)), ("CONJUGATE", bool(conjugate)), ("INPLACE", bool(inplace)),
                     ("HAS_K", has_k), ("POS_MODE", POS_MODES[shape.pos_mode]),
+                    ("COPY_PASS", pass_dims > 0 and not inplace),
                     ("STRIDE_ALIGN", pow2_divisor(*x_strides, *k_strides))),
         num_warps=num_warps,
         num_stages=1,

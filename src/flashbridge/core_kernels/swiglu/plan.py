@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2, pow2_divisor
+from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
+                     pow2_divisor)
 
 _KERNELS = "swiglu.kernels"
 
