@@ -96,6 +96,7 @@ def swiglu(gate: Tensor, up: Optional[Tensor] = None) -> Tensor:
 
     Example::
 
+        >>> import torch
         >>> gate, up = torch.randn(4, 96), torch.randn(4, 96)
         >>> swiglu(gate, up).shape
         torch.Size([4, 96])
