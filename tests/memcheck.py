@@ -70,7 +70,47 @@ def cross_entropy(device: str = "cuda"):
     print("cross_entropy: ok")
 
 
-FAMILIES = {"norms": norms, "decode": decode, "cross_entropy": cross_entropy}
+def rotary():
+    """Odd token / head counts, partial and odd rotary dims, both pair layouts, strided q / k of a qkv
+    projection in place, packed sequences (one empty), and index values outside the table or the token
+    range, which the kernel clamps (GPU tensors are not checked on the host)."""
+    from flashbridge import torch_api as ft
+    from flashbridge.reference.rotary import cos_sin_table
+
+    for (b, s, hq, hk, d, rd) in [(1, 1, 1, 1, 2, 2), (3, 17, 5, 3, 20, 12), (2, 130, 32, 8, 128, 128),
+                                  (1, 33, 7, 1, 96, 32)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            cos, sin = (torch.tensor(t, dtype=torch.float32, device="cuda") for t in cos_sin_table(b * s, rd))
+            for interleaved in (False, True):
+                qkv = torch.randn(b, s, 3, max(hq, hk), d, device="cuda", dtype=dtype)
+                q, k = qkv[:, :, 0, :hq], qkv[:, :, 1, :hk]
+                ft.rotary_embedding_qk(q, k, cos, sin, interleaved=interleaved, inplace=True)
+                x = torch.randn(b, s, hq, d, device="cuda", dtype=dtype, requires_grad=True)
+                ft.rotary_embedding(x, cos, sin, interleaved=interleaved).float().sum().backward()
+                bad = torch.tensor([-5, b * s + 100] * s, device="cuda")[:s].expand(b, s)
+                ft.rotary_embedding(x.detach(), cos, sin, position_ids=bad)
+                packed = torch.randn(b * s, hq, d, device="cuda", dtype=dtype)
+                for cu in ([0, b * s // 2, b * s // 2, b * s], [0, b * s + 7, 3, 2]):  # the second one is bad
+                    cu = torch.tensor(cu, device="cuda", dtype=torch.int32)
+                    ft.rotary_embedding(packed, cos, sin, cu_seqlens=cu, interleaved=interleaved)
+    torch.cuda.synchronize()
+    print("rotary: ok")
+
+
+def swiglu():
+    """Rows / widths that are not multiples of any tile, split (with strided chunk views) and fused."""
+    from flashbridge import torch_api as ft
+
+    for rows, cols in [(1, 1), (3, 17), (130, 1000), (7, 4097), (5, 14336)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(rows, 2 * cols, device="cuda", dtype=dtype, requires_grad=True)
+            g, u = x.chunk(2, dim=-1)
+            (ft.swiglu(x).float().sum() + ft.swiglu(g, u).float().sum()).backward()
+    torch.cuda.synchronize()
+    print("swiglu: ok")
+
+
+FAMILIES = {"norms": norms, "decode": decode, "cross_entropy": cross_entropy, "rotary": rotary, "swiglu": swiglu}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(FAMILIES):

@@ -32,9 +32,11 @@ from flashbridge.core_kernels._plan import pow2_divisor
 from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
 from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad, plan_linear_logits
 from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
+from flashbridge.core_kernels.rotary.plan import check_rotary_args, plan_rotary
+from flashbridge.core_kernels.swiglu.plan import plan_swiglu_bwd, plan_swiglu_fwd
 
 H200 = Target(interpret=False, num_sms=132)
-_TT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32"}
+_TT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
 
 
 # ------------------------------------------------------------------------------------- compile both ways
@@ -276,6 +278,42 @@ def test_attention_fused_backward_compiles_identically_and_vectorised():
                            _attn_dtypes("bfloat16"))
     assert _vector_loads(ptx) > 0, "no 16-byte loads in the one-launch attention backward"
     _assert_wgmma_pipelined(ptx, "one-launch attention backward")
+
+
+def _global_accesses(ptx: str) -> list[str]:
+    return re.findall(r"(?:ld|st)\.global[.\w]*", ptx)
+
+
+@pytest.mark.parametrize("interleaved,positions", [(False, "sequence"), (True, "position_ids"), (False, "cu_seqlens")])
+def test_rotary_kernel_compiles_identically_and_vectorised(interleaved, positions):
+    """q and k of Llama-3-8B (32 + 8 heads of 128, bf16) in one launch: the same PTX from both launchers, and
+    every access to q, k and the outputs a 16-byte vector (the only narrower ones: the float32 tables and
+    the position indices)."""
+    packed = positions == "cu_seqlens"
+    lead = (32768,) if packed else (8, 4096)
+    shape = check_rotary_args(x=((*lead, 32, 128), "bfloat16"), k=((*lead, 8, 128), "bfloat16"),
+                              cos=((4096, 64), "float32"), sin=((4096, 64), "float32"),
+                              position_ids=((8, 4096), "int64") if positions == "position_ids" else None,
+                              cu_seqlens=((9,), "int32") if packed else None)
+    plan = plan_rotary(shape, dtype="bfloat16", interleaved=interleaved, conjugate=False, inplace=False, target=H200)
+    dtypes = {"x": "bfloat16", "k": "bfloat16", "out": "bfloat16", "out_k": "bfloat16", "cos": "float32",
+              "sin": "float32", "position_ids": "int64", "cu_seqlens": "int32"}
+    ptx = _assert_same_ptx(plan.launches[0], dtypes)
+    accesses = _global_accesses(ptx)
+    assert sum(".v4." in a for a in accesses) >= 8, accesses
+    narrow = [a for a in accesses if ".v4." not in a]
+    assert all(a.startswith("ld.") and a.endswith((".b32", ".b64")) for a in narrow), narrow  # tables, indices
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_swiglu_kernels_compile_identically_and_vectorised(fused):
+    """Llama-3-8B's MLP (32768 tokens x 14336, bf16), split and fused: the same PTX from both launchers and
+    nothing but 16-byte loads and stores, forward and backward."""
+    dtypes = {n: "bfloat16" for n in ("gate", "up", "x", "y", "dy", "dgate", "dup", "dx", "unused")}
+    for plan in (plan_swiglu_fwd(32768, 14336, dtype="bfloat16", fused=fused, target=H200),
+                 plan_swiglu_bwd(32768, 14336, dtype="bfloat16", fused=fused, target=H200)):
+        accesses = _global_accesses(_assert_same_ptx(plan.launches[0], dtypes))
+        assert accesses and all(".v4." in a for a in accesses), accesses
 
 
 # ------------------------------------------------------------------------- plan facts (no backend needed)

@@ -17,7 +17,8 @@ MODULES = [
     "flashbridge.torch_api.norms", "flashbridge.torch_api.modules", "flashbridge.torch_api.attention",
     "flashbridge.torch_api.cross_entropy", "flashbridge.jax_api.norms", "flashbridge.jax_api.flax",
     "flashbridge.jax_api.attention", "flashbridge.jax_api.attention_flax", "flashbridge.jax_api.cross_entropy",
-    "flashbridge.torch_api.decode", "flashbridge.jax_api.decode",
+    "flashbridge.torch_api.decode", "flashbridge.jax_api.decode", "flashbridge.torch_api.rotary",
+    "flashbridge.jax_api.rotary", "flashbridge.torch_api.swiglu", "flashbridge.jax_api.swiglu",
 ]
 
 

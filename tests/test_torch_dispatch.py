@@ -44,7 +44,26 @@ def _decode(requires_grad):
     return (out,), [], None
 
 
-FAMILIES = {"norms": _norm, "attention": _attention, "cross_entropy": _linear_ce, "decode": _decode}
+def _rotary(requires_grad):
+    q, k, cos, sin = _inputs(8, (2, 9, 4, 16), (2, 9, 2, 16), (12, 6), (12, 6))
+    params = [t.requires_grad_(requires_grad) for t in (q, k)]
+    q2, k2 = ft.rotary_embedding_qk(q, k, cos, sin, position_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5]]))
+    if requires_grad:
+        return (q2, k2), params, (q2 * q2.cos()).sum() + k2.sum()
+    x = q.clone()  # no gradient: the in-place op, through the kernel
+    ft.rotary_embedding(x, cos, sin, inplace=True, interleaved=True)
+    return (q2, k2, x), params, None
+
+
+def _swiglu(requires_grad):
+    x, g, u = _inputs(9, (5, 2, 34), (3, 17), (3, 17))
+    params = [t.requires_grad_(requires_grad) for t in (x, g, u)]
+    y1, y2 = ft.swiglu(x), ft.swiglu(g, u)
+    return (y1, y2), params, (y1 * y1).sum() + (y2 * y2.sin()).sum() if requires_grad else None
+
+
+FAMILIES = {"norms": _norm, "attention": _attention, "cross_entropy": _linear_ce, "decode": _decode,
+            "rotary": _rotary, "swiglu": _swiglu}
 
 
 def _run(fn, fast, requires_grad):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-FAMILIES = ["norms", "attention", "cross_entropy", "decode"]  # modules under flashbridge.checks, in the order they are reported
+FAMILIES = ["norms", "attention", "cross_entropy", "decode", "rotary", "swiglu"]  # modules under flashbridge.checks, in the order they are reported
 
 
 @dataclasses.dataclass

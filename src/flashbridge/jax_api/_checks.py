@@ -26,3 +26,17 @@ def as_seed(seed) -> jax.Array:
     if not hasattr(seed, "dtype") or not jnp.issubdtype(seed.dtype, jnp.integer) or np.size(seed) != 1:
         raise TypeError(f"seed: expected a Python int or an integer array of one element, got {seed!r}")
     return jnp.reshape(seed, (1,)).astype(jnp.int32)
+
+
+def host_list(a):
+    """The values of an index array as a flat list when reading them is free (a numpy array, or a concrete
+    array on the CPU), else None: traced or device-resident arrays are not read (no device sync)."""
+    if a is None or isinstance(a, jax.core.Tracer):
+        return None
+    if not isinstance(a, np.ndarray):
+        try:
+            if any(d.platform != "cpu" for d in a.devices()):
+                return None
+        except Exception:  # noqa: BLE001 -- anything unusual: do not read it
+            return None
+    return np.asarray(a).reshape(-1).tolist()

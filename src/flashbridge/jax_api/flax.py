@@ -6,8 +6,10 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.linear import default_kernel_init
 
 from .norms import layer_norm, rms_norm
+from .swiglu import swiglu
 
 
 def _out_dtype(dtype, x, *params):
@@ -84,3 +86,39 @@ class LayerNorm(nnx.Module):
         x = x.astype(dtype)
         residual = None if residual is None else residual.astype(dtype)
         return layer_norm(x, scale, bias, eps=self.epsilon, residual=residual)
+
+
+class SwiGLUMLP(nnx.Module):
+    """The gated MLP of Llama-style blocks, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, on
+    ``flax.nnx.Linear`` projections with flashbridge's SwiGLU kernel between them (the counterpart of
+    :class:`flashbridge.torch_api.SwiGLUMLP`, same submodule names). ``fused=True``: one ``gate_up_proj`` of
+    width 2 * intermediate_size, gate first. ``dtype`` / ``param_dtype`` / initialisers as nnx.Linear's.
+
+    Example::
+
+        >>> mlp = SwiGLUMLP(64, 176, rngs=nnx.Rngs(0))
+        >>> mlp(jnp.ones((2, 5, 64))).shape
+        (2, 5, 64)
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool = False, fused: bool = False,
+                 dtype: Optional[Any] = None, param_dtype: Any = jnp.float32,
+                 kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
+                 rngs: nnx.Rngs):
+        self.fused = fused
+
+        def linear(n_in, n_out):
+            return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                              kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+
+        if fused:
+            self.gate_up_proj = linear(hidden_size, 2 * intermediate_size)
+        else:
+            self.gate_proj = linear(hidden_size, intermediate_size)
+            self.up_proj = linear(hidden_size, intermediate_size)
+        self.down_proj = linear(intermediate_size, hidden_size)
+
+    def __call__(self, x):
+        if self.fused:
+            return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .norms import layer_norm, rms_norm
+from .swiglu import swiglu
 
 
 def _as_shape(normalized_shape) -> tuple[int, ...]:
@@ -117,3 +118,52 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class SwiGLUMLP(nn.Module):
+    """The gated MLP of Llama-style blocks, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with flashbridge's
+    SwiGLU kernel between the projections: a drop-in for Hugging Face's ``LlamaMLP`` and liger-kernel's
+    ``LigerSwiGLUMLP`` (same submodule names, so their state dicts load), or, with ``fused=True``, for
+    ``Phi3MLP`` / ``LigerPhi3SwiGLUMLP`` (one ``gate_up_proj`` of width 2 * intermediate_size, gate first:
+    one GEMM and :func:`swiglu` of its output).
+
+    Example::
+
+        >>> mlp = SwiGLUMLP(64, 176)
+        >>> sorted(mlp.state_dict())
+        ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
+        >>> mlp(torch.randn(2, 5, 64)).shape
+        torch.Size([2, 5, 64])
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, fused: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.fused = fused
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        if fused:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **kw)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "SwiGLUMLP":
+        """From a Hugging Face model config (``hidden_size``, ``intermediate_size``, ``hidden_act`` of "silu"
+        or "swish", optional ``mlp_bias``), as ``LlamaMLP(config)`` / ``LigerSwiGLUMLP(config)`` take it."""
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.hidden_act: SwiGLUMLP computes silu, got {act!r}")
+        return cls(config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)),
+                   **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, fused={self.fused}"

@@ -1,0 +1,131 @@
+"""Rotary position embedding (RoPE) kernel, forward and backward (``@triton.jit`` only; launches in plan.py).
+
+One kernel, ``rotary_kernel``, rotates the first ``2 * HALF`` dims of every head of a block of tokens::
+
+    (y_a, y_b) = (x_a cos - x_b sin,  x_b cos + x_a sin)     cos / sin = row ``pos`` of the tables
+
+with ``(a, b) = (i, i + HALF)`` (GPT-NeoX halves) or ``(2i, 2i + 1)`` (INTERLEAVED, GPT-J pairs); the other
+``PASS`` dims of a head are copied (COPY_PASS; in place they are already there). CONJUGATE negates sin: the
+inverse rotation, which is the backward (the rotation is orthogonal). HAS_K rotates a second tensor (k) of
+the same tokens in the same program, so q and k share one launch and one load of each token's cos / sin row.
+
+A program owns BLOCK_T tokens x BLOCK_H heads (x BLOCK_HK heads of k): the head dims are contiguous and
+their halves are loaded as two [BLOCK_T, BLOCK_H, ROT_BLOCK] tiles (interleaved: one tile, split in
+registers), so every access is a 16-byte vector. Positions are the token's index in its sequence
+(POS_MODE 0), read from position ids (1), or, packed (2), the token's offset from the start of its sequence,
+found by a binary search over ``cu_seqlens``: no max_seqlen, no programs for padding. Positions are clamped
+to the table, so a bad position id reads a wrong row, never outside the table.
+"""
+import triton
+import triton.language as tl
+
+from ..flash_attn.kernels_common import aligned
+
+# Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the
+# plan states the strides' through STRIDE_ALIGN), so that both front-ends compile the same kernel.
+INT_SCALARS = ("n_tokens", "seqlen", "n_seqs", "search_steps", "rot_rows", "stride_xb", "stride_xs",
+               "stride_xh", "stride_kb", "stride_ks", "stride_kh", "stride_pb", "stride_ps")
+
+
+@triton.jit
+def _positions(POS, CU, tok, tok_ok, b, s, n_seqs, search_steps, rot_rows, stride_pb, stride_ps,
+               POS_MODE: tl.constexpr):
+    """The table row of every token in ``tok`` [BLOCK_T], clamped to [0, rot_rows)."""
+    if POS_MODE == 1:
+        pos = tl.load(POS + b.to(tl.int64) * stride_pb + s.to(tl.int64) * stride_ps, mask=tok_ok,
+                      other=0).to(tl.int32)
+    elif POS_MODE == 2:
+        # the last sequence i with cu[i] <= tok: invariant cu[lo] <= tok < cu[hi] (empty sequences skipped)
+        lo = tl.zeros_like(tok)
+        hi = lo + n_seqs
+        for _ in range(search_steps):  # ceil(log2(n_seqs)) halvings
+            mid = (lo + hi) // 2
+            right = tl.load(CU + mid).to(tl.int32) <= tok
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        pos = tok - tl.load(CU + lo).to(tl.int32)
+    else:
+        pos = s
+    return tl.minimum(tl.maximum(pos, 0), rot_rows - 1)
+
+
+@triton.jit
+def _rotate_heads(X, OUT, x_tok, o_tok, tok_ok, heads, head_ok, stride_xh, stride_oh, cos, sin,
+                  HALF: tl.constexpr, PASS: tl.constexpr, ROT_BLOCK: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr):
+    """Rotate heads ``heads`` [BLOCK_H] of the tokens whose rows start at ``x_tok`` (in X) / ``o_tok`` (in OUT)
+    [BLOCK_T]; ``cos`` / ``sin`` are the tokens' rows [BLOCK_T, ROT_BLOCK] in float32."""
+    BLOCK_T: tl.constexpr = x_tok.shape[0]
+    BLOCK_H: tl.constexpr = heads.shape[0]
+    row_ok = tok_ok[:, None, None] & head_ok[None, :, None]  # [BLOCK_T, BLOCK_H, 1]
+    x_row = X + x_tok[:, None, None] + heads[None, :, None].to(tl.int64) * stride_xh
+    o_row = OUT + o_tok[:, None, None] + heads[None, :, None].to(tl.int64) * stride_oh
+    c = cos[:, None, :]  # the same angles for every head
+    s = sin[:, None, :]
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * ROT_BLOCK)[None, None, :]
+        mask = row_ok & (d < 2 * HALF)
+        x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, 2 * ROT_BLOCK]
+        xa, xb = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, ROT_BLOCK, 2)))
+        y = tl.join(xa * c - xb * s, xb * c + xa * s)
+        tl.store(o_row + d, tl.reshape(y, (BLOCK_T, BLOCK_H, 2 * ROT_BLOCK)).to(OUT.dtype.element_ty), mask=mask)
+    else:
+        i = tl.arange(0, ROT_BLOCK)[None, None, :]
+        mask = row_ok & (i < HALF)
+        xa = tl.load(x_row + i, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, ROT_BLOCK]
+        xb = tl.load(x_row + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + i, (xa * c - xb * s).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(o_row + HALF + i, (xb * c + xa * s).to(OUT.dtype.element_ty), mask=mask)
+    if COPY_PASS:  # the dims past the rotary ones, unchanged (in place they are already there)
+        p = tl.arange(0, BLOCK_PASS)[None, None, :]
+        mask = row_ok & (p < PASS)
+        tl.store(o_row + 2 * HALF + p, tl.load(x_row + 2 * HALF + p, mask=mask, other=0.0), mask=mask)
+
+
+@triton.jit(do_not_specialize_on_alignment=INT_SCALARS)
+def rotary_kernel(
+    X, K, COS, SIN, POS, CU,  # inputs: K / POS / CU are placeholders unless HAS_K / POS_MODE say otherwise
+    n_tokens, seqlen, n_seqs, search_steps, rot_rows,  # runtime scalars
+    stride_xb, stride_xs, stride_xh, stride_kb, stride_ks, stride_kh, stride_pb, stride_ps,
+    OUT, OUT_K,  # outputs: contiguous, or (INPLACE) the buffers of X / K themselves
+    HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, ROT_BLOCK: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, INPLACE: tl.constexpr,
+    HAS_K: tl.constexpr, POS_MODE: tl.constexpr, COPY_PASS: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+):
+    HEAD_DIM: tl.constexpr = 2 * HALF + PASS
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # token index in (B * S) or T
+    tok_ok = tok < n_tokens
+    b = tok // seqlen
+    s = tok - b * seqlen
+    pos = _positions(POS, CU, tok, tok_ok, b, s, n_seqs, search_steps, rot_rows, stride_pb, stride_ps,
+                     POS_MODE)
+    i = tl.arange(0, ROT_BLOCK)
+    table = pos[:, None].to(tl.int64) * HALF + i[None, :]
+    table_ok = tok_ok[:, None] & (i < HALF)[None, :]
+    cos = tl.load(COS + table, mask=table_ok, other=0.0).to(tl.float32)  # [BLOCK_T, ROT_BLOCK]
+    sin = tl.load(SIN + table, mask=table_ok, other=0.0).to(tl.float32)
+    if CONJUGATE:
+        sin = -sin
+
+    head_block = tl.program_id(1)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    x_tok = b.to(tl.int64) * aligned(stride_xb, STRIDE_ALIGN) + s.to(tl.int64) * aligned(stride_xs, STRIDE_ALIGN)
+    stride_xh = aligned(stride_xh, STRIDE_ALIGN)
+    if INPLACE:
+        _rotate_heads(X, OUT, x_tok, x_tok, tok_ok, heads, heads < HEADS, stride_xh, stride_xh, cos, sin,
+                      HALF, PASS, ROT_BLOCK, BLOCK_PASS, INTERLEAVED, COPY_PASS)
+    else:
+        _rotate_heads(X, OUT, x_tok, tok.to(tl.int64) * (HEADS * HEAD_DIM), tok_ok, heads, heads < HEADS,
+                      stride_xh, HEAD_DIM, cos, sin, HALF, PASS, ROT_BLOCK, BLOCK_PASS, INTERLEAVED, COPY_PASS)
+    if HAS_K:
+        k_heads = head_block * BLOCK_HK + tl.arange(0, BLOCK_HK)
+        k_tok = b.to(tl.int64) * aligned(stride_kb, STRIDE_ALIGN) + s.to(tl.int64) * aligned(stride_ks, STRIDE_ALIGN)
+        stride_kh = aligned(stride_kh, STRIDE_ALIGN)
+        if INPLACE:
+            _rotate_heads(K, OUT_K, k_tok, k_tok, tok_ok, k_heads, k_heads < K_HEADS, stride_kh, stride_kh, cos,
+                          sin, HALF, PASS, ROT_BLOCK, BLOCK_PASS, INTERLEAVED, COPY_PASS)
+        else:
+            _rotate_heads(K, OUT_K, k_tok, tok.to(tl.int64) * (K_HEADS * HEAD_DIM), tok_ok, k_heads,
+                          k_heads < K_HEADS, stride_kh, HEAD_DIM, cos, sin, HALF, PASS, ROT_BLOCK, BLOCK_PASS,
+                          INTERLEAVED, COPY_PASS)
