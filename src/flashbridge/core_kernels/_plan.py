@@ -113,6 +113,11 @@ class Plan:
         for name in self.results:
             if name not in written:
                 raise ValueError(f"plan result {name!r} is never written")
+        from ._loader import check_launch_signature  # imports the kernel modules, hence triton: not at import
+
+        for launch in self.launches:  # (names via zip: this runs for every plan a front-end builds)
+            check_launch_signature(launch.kernel, len(launch.inputs), next(zip(*launch.scalars), ()),
+                                   len(launch.outputs), next(zip(*launch.constexprs), ()))
 
     def spec(self, name: str) -> Spec:
         for spec in self.buffers:
