@@ -2,13 +2,14 @@
 that never holds the ``(N, V)`` logits, plus :func:`linear_cross_entropy_from_layer` for a Flax
 ``nnx.Linear`` head or a tied ``nnx.Embed``.
 
-The same kernels and the same design as ``flashbridge.torch_api.cross_entropy`` (whose docstring explains
-the trade-off): two passes, token chunks walked by ``lax.scan`` (plus one tail chunk) for the loss, lse
-and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into ``dW`` by dynamic-update-slice;
-the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST``
-for float32), lse / loss / dlogits from our kernels. XLA's matmul cannot write into an output as the torch
-path's ``torch.mm(out=...)`` does, so pass 1's chunks of H tokens get their logits from our own GEMM kernel,
-written into dW's storage (see :func:`_pass1`); leftover tokens take small chunks. ``jax.custom_vjp``: under
+The same kernels and the same plan as ``flashbridge.torch_api.cross_entropy`` (whose docstring explains
+the trade-off; ``core_kernels.cross_entropy.plan.LinearCEPlan`` holds the passes): token chunks walked by
+``lax.scan`` for the loss, lse and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into
+``dW`` by dynamic-update-slice; the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32
+accumulation; ``Precision.HIGHEST`` for float32), lse / loss / dlogits from our kernels. XLA's matmul
+cannot write into an output as the torch path's ``torch.mm(out=...)`` does, so pass 1's chunks of H
+tokens get their logits from our own GEMM kernel, written into dW's storage (see :func:`_pass1`), and pass
+2's slice logits are arrays of their own. ``jax.custom_vjp``: under
 ``jax.grad`` with reduction "mean" / "sum" the gradients are computed in the forward pass and scaled by the
 cotangent in the backward; with "none" the backward recomputes the logits from the saved fp32 lse. Every
 kernel call is a ``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the
@@ -456,9 +457,9 @@ def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: O
         bias: optional ``(V,)`` in hidden's dtype.
         ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
-        chunk_size: tokens per chunk (static; their logits are arrays of their own). None: chunks of H tokens
-            whose logits are written into the weight gradient's storage (no memory of their own), the
-            remaining tokens in chunks of ``max(64, H // 16)``.
+        chunk_size: tokens per chunk (static; their logits are arrays of their own). None (as in torch): when
+            the weight's gradient is computed, chunks of H tokens whose logits are written into its storage
+            (no memory of their own), the rest in chunks of ``max(64, H // 16)`` tokens.
 
     Returns:
         The float32 loss (scalar, or ``(...)`` for "none"), and the float32 lse with ``return_lse``.

@@ -4,22 +4,22 @@ kernels and autograd; ``torch.compile(fullgraph=True)`` clean.
 
 Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
 
-* Two passes, each finishing a gradient in one GEMM (:func:`_two_pass_grads`). Pass 1, token chunks over
-  the whole vocabulary: ``logits = h_c @ W.T (+ b)`` (the framework's GEMM, input dtype, fp32
-  accumulation), then our Triton kernels: the lse / loss pass (one read, online softmax, fp32) and the
-  gradient pass (``dlogits`` written over the logits in place), then ``dh_c = dlogits @ W``. Pass 2,
-  vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse (the
-  kernel takes the slice's column offset), ``dW[slice] = dlogits.T @ h`` and ``db[slice] = colsum``.
+* Two passes, planned once for both front-ends (``core_kernels.cross_entropy.plan.LinearCEPlan``), each
+  finishing a gradient in one GEMM. Pass 1, token chunks over the whole vocabulary: ``logits = h_c @ W.T
+  (+ b)`` (torch's GEMM, input dtype, fp32 accumulation), then our kernels: the lse / loss pass (one read,
+  online softmax, fp32) and the gradient pass (``dlogits`` written over the logits in place), then ``dh_c =
+  dlogits @ W``. Pass 2, vocabulary slices over all tokens: the slice's logits again, their gradient from
+  pass 1's lse (the kernel takes the slice's column offset), ``dW[slice] = dlogits.T @ h`` and
+  ``db[slice] = colsum``.
 * Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
   and something requires grad: the backward only multiplies them, in place, by the upstream scalar and
   hands them to autograd (no copy; see ``_lce_backward``). With reduction="none" the per-token upstream
   gradients are unknown in the forward, so the forward keeps only the fp32 lse and the backward runs the
   two passes. Four GEMMs in all (eager: three): the logits are computed twice.
 * Memory: the returned gradients and one small buffer. Pass 1's chunk logits live in dW's storage (dW is
-  only written in pass 2; chunks of up to H tokens fit there), pass 2's slice logits in dW's last rows
-  until the slices reach them, then in a 16 MiB buffer. At N=8192, H=4096, V=128256 in bf16: 2 chunks of
-  4096 tokens, 4096-column slices: 1.135 GB peak extra at 54.8 ms on an H200 (dW + dh + 16 MiB;
-  liger-kernel 1.183 GB at 55.1 ms; eager 6.3 GB at 41.2 ms -- ``benchmarks/results/cross_entropy.json``).
+  only written in pass 2), pass 2's slice logits in dW's last rows until the slices reach them, then in a
+  16 MiB buffer: about a third of eager's peak at the same time as liger-kernel's fused op (see
+  ``benchmarks/bench_cross_entropy.py``).
 * Accuracy: lse, loss and the reduction in fp32; the logits are rounded once to the input dtype (as in
   eager); dh and dW are each one GEMM with fp32 accumulation, rounded once to their dtype (as eager does).
   Deterministic: a fixed order, no atomics.
@@ -385,8 +385,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         bias: optional ``(V,)`` in hidden's dtype.
         ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
-        chunk_size: tokens per chunk; None picks it from N, H, V and the free memory
-            (``core_kernels.cross_entropy.plan.choose_chunk_size``).
+        chunk_size: tokens per chunk. None (as in JAX): when the weight's gradient is computed, chunks of H
+            tokens whose logits live in its storage, the rest in chunks of ``max(64, H // 16)`` tokens
+            (``core_kernels.cross_entropy.plan.plan_linear_cross_entropy``).
 
     Returns:
         The float32 loss (a scalar, or ``(...)`` for "none"), and the float32 lse ``(...)`` with

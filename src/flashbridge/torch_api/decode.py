@@ -249,8 +249,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)``.
 
-    Performance: a decode step can last less than the host needs to launch it (a B=1 step over 16k keys
-    takes ~22 us of kernels on an H200). The op can be captured in a CUDA graph (``torch.cuda.graph``) and
+    Performance: a small decode step takes less GPU time than the host needs to launch it. The op can be
+    captured in a CUDA graph (``torch.cuda.graph``) and
     compiles with ``torch.compile(fullgraph=True)`` (both covered by the GPU tests); replaying a graph of the
     model's step removes the launch cost (``benchmarks/bench_decode.py`` times every torch row that way).
 

@@ -67,18 +67,13 @@ def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_
     in f16 than in bf16.
 
     Why: the MMAs' operands hold pairs of elements adjacent along the contraction, and Hopper's
-    ``ldmatrix`` moves 16-bit elements only. Read as 16-bit elements (two adjacent columns of one key each)
-    a tile goes from the pipeline's shared-memory buffer straight into registers in the dot operand's
-    layout (``ldmatrix.trans`` for V, whose contraction runs over keys; plain ``ldmatrix`` for K^T, over
-    columns); there each register holds the same column pair of two neighbours along the contraction, and
-    one byte permute plus two conversions give the even and the odd column's pairs in f16. Widening V to
-    f16 before the dot instead costs a trip back through shared memory (a store, a barrier and a second
-    buffer per stage), and a plain ``v.to(f16)`` reads the transposed tile a byte at a time. K widened by
-    Triton (``k.to(f16)``) loads its operand with four k-values per thread, which the f16 q operand then
-    has to match: sm_90 ptxas rebuilt q's register quads for every MMA (72 moves per 128-key step of the
-    B=1 split kernel). WIDEN_ASM (compiled kernels) does the widening in inline PTX; the interpreter, which
-    cannot run PTX, the same with Triton's bit casts. Needs D even, even strides and a 2-byte aligned base
-    (the plan's ``K_PAIRS`` / ``V_PAIRS``)."""
+    ``ldmatrix`` moves 16-bit elements only. Read as 16-bit elements (two adjacent columns of one key) a tile
+    goes from the pipeline's shared-memory buffer straight into registers in the dot operand's layout
+    (``ldmatrix.trans`` for V, plain ``ldmatrix`` for K^T); one byte permute and two conversions per register
+    then give the even and the odd columns in f16. Widening V before the dot costs a trip back through
+    shared memory, and K widened by Triton leaves ptxas rebuilding q's operand registers for every MMA.
+    WIDEN_ASM (compiled kernels) widens in inline PTX, the interpreter with Triton's bit casts. Needs D even,
+    even strides and a 2-byte aligned base (the plan's ``K_PAIRS`` / ``V_PAIRS``)."""
     offs_p = tl.arange(0, BLOCK_D // 2)
     pairs_row = rows.to(tl.pointer_type(tl.uint16), bitcast=True)
     pairs = load_tile(pairs_row[:, None] + offs_p[None, :], key_ok, offs_p * 2 < D, APPLY_MASK,
@@ -98,8 +93,7 @@ def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_
 def f16_query(q):
     """A bf16 query tile as float16 for ``q @ K^T`` against an FP8 cache, and the power of two that undoes
     its scaling: (q16, inv_scale). e4m3 widens to f16 in one instruction per pair (``F2FP.F16.E4M3``) but
-    to bf16 only through a second per-element conversion (``F2F.BF16.F16``, 64 per tile of the B=1 split
-    kernel: a quarter of what the FP8 loop issues beyond the bf16 one). bf16 -> f16 is exact over f16's
+    to bf16 only through a second per-element conversion (``F2F.BF16.F16``). bf16 -> f16 is exact over f16's
     normal range; a tile whose largest |q| reaches 2^15 is first scaled by an exact power of two (folded
     back into the score scale), so no element can overflow f16. Elements below 2^-14 keep f16's subnormal
     precision (absolute error < 2^-25)."""
@@ -304,12 +298,9 @@ def decode_fwd_kernel(
     # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
     # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi). The masked ones are empty
     # for most splits (only a window's edge or a sequence's ragged tail has blocks there), and a branch around
-    # them skips their loops' pipeline prologue and drain as well: sm_90, the B=1 split kernel ran ~900
-    # instructions of empty prologue before its first useful load and as many after its last (H200, Hq=32,
-    # Hkv=8, D=128: B=1 S=16k 24.0 -> 22.25 us per step, FP8 S=128k 69.4 -> 68.6; decode_h200.json and
-    # benchmarks/NOTES.md). The same branch in the attention forward made ptxas serialize the causal kernels'
-    # wgmmas (compile-only); every decode kernel compiles without that (`bench_decode.py --ptxas`, the
-    # cascade's wgmma kernel included).
+    # them also skips their pipelined loops' prologue and drain, which cost short splits a visible share of
+    # their time. (The same branch in the attention forward made ptxas serialize the causal kernels' wgmmas;
+    # the decode kernels compile without that: bench_decode.py --ptxas.)
     bounds = (lo, full_lo, full_hi, hi)
     for seg in tl.static_range(3):
         seg_lo = tl.maximum(bounds[seg], s_lo)

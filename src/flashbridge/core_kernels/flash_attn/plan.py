@@ -613,8 +613,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     kv_grid = (cdiv(shape.seqlen_k, kv_n) * col_split, shape.heads_kv, shape.batch)
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's unsplit tiles: 4 and 8) the dQ path
-    # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread); and it runs one dK/dV program per
-    # key block (no column split)
+    # would run at the dK/dV count and spill; and it runs one dK/dV program per key block (no column split)
     if config.fused_backward is not False and kv_warps == q_warps and col_split == 1:  # None = fused
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))
