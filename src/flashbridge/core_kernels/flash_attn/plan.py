@@ -41,9 +41,10 @@ class AttentionConfig:
       segments (causal diagonal, window edges, ragged tails); a narrower block leaves the mask arithmetic room
       in registers.
     * ``head_group``: program order (``block_schedule`` in kernels_common): 1 = grid order, G > 1 = the longest
-      causal blocks of G (head, sequence) pairs first.
+      causal blocks of G (head, sequence) pairs first. Default: :func:`_head_group`.
     * ``fused_backward``: the dK/dV and dQ grids in one launch (the dQ programs fill the SMs the dK/dV grid's
       last wave leaves idle), when both tiles have the same warp count and dK/dV is not column-split.
+      Default on.
     * ``early_dp``: in the dK/dV loop's unmasked segment, issue ``dp^T = v dout^T`` before the exponentials
       so the tensor cores run it while the warps compute ``p^T``.
     * ``dkdv_col_split``: 1 or 2 dK/dV programs per key block; with 2 each accumulates half of dK's and dV's
