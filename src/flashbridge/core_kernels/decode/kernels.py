@@ -59,7 +59,7 @@ _E4M3_PAIRS_TO_F16 = tl.constexpr("{ .reg .b32 t; .reg .b16 even, odd; prmt.b32 
 
 @triton.jit
 def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_MASK: tl.constexpr,
-                    WIDEN_ASM: tl.constexpr, TRANSPOSE: tl.constexpr = False):
+                    WIDEN_ASM: tl.constexpr, TRANSPOSE: tl.constexpr):
     """An FP8 K or V tile [N, D] for 16-bit queries as two float16 tiles [N, D / 2], its even and its odd
     columns (TRANSPOSE: [D / 2, N] each, the layout of ``q @ K^T``'s K operand). ``p @ V`` then runs as
     two dots into two accumulators, interleaved once per split; ``q @ K^T`` as two dots over q's even and
@@ -195,7 +195,7 @@ def decode_kv_range(
         qk = block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK,
                       DQK_CHUNKS, APPLY_MASK, DOT_PRECISION, K_PAIRS, WIDEN_ASM)
         if V_PAIRS:
-            v, v_odd = load_e4m3_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
+            v, v_odd = load_e4m3_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM, False)  # even, odd
         else:
             v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
             if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:

@@ -382,7 +382,7 @@ def softmax_finalize(acc, m_i, l_i):
 @triton.jit
 def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
+                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> the block's softmax weights
     and the updated running state: (p, alpha, m_i, l_i), see :func:`online_softmax_probs`.
 
@@ -403,7 +403,7 @@ def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen
 @triton.jit
 def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
                  window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers (:func:`block_probs`) -> fold
     ``v`` [N, Dv] into the running (acc, m_i, l_i). Shared by every forward iteration strategy (dense
     ranges, paged decode)."""
@@ -443,7 +443,7 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED_STAGES: tl.constexpr = 0, POSITIVE_SCALE: tl.constexpr = False):
+                 MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order.
 
     MASKED_STAGES > 0: a masked segment (the causal diagonal, window edges, a ragged tail: a few blocks)
