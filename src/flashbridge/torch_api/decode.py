@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from ..core_kernels._config import active_config
-from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_append_args, check_cache_values, check_cascade_args,
-                                        check_decode_args, check_merge_args, check_scales, plan_append,
-                                        plan_cascade, plan_decode, plan_merge)
+from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_append_args, check_cache_values,
+                                        check_cascade_args, check_decode_args, check_merge_args, check_scales,
+                                        plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
 from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for

@@ -464,9 +464,9 @@ class DecodeTile:
 GPU_DECODE_TILES = {
     # head dims up to 128: swept on H200, Triton 3.6 (bench_decode.py --splits)
     "narrow": DecodeTile(64, 64, 4, 3),
-    # padded head dims 256 (one q.k tile) or q.k in 64-column chunks with Dv <= 256: the largest tile without spills
+    # padded head dims above 128 (q.k in 64-column chunks above 256), Dv <= 256: narrower steps, 8 warps
     "wide": DecodeTile(64, 32, 8, 3),
-    # Dv above 256 (MLA: 576 / 512): fewer rows, the accumulator fills the registers
+    # Dv above 256 (MLA: 576 / 512): half the rows, for the wider accumulator
     "wide_v": DecodeTile(32, 32, 8, 3),
     # float32 queries (IEEE dots keep their operands in registers): spill-free for head dims 64..576, <= 128 rows
     "float32": DecodeTile(16, 32, 8, 2),

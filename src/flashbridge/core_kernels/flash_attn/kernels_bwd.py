@@ -100,8 +100,9 @@ def _load_parts(A, stride_a, offs_a, offs_a_o, DA: tl.constexpr, BLOCK_A: tl.con
                 start, offs, rows_ok, CHECK_ROWS: tl.constexpr, COL_SPLIT: tl.constexpr):
     """Rows ``start + offs`` of two arrays (q and dO, or k and v) as :func:`load_rows` reads them: this
     program's columns (``offs_a`` / ``offs_b``) and, with a column split, the other half's (``offs_*_o``;
-    without one the same tiles again, unused). Both arrays first, then both other halves. BLOCK_A / BLOCK_B (the padded widths) decide whether any column
-    can lie past DA / DB, for halves too. Returns (a, b, a_o, b_o)."""
+    without one the same tiles again, unused). Both arrays first, then both other halves. BLOCK_A / BLOCK_B
+    (the padded widths) decide whether any column can lie past DA / DB, for halves too. Returns (a, b, a_o,
+    b_o)."""
     a = load_rows(A, start, offs, stride_a, offs_a, rows_ok, DA, BLOCK_A, CHECK_ROWS)
     b = load_rows(B, start, offs, stride_b, offs_b, rows_ok, DB, BLOCK_B, CHECK_ROWS)
     a_o, b_o = a, b
