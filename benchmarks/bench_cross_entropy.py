@@ -55,16 +55,16 @@ def jax_linear_row(name: str, hj, wj, yj, chunk=None, slice_cols=None, hlo_dir=N
     """Time (jitted value_and_grad) and XLA's compiled memory (temporaries + outputs) of the JAX linear CE;
     ``slice_cols`` replaces the GPU default of pass 2's slice width for this row. With ``hlo_dir`` the
     optimized HLO (after XLA's copy insertion: every ``copy`` of a dW-sized array shows) is written there."""
-    import contextlib
     import importlib
-    from unittest import mock
 
     import jax
 
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.cross_entropy.plan import CEConfig
+
     jce = importlib.import_module("flashbridge.jax_api.cross_entropy")
-    width = mock.patch.object(jce, "_slice_cols", lambda: slice_cols) if slice_cols else contextlib.nullcontext()
     try:
-        with width:  # read while tracing
+        with configure(CEConfig(slice_cols=slice_cols)):  # read while tracing
             fn = jax.value_and_grad(lambda a, b, c: jce.linear_cross_entropy(a, b, c, chunk_size=chunk),
                                     argnums=(0, 1))
             compiled = jax.jit(fn).lower(hj, wj, yj).compile()

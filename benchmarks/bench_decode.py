@@ -370,64 +370,44 @@ def run_rows(with_jax=True):
 
 
 SWEEP_TILES = ((64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2))
-# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[, key_groups[,
-# merge_block_states[, merge_block_elements[, k_pairs]]]]) tiles, help)
+# --splits-<name>: one case's sweep on its own, (variants, split counts, (block_n, warps, stages[,
+# merge_block_states[, merge_block_elements]]) tiles, help)
 FOCUSED_SWEEPS = {
     "b32": ([("B32 S8k", 32, 8192, False, False), ("B32 S8k paged64", 32, 8192, True, False)], (1, 2, 3, 4),
             (SWEEP_TILES[0],), "only the batch-32 split counts 1-4, contiguous and paged, default tile"),
     # 128-key tiles halve the iterations of each split's dependent chain (load, dot, softmax, dot)
     "s16k": ([("B1 S16k", 1, 16384, False, False)], (16, 24, 32, 48, 64),
-             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
-              (64, 4, 3, 4), (64, 4, 4, 4), (128, 4, 2, 4)),
+             ((64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)),
              "only B=1 S=16k (the furthest from its target): split counts around the default and deeper "
-             "pipelines / smaller key blocks, with and without key groups"),
-    # DecodeConfig.key_groups at the default tiles and split counts (None): one softmax state per group of a
-    # key block's keys, so that the step's row max / sum stay inside a warp (9 -> 2 CTA barriers per step)
-    "groups": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
-                ("B32 S8k", 32, 8192, False, False), ("B1 S128k paged64", 1, 131072, True, False),
-                ("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
-                ("B32 S8k fp8", 32, 8192, False, True)], (None,),
-               ((None, None, None, 1), (None, None, None, 2), (None, None, None, 4), (128, 8, 3, 8),
-                (128, 8, 2, 8)) * 2,
-               "only DecodeConfig.key_groups 1 / 2 / 4 at the default tiles and 8 at 128 keys and 8 warps (one "
-               "16-key group per warp; sm_90: no spills), twice, alternating, at the default split counts"),
-    # FP8 key groups against the key blocks each split walks (B=1: 512 keys per split at S=16k, 4096 at 128k)
-    "fp8groups": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S32k fp8", 1, 32768, False, True),
-                   ("B1 S64k fp8", 1, 65536, False, True), ("B1 S128k fp8", 1, 131072, False, True)],
-                  (8, 16, 32, 64), ((None, None, None, 1), (None, None, None, 4), (None, None, None, 2)),
-                  "only FP8 caches at B=1, S=16k..128k: split counts x key_groups 1 / 4 / 2 (default tiles)"),
-    # tiles around the FP8 key-group default (128 keys, 4 warps, 3 stages, 4 groups; sm_90: all spill-free,
-    # 64 KB of shared memory at 2 stages, 96 at 3, 128 at 4)
+             "pipelines / smaller key blocks"),
+    # tiles around the FP8 default (128 keys, 4 warps, 3 stages; sm_90: all spill-free)
     "fp8tiles": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (None,),
-                 ((None, None, None, 1), (None, None, None, 4), (128, 4, 2, 4), (128, 4, 4, 4), (128, 8, 2, 4),
-                  (256, 8, 2, 8)) * 2,
-                 "only FP8 caches at B=1 S=128k and B=32 S=8k: pipeline depth, warps and 256-key steps with key "
-                 "groups, twice, alternating, at the default split counts"),
+                 ((None, None, None), (128, 4, 2), (128, 4, 4), (128, 8, 2), (256, 8, 2)) * 2,
+                 "only FP8 caches at B=1 S=128k and B=32 S=8k: pipeline depth, warps and 256-key steps, twice, "
+                 "alternating, at the default split counts"),
     # FP8 V read as column pairs straight from the pipeline's buffer (no widened copy in shared memory: 64 KB
-    # per program at 3 stages, 168 registers without key groups, 244 with 4): depth, groups and warps again
+    # per program at 3 stages, 168 registers): depth and warps again
     "fp8pairs": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
                   ("B32 S8k fp8", 32, 8192, False, True)], (None,),
-                 ((None, None, None, 1), (None, None, None, 4), (128, 4, 2, 1), (128, 4, 4, 1), (128, 4, 2, 4),
-                  (128, 4, 4, 4), (64, 4, 3, 1), (128, 8, 3, 1)) * 2,
-                 "only FP8 caches at B=1 S=16k / 128k and B=32 S=8k: depth, key groups and warps for the "
+                 ((None, None, None), (128, 4, 2), (128, 4, 4), (64, 4, 3), (128, 8, 3)) * 2,
+                 "only FP8 caches at B=1 S=16k / 128k and B=32 S=8k: depth and warps for the "
                  "column-pair V path, twice, alternating, at the default split counts"),
-    # the same path with one key group (the pair sweep's best): split counts against depth and key-block width
+    # the same path: split counts against depth and key-block width
     # (168 registers per thread: up to 3 programs per SM by registers, 64 KB of shared memory at 3 stages)
     "fp8pairsplits": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True)],
-                      (16, 32, 48, 64), ((None, None, None, 1), (128, 4, 4, 1), (128, 4, 2, 1), (64, 4, 3, 1),
-                                         (64, 4, 4, 1)),
-                      "only FP8 caches at B=1 S=16k / 128k, one key group: split counts 16-64 x depth and key "
+                      (16, 32, 48, 64), ((None, None, None), (128, 4, 4), (128, 4, 2), (64, 4, 3), (64, 4, 4)),
+                      "only FP8 caches at B=1 S=16k / 128k: split counts 16-64 x depth and key "
                       "block width"),
     # fewer warps per program, more programs per SM: 1-warp programs need no CTA barrier for the row max /
     # sum or the hand-over of p (sm_90, spill-free: 64 keys x 2 warps 246 registers, 32 x 1 180, 32 x 2 128)
     "fp8warps": ([("B1 S128k fp8", 1, 131072, False, True)], (32, 64, 128),
-                 ((None, None, None, 1), (64, 2, 3, 1), (64, 2, 4, 1), (32, 1, 3, 1), (32, 1, 4, 1), (32, 2, 4, 1)),
+                 ((None, None, None), (64, 2, 3), (64, 2, 4), (32, 1, 3), (32, 1, 4), (32, 2, 4)),
                  "only FP8 at B=1 S=128k: 1- and 2-warp programs against split counts 32-128"),
     # the merge kernel's states per step and elements per program (B=1: 4096 elements, 32 per program, 32
     # split states in two steps of 16 by default)
     "merge": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False),
                ("B1 S128k fp8", 1, 131072, False, True)], (None,),
-              tuple((None,) * 4 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128), (16, 16),
+              tuple((None,) * 3 + m for m in ((None, None), (32, None), (32, 64), (16, 64), (32, 128), (16, 16),
                                                (16, 8), (8, 16), (32, 16))) * 2,
               "only the merge kernel's states per step (8-32) and elements per program (8-128) at the default "
               "split counts, twice, alternating"),
@@ -450,11 +430,6 @@ FOCUSED_SWEEPS = {
     "s16kb": ([("B1 S16k", 1, 16384, False, False), ("B1 S128k", 1, 131072, False, False)], (16, 32),
               ((64, 4, 3), (32, 2, 4), (64, 4, 4)) * 2,
               "only 16-bit caches at B=1: 16 / 32 splits x the default tile, 2-warp 32-key and 4-stage tiles, twice"),
-    # DecodeConfig.k_pairs: FP8 K read as column pairs (False: widened by Triton) at the default tiles
-    "kpairs": ([("B1 S16k fp8", 1, 16384, False, True), ("B1 S128k fp8", 1, 131072, False, True),
-                ("B32 S8k fp8", 32, 8192, False, True), ("B1 S128k fp8 paged64", 1, 131072, True, True)], (None,),
-               ((None,) * 6 + (False,), (None,) * 6 + (None,)) * 3,
-               "only FP8 caches: K widened by Triton against K read as column pairs, three times, alternating"),
     "fp8": ([("B1 S128k fp8", 1, 131072, False, True), ("B32 S8k fp8", 32, 8192, False, True)], (1, 4, 32, 64),
             ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)),
             "split counts x tiles (wider key tiles) for FP8 caches only"),
@@ -517,19 +492,11 @@ FOCUSED_SWEEPS = {
     "fp8warps8": ([("B1 S128k fp8", 1, 131072, False, True, (16,)), ("B1 S64k fp8", 1, 65536, False, True, (16,))],
                   (None,), ((256, 4, 3), (256, 8, 3)) * 3,
                   "only FP8 at B=1 S=64k / 128k, 16 splits: the 256-key tile at 4 and 8 warps, three times"),
-    # FP8 key groups at the 256-key tile (one program per SM, 16 splits): one softmax state per warp's keys,
-    # so a step has no exchange between warps (sm_90: 2 CTA barriers per step instead of 8). 8 warps x 8 groups:
-    # 531 instructions per thread and step, 248 registers, no spills; 8 x 4: 846, 8 B of stack; 4 x 4: 946,
-    # 64 B of stack (LDL / STL in the loop); the default 4 x 1: 1016, no spills
-    "fp8groups256": ([("B1 S128k fp8", 1, 131072, False, True, (16,))], (None,),
-                     ((256, 4, 3, 1), (256, 8, 3, 8), (256, 8, 3, 4), (256, 4, 3, 4)) * 3,
-                     "only FP8 at B=1 S=128k, 16 splits: the 256-key tile with 1 / 8 / 4 key groups at 4 and 8 "
-                     "warps, three times"),
-    # the merge tile where the default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
-    # 16 splits) against 16 x 256 (no stack) and 8 x 512, three times each
+    # the merge tile where main's default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
+    # 16 splits) against the parked cap (git revert 7749a7b: 16 x 256) and 8 x 512, three times each
     "mergetile": ([("B64 S4k", 64, 4096, False, False)], (16,),
-                  ((None, None, None, None, 16, 512), (None, None, None, None, 16, 256),
-                   (None, None, None, None, 8, 512)) * 3,
+                  ((None, None, None, 16, 512), (None, None, None, 16, 256),
+                   (None, None, None, 8, 512)) * 3,
                   "only B=64 S=4096 at 16 splits: merge tiles 16 x 512 (the default, spills), 16 x 256 and 8 x 512"),
     # the FP8 target's two rows (B=1 S=128k, bf16 and FP8) at the defaults, back to back, three times each
     "ratio": ([("B1 S128k", 1, 131072, False, False), ("B1 S128k fp8", 1, 131072, False, True)], (None,),
@@ -567,9 +534,9 @@ def sweep_splits(variants=None, splits_list=(1, 4, 8, 16, 32, 64, 128), tiles=SW
                                               **{n: info(t) for n, t in extra0.items()})
         for splits in (own_splits[0] if own_splits else splits_list):
             for tile in tiles:  # see FOCUSED_SWEEPS for the tuple's fields; None = the plan's default
-                block_n, warps, stages, groups, merge_n, merge_e, k_pairs = (*tile, None, None, None, None)[:7]
-                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, key_groups=groups,
-                                   merge_block_states=merge_n, merge_block_elements=merge_e, k_pairs=k_pairs)
+                block_n, warps, stages, merge_n, merge_e = (*tile, None, None)[:5]
+                cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, merge_block_states=merge_n,
+                                   merge_block_elements=merge_e)
                 try:
                     plan = plan_decode(shape, options, target=target_for(q.device), num_splits=splits, config=cfg)
                     it = itertools.cycle(caches)

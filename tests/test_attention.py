@@ -973,8 +973,7 @@ def test_tail_segments_left_out_only_when_provably_empty():
     """TAIL_BLOCKS: the dQ and dK/dV kernels (and the one-launch backward's halves) drop their trailing
     masked segment only when no program can have blocks there -- no causal mask or window, equal fixed
     lengths, and a loop axis the block divides (keys for dQ, queries for dK/dV); ragged, causal and
-    windowed calls keep it, and so does every call with ``skip_empty_tail=False``. The forward always
-    keeps it."""
+    windowed calls keep it. The forward always keeps it."""
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
                                                           plan_attention_fwd)
@@ -993,15 +992,12 @@ def test_tail_segments_left_out_only_when_provably_empty():
         return found
 
     assert set(tails(4096, 4096).values()) == {False}
-    assert set(tails(4096, 4096, config=AttentionConfig(skip_empty_tail=False)).values()) == {True}
     assert set(tails(4096, 4096, causal=True).values()) == {True}
     assert set(tails(4096, 4096, window_size=(256, 256)).values()) == {True}
     ragged_keys = tails(4096, 4000)
     assert ragged_keys["Q_TAIL_BLOCKS"] and not ragged_keys["KV_TAIL_BLOCKS"]
     ragged_queries = tails(4000, 4096)
     assert not ragged_queries["Q_TAIL_BLOCKS"] and ragged_queries["KV_TAIL_BLOCKS"]
-    with pytest.raises(ValueError, match="AttentionConfig.skip_empty_tail"):
-        AttentionConfig(skip_empty_tail=1)
 
 
 def test_dkdv_col_split_defaults_and_errors():

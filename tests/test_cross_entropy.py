@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
+from flashbridge.core_kernels import configure
 from flashbridge.core_kernels.cross_entropy import plan as P
 from flashbridge.reference import cross_entropy as R
 from helpers import assert_close, np64, rounded
@@ -127,11 +128,15 @@ def test_cross_entropy_both_frameworks(case):
 
 
 @pytest.mark.parametrize("vocab", [1000, 1024, 128])
-def test_multi_tile_rows_and_vocabulary(monkeypatch, vocab):
+def test_multi_tile_rows_and_vocabulary(vocab):
     """Small tiles: several vocabulary blocks with a ragged last one (1000), whole tiles only (1024: the
     forward's prefetch of the next tile stops at the last one), exactly one tile (128); several rows per
     program, a ragged last row block (the online-softmax merge and every mask are exercised)."""
-    monkeypatch.setattr(P, "DEFAULT_CONFIG", P.CEConfig(block_v=128, block_n=4))
+    with configure(P.CEConfig(block_v=128, block_n=4)):
+        _check_small_tiles(vocab)
+
+
+def _check_small_tiles(vocab):
     rng = _rng(f"tiles{vocab}")
     x = rng.standard_normal((13, vocab)) * 4
     y = _labels(rng, (13,), vocab)
@@ -292,15 +297,35 @@ def test_auto_chunk_and_ragged_chunks_agree():
             np.testing.assert_allclose(a, bb, rtol=1e-5, atol=1e-6)
 
 
-def test_choose_chunk_size():
-    # The benchmark shape: 2 * C * V * 2 bytes <= the weight's 1 GB -> 4 chunks of 2048 tokens.
-    assert P.choose_chunk_size(8192, 4096, 128256, "bfloat16") == 2048
-    assert P.choose_chunk_size(130, 32, 1000, "float32") == 130  # small: one chunk
-    c = P.choose_chunk_size(8192, 4096, 128256, "bfloat16", free_bytes=2 * 2**30)
-    assert c % 64 == 0 and 2 * c * 128256 * 2 <= 2**30 // 2
-    c = P.choose_chunk_size(10000, 4096, 128256, "bfloat16")
-    assert c % 64 == 0 and 2 * c * 128256 * 2 <= 128256 * 4096 * 2 and P.cdiv(10000, c) == 5
-    assert P.chunk_bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]
+def test_linear_chunks_are_planned_once_for_both_frameworks():
+    """plan_linear_cross_entropy's pass-1 chunks (the same plan both front-ends execute): chunk_size None
+    takes chunks of H tokens in dW's storage when dW is computed, the rest (and every token without dW) in
+    chunks of logits at most a sixteenth of the weight's size, at least 64 tokens; a given size its chunks."""
+    from flashbridge.core_kernels import Target
+
+    h200 = Target(interpret=False, num_sms=132)
+
+    def chunks(n, chunk_size=None, forward=True, want_dw=True, **kw):
+        plan = P.plan_linear_cross_entropy(
+            n, 4096, 128256, dtype="bfloat16", forward=forward, want_dh=True, want_dw=want_dw, want_db=False,
+            chunk_size=chunk_size, per_row_weight=True, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+            logit_softcap=0.0, target=h200, **{"logits_into_dw_rows": True, **kw})
+        return [(r.start, r.rows, r.count, r.in_dw) for r in plan.chunks]
+
+    assert chunks(8192) == [(0, 4096, 2, True)]  # the benchmark shape: no logits of their own
+    assert chunks(8192 + 300) == [(0, 4096, 2, True), (8192, 256, 1, False), (8448, 44, 1, False)]
+    assert chunks(8192, want_dw=False) == [(0, 256, 32, False)]
+    assert chunks(100, want_dw=False) == [(0, 100, 1, False)]
+    assert chunks(8192, chunk_size=3000) == [(0, 3000, 2, False), (6000, 2192, 1, False)]
+    assert chunks(8192, forward=False, logits_into_dw_rows=False) == [(0, 4096, 2, True)]
+    for n in (1, 100, 4096, 10000):
+        plan = P.plan_linear_cross_entropy(n, 4096, 1000, dtype="float32", forward=True, want_dh=True,
+                                           want_dw=True, want_db=True, chunk_size=None, logits_into_dw_rows=False,
+                                           per_row_weight=True, ignore_index=-100, label_smoothing=0.0,
+                                           z_loss=0.0, logit_softcap=0.0, target=h200)
+        bounds = list(plan.chunk_bounds())
+        assert bounds[0][0] == 0 and bounds[-1][1] == n and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert [(s.c0, s.c1) for s in plan.slices] == [(0, 1000)] and plan.slices[0].where == "own"
 
 
 def test_backward_is_deterministic():
@@ -631,14 +656,10 @@ def test_masked_and_non_finite_logits():
     y = np.array([3, 499, 998, 5])
     want = R.cross_entropy(x[:3].astype(np.float64), y[:3], reduction="none")
     assert np.isclose(want[2], np.log(vocab))
-    for config in (None, P.CEConfig(block_v=64, block_n=2)):
-        old = P.DEFAULT_CONFIG
-        P.DEFAULT_CONFIG = config or old
-        try:
+    for config in (P.CEConfig(), P.CEConfig(block_v=64, block_n=2)):
+        with configure(config):
             rows_t = ftc.cross_entropy(torch.tensor(x), torch.tensor(y), reduction="none").numpy()
             rows_j = np.asarray(fjc.cross_entropy(jnp.asarray(x), jnp.asarray(y), reduction="none"))
-        finally:
-            P.DEFAULT_CONFIG = old
         for rows in (rows_t, rows_j):
             np.testing.assert_allclose(rows[:3], want, rtol=1e-5)
             assert np.isnan(rows[3])
@@ -743,24 +764,26 @@ def test_gpu_tiles_keep_every_sm_busy():
 @pytest.mark.parametrize("n_rows,hidden,vocab,width", [(8192, 4096, 128256, 4096), (7, 8, 1000, 256),
                                                        (130, 32, 1000, 256), (5, 64, 300, 512)])
 def test_vocab_slices_cover_the_vocabulary_without_overwriting_dw(n_rows, hidden, vocab, width):
-    """Pass 2's slices (torch): every column once, in order; a slice's logits buffer never overlaps a dW row
-    written so far or by that slice, whether it lives in dW's last rows or in its own small buffer."""
-    from flashbridge.torch_api.cross_entropy import SMALL_SLICE_BYTES, _vocab_slices
+    """Pass 2's slices where the runtime writes logits into dW's storage (torch): every column once, in
+    order; a slice's logits never overlap a dW row written so far or by that slice, whether they live in
+    dW's last rows or in the small buffer."""
+    from flashbridge.core_kernels import INTERPRETER
 
-    dw = torch.empty((vocab, hidden), dtype=torch.bfloat16, device="meta")
-    h = torch.empty((n_rows, hidden), dtype=torch.bfloat16, device="meta")
-    flat = dw.view(-1)
+    plan = P.plan_linear_cross_entropy(
+        n_rows, hidden, vocab, dtype="bfloat16", forward=False, want_dh=False, want_dw=True, want_db=False,
+        chunk_size=None, logits_into_dw_rows=True, per_row_weight=True, ignore_index=-100, label_smoothing=0.0,
+        z_loss=0.0, logit_softcap=0.0, target=INTERPRETER, config=P.CEConfig(slice_cols=width))
     expect = in_dw = 0
-    for c0, c1, buf in _vocab_slices(n_rows, vocab, width, dw, h):
-        assert c0 == expect and c0 < c1 <= vocab and c1 - c0 <= width
-        assert buf.numel() >= n_rows * (c1 - c0)
-        if buf.untyped_storage().nbytes() == flat.untyped_storage().nbytes():  # inside dW
-            first_row = buf.storage_offset() // hidden
-            assert first_row >= c1, (c0, c1, first_row)
+    for s in plan.slices:
+        assert s.c0 == expect and s.c0 < s.c1 <= vocab and s.c1 - s.c0 <= width
+        if s.where == "dw_tail":
+            start = plan.dw_tail_offset(s)
+            assert start // hidden >= s.c1 and start + n_rows * (s.c1 - s.c0) <= vocab * hidden, (s, start)
             in_dw += 1
         else:
-            assert buf.numel() * buf.element_size() <= max(SMALL_SLICE_BYTES, n_rows * width * 2)
-        expect = c1
-    assert expect == vocab
+            assert s.where == "buffer" and plan.buffer_elements >= n_rows * (s.c1 - s.c0)
+            assert plan.buffer_elements * 2 <= max(P.SMALL_SLICE_BYTES, n_rows * width * 2)
+        expect = s.c1
+    assert expect == vocab and not plan.chunks
     if vocab == 128256:  # the benchmark shape: 29 slices of 4096 in dW's last 8192 rows, the rest in 16 MiB
         assert in_dw == 29

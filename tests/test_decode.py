@@ -685,78 +685,35 @@ def test_torch_bad_merge_cascade_append(op, override, error, match):
 
 
 @pytest.fixture
-def decode_config(monkeypatch):
-    """Route both front-ends' decode plans through a DecodeConfig: ``decode_config(**fields)`` returns the
-    list of plans built from then on (so that a test can check its config was used)."""
-    from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
-    from flashbridge.torch_api import decode as tdecode
+def decode_config():
+    """Plan both front-ends' decode calls with a DecodeConfig: ``decode_config(**fields)`` enters
+    ``configure(DecodeConfig(**fields))`` until the test ends."""
+    import contextlib
 
-    def use(**fields):
-        built = []
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.decode.plan import DecodeConfig
 
-        def routed(*args, **kwargs):
-            built.append(plan_decode(*args, **kwargs, config=DecodeConfig(**fields)))
-            return built[-1]
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(configure(DecodeConfig(**fields)))
 
-        monkeypatch.setattr(tdecode, "plan_decode", routed)
-        monkeypatch.setattr(_japi(), "plan_decode", routed)
-        tdecode._decode_plan.cache_clear()
-        return built
 
-    yield use
-    tdecode._decode_plan.cache_clear()
+def decode_plan(q, k, v, kw, options, *, kv_layout="NHD", num_splits=None):
+    """The plan of a decode_attention call on CPU tensors (under the active configure())."""
+    from flashbridge.core_kernels import INTERPRETER
+    from flashbridge.core_kernels.decode import plan as P
+    from flashbridge.torch_api._runtime import dtype_name
+
+    info = lambda t: (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
+    shape, opts, splits = P.check_decode_args(q=info(q), k_cache=info(k), v_cache=info(v), kv_layout=kv_layout,
+                                              num_splits=num_splits, **{n: info(a) for n, a in kw.items()},
+                                              **options)
+    return P.plan_decode(shape, opts, target=INTERPRETER, num_splits=splits)
 
 
 def decode_constexpr(plans, name: str) -> set:
     """The values of constexpr ``name`` over the decode kernel launches of ``plans``."""
     return {launch.constexpr_dict()[name] for plan in plans for launch in plan.launches
             if launch.kernel.endswith(":decode_fwd_kernel")}
-
-
-KEY_GROUP_CASES = ["nhd-contig-mha-sq1", "hnd-contig-gqa4-sq3", "nhd-paged16-gqa8-sq8", "sq8-mqa16-two-row-blocks",
-                   "softcap", "negative-scale", "sinks", "sinks-split", "alibi-batch-paged", "window-both-sides",
-                   "fp8-head-paged-hnd", "dqk-dv-differ", "all"]
-
-
-@pytest.mark.parametrize("groups,block_n", [(2, None), (4, 64)], ids=["2x16", "4x16"])
-@pytest.mark.parametrize("name", KEY_GROUP_CASES)
-def test_torch_decode_key_groups(name, groups, block_n, decode_config):
-    """DecodeConfig.key_groups: each key block walked as groups of keys with a softmax state each, merged at
-    the end of the split (sinks counted once, empty groups and empty sequences, ragged tails, every mask and
-    score modifier, paged / HND / FP8 caches, several splits): against the float64 reference."""
-    built = decode_config(key_groups=groups, block_n=block_n)
-    spec, options, splits = CASES[name]
-    q, k, v, kw = make_case(_seed(name) + groups, **spec)
-    check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert decode_constexpr(built, "KEY_GROUPS") == {groups}
-
-
-def test_jax_decode_key_groups_match_torch_bitwise(decode_config):
-    built = decode_config(key_groups=2)
-    ja = _japi()
-    spec, options, splits = CASES["all"]
-    q, k, v, kw = make_case(_seed("key-groups"), **spec)
-    out, lse = tapi.decode_attention(q, k, v, num_splits=splits, **kw, **options, return_lse=True)
-    jkw = {n: torch_to_jax(a) for n, a in kw.items()}
-    jout, jlse = jax.jit(lambda q, k, v, jkw: ja.decode_attention(q, k, v, num_splits=splits, **jkw, **options,
-                                                                  return_lse=True))(
-        torch_to_jax(q), torch_to_jax(k), torch_to_jax(v), jkw)
-    np.testing.assert_array_equal(np64(jout), np64(out))
-    np.testing.assert_array_equal(np64(jlse), np64(lse))
-    assert len(built) >= 2 and decode_constexpr(built, "KEY_GROUPS") == {2}  # both front-ends planned with key groups
-
-
-def test_decode_key_groups_are_checked():
-    from flashbridge.core_kernels import INTERPRETER
-    from flashbridge.core_kernels.decode.plan import DecodeConfig, decode_tiles
-
-    with pytest.raises(ValueError, match="DecodeConfig.key_groups"):
-        DecodeConfig(key_groups=3)
-    with pytest.raises(ValueError, match="DecodeConfig.key_groups: 4 groups of a 32-key block"):
-        decode_tiles(4, 64, 64, INTERPRETER, DecodeConfig(key_groups=4))
-    with pytest.raises(ValueError, match="DecodeConfig.key_groups: head dims above 256"):
-        decode_tiles(16, 576, 512, INTERPRETER, DecodeConfig(key_groups=2))
-    assert decode_tiles(4, 64, 64, INTERPRETER).key_groups == 1
 
 
 def test_decode_config_rejects_bad_blocks():
@@ -769,13 +726,11 @@ def test_decode_config_rejects_bad_blocks():
         DecodeConfig(merge_block_states=3)
     with pytest.raises(ValueError, match="DecodeConfig.merge_block_elements"):
         DecodeConfig(merge_block_elements=0)
-    with pytest.raises(ValueError, match="DecodeConfig.k_pairs"):
-        DecodeConfig(k_pairs=1)
 
 
 # FP8 caches with 16-bit queries: V read as pairs of columns into two accumulators (kernels.load_e4m3_pairs)
 # wherever Dv and the V strides are even and each half has >= 16 columns; the plain widening otherwise. K the
-# same way (q's even and odd columns against K's) with one column chunk and one key group.
+# same way (q's even and odd columns against K's) with one column chunk.
 FP8_PAIR_CASES = {
     "nhd-contig-d128": (dict(hq=8, hkv=2, dqk=128, lens=(0, 1, 130), fp8="tensor"), dict(causal=True), None,
                         True),
@@ -787,39 +742,37 @@ FP8_PAIR_CASES = {
     "dv16": (dict(hq=4, hkv=2, dqk=32, dv=16, lens=(0, 1, 50), fp8="tensor"), dict(causal=True), None, False),
     "mla-576-512": (dict(hq=16, hkv=1, dqk=576, dv=512, lens=(0, 1, 40), fp8="tensor", page_size=16),
                     dict(causal=True), 2, True),
+    "odd-dqk": (dict(hq=4, hkv=2, dqk=33, dv=32, lens=(0, 1, 50), fp8="tensor"), dict(causal=True), 2, True),
 }
 
 
-@pytest.mark.parametrize("groups,k_pairs", [(1, None), (1, False), (4, None)], ids=["1", "1-k-widened", "4"])
 @pytest.mark.parametrize("name", list(FP8_PAIR_CASES))
-def test_torch_fp8_pairs(name, groups, k_pairs, decode_config):
+def test_torch_fp8_pairs(name, decode_config):
     """bf16 queries against FP8 caches: V's even and odd columns in two accumulators, interleaved once per
-    split, K's against q's in two dots (with and without key groups, K widened by Triton, ragged / empty
-    sequences, paged HND, padded head dims, several splits), against the float64 reference; odd head dims
-    and 16-column tiles take the plain widening of V, chunked (576-dim) keys and key groups that of K."""
+    split, K's against q's in two dots (ragged / empty sequences, paged HND, padded head dims, several
+    splits), against the float64 reference; odd head dims and 16-column tiles take the plain widening of V,
+    chunked (576-dim) and odd-width keys that of K."""
     spec, options, splits, pairs = FP8_PAIR_CASES[name]
-    if groups > 1 and spec["dqk"] > 256:
-        pytest.skip("key groups need head dims <= 256")
-    built = decode_config(key_groups=groups, block_n=64, k_pairs=k_pairs)
-    q, k, v, kw = make_case(_seed(name) + groups, dtype="bfloat16", **spec)
+    decode_config(block_n=64)
+    q, k, v, kw = make_case(_seed(name), dtype="bfloat16", **spec)
     check_decode(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits, floor=1e-3)
-    assert decode_constexpr(built, "V_PAIRS") == {pairs}
-    assert decode_constexpr(built, "K_PAIRS") == {k_pairs is None and groups == 1 and spec["dqk"] <= 256}
+    plan = decode_plan(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
+    assert decode_constexpr([plan], "V_PAIRS") == {pairs}
+    assert decode_constexpr([plan], "K_PAIRS") == {spec["dqk"] <= 256 and spec["dqk"] % 2 == 0}
 
 
-@pytest.mark.parametrize("block_n,groups", [(128, 1), (256, 1), (256, 8)])
-def test_torch_fp8_wide_key_blocks(block_n, groups, decode_config):
-    """The GPU's FP8 tiles (128 keys; 256 at one program per SM on long spans; and 256 in 8 key groups of 32,
-    the candidate of ``--splits-fp8groups256``) in the interpreter: ragged and empty sequences, lengths inside
-    and past a block, several splits, against the float64 reference."""
-    built = decode_config(block_n=block_n, key_groups=groups)
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_torch_fp8_wide_key_blocks(block_n, decode_config):
+    """The GPU's FP8 tiles (128 keys; 256 at one program per SM on long spans) in the interpreter: ragged and
+    empty sequences, lengths inside and past a block, several splits, against the float64 reference."""
+    decode_config(block_n=block_n)
     q, k, v, kw = make_case(_seed(f"fp8-wide-{block_n}"), dtype="bfloat16", hq=8, hkv=2, dqk=128,
                             lens=(0, 1, 300, 700), fp8="tensor")
     for splits in (None, 3):
         check_decode(q, k, v, kw, dict(causal=True), num_splits=splits, floor=1e-3)
-    assert decode_constexpr(built, "BLOCK_N") == {block_n} and decode_constexpr(built, "V_PAIRS") == {True}
-    assert decode_constexpr(built, "KEY_GROUPS") == {groups}
-    assert decode_constexpr(built, "K_PAIRS") == {groups == 1}  # K pairs need one key group
+        plan = decode_plan(q, k, v, kw, dict(causal=True), num_splits=splits)
+        assert decode_constexpr([plan], "BLOCK_N") == {block_n}
+        assert decode_constexpr([plan], "V_PAIRS") == decode_constexpr([plan], "K_PAIRS") == {True}
 
 
 def test_torch_fp8_pairs_float16_queries():
@@ -1065,9 +1018,8 @@ def _decode_plans():
     from flashbridge.core_kernels.decode import plan as P
     h200 = Target(interpret=False, num_sms=132)
     plans = []
-    for cache_dtype, paged, layout, splits, groups in (
-            ("bfloat16", False, "NHD", None, 1), ("bfloat16", True, "HND", 1, 1), ("float8_e4m3fn", True, "NHD", 4, 1),
-            ("bfloat16", False, "NHD", None, 4), ("float8_e4m3fn", False, "NHD", None, 4)):
+    for cache_dtype, paged, layout, splits in (
+            ("bfloat16", False, "NHD", None), ("bfloat16", True, "HND", 1), ("float8_e4m3fn", True, "NHD", 4)):
         kshape = (512, 64, 8, 128) if paged else (4, 8192, 8, 128)
         if layout == "HND":
             kshape = (kshape[0], kshape[2], kshape[1], kshape[3])
@@ -1077,11 +1029,8 @@ def _decode_plans():
             q=((4, 1, 32, 128), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
             cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None, kv_layout=layout,
             sinks=((32,), "float32"), **scales)
-        plans.append((f"decode {cache_dtype} {layout} paged={paged} key_groups={groups}",
-                      P.plan_decode(shape, options, target=h200, num_splits=splits,
-                                    config=P.DecodeConfig(key_groups=groups)), cache_dtype))
-        if groups > 1:
-            continue
+        plans.append((f"decode {cache_dtype} {layout} paged={paged}",
+                      P.plan_decode(shape, options, target=h200, num_splits=splits), cache_dtype))
         append = P.check_append_args(k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
                                      k_new=((4, 3, 8, 128), "bfloat16"), v_new=((4, 3, 8, 128), "bfloat16"),
                                      cache_seqlens=((4,), "int32"), block_table=((4, 128), "int32") if paged else None,
@@ -1096,7 +1045,7 @@ def _decode_plans():
     return plans
 
 
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(8))
 def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
     # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
     parity = pytest.importorskip("test_compile_parity")
@@ -1119,8 +1068,7 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
                 assert "cvt.rn.f16x2.e4m3x2" in ptx and "prmt.b32" in ptx, f"{name}: V not widened as pairs"
                 # and K as column pairs against q's even / odd columns (Triton's own widening of K left ptxas
                 # rebuilding q's operand registers for every MMA)
-                if launch.constexpr_dict()["KEY_GROUPS"] == 1:
-                    assert launch.constexpr_dict()["K_PAIRS"], f"{name}: K not read as column pairs"
+                assert launch.constexpr_dict()["K_PAIRS"], f"{name}: K not read as column pairs"
             parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 
@@ -1150,7 +1098,7 @@ def test_automatic_split_count_on_the_h200():
                                    target=h200, cache=cache(span, paged, fp8, page_size))
 
     def tiles(fp8, page_size=None, dtype="bfloat16", head_dim=128, batch_heads=None, rows=4,
-              config=P.DEFAULT_CONFIG, span=None):
+              config=None, span=None):
         shape = cache(span or 4096, page_size is not None, fp8, page_size or 64, head_dim)
         return P.decode_tiles(rows, head_dim, head_dim, h200, config, dtype=dtype, cache=shape,
                               batch_heads=batch_heads, span=span)
@@ -1189,30 +1137,3 @@ def test_automatic_split_count_on_the_h200():
     # a tile of the caller's choice keeps the cache kind's split rule
     assert tiles(False, batch_heads=8, config=P.DecodeConfig(block_n=64)).programs_per_sm == 0
     assert tiles(False, batch_heads=8).programs_per_sm == 1
-
-
-def test_key_groups_are_off_by_default_on_the_h200():
-    """One key group by default for every cache (decode_splits_fp8pairs_h200.json: with V as column pairs
-    FP8 caches lost with 4 groups too; 16-bit caches lost in decode_splits_groups_h200.json); an explicit
-    DecodeConfig.key_groups is honoured."""
-    from flashbridge.core_kernels import Target
-    from flashbridge.core_kernels.decode import plan as P
-
-    h200 = Target(interpret=False, num_sms=132)
-
-    def groups(batch, span, fp8=True, page_size=None, config=P.DEFAULT_CONFIG):
-        paged = page_size is not None
-        kv = ((-(-batch * span // page_size) if paged else batch, page_size or span, 8, 128),
-              P.FP8_DTYPE if fp8 else "bfloat16")
-        extra = {"block_table": ((batch, -(-span // page_size)), "int32")} if paged else {}
-        if fp8:
-            extra.update(k_scale=((), "float32"), v_scale=((), "float32"))
-        shape, options, _ = P.check_decode_args(q=((batch, 1, 32, 128), "bfloat16"), k_cache=kv, v_cache=kv,
-                                                cache_seqlens=((batch,), "int32"), **extra)
-        plan = P.plan_decode(shape, options, target=h200, config=config)
-        return decode_constexpr([plan], "KEY_GROUPS")
-
-    assert groups(1, 131072) == {1} and groups(1, 16384) == {1} and groups(32, 8192) == {1}
-    assert groups(1, 131072, fp8=False) == {1} and groups(1, 131072, page_size=64) == {1}
-    assert groups(1, 131072, config=P.DecodeConfig(key_groups=4)) == {4}
-    assert groups(32, 8192, fp8=False, config=P.DecodeConfig(key_groups=2)) == {2}

@@ -15,8 +15,7 @@ import torch
 
 from helpers import assert_close, np64
 from test_attention import naive_torch
-from test_decode import (decode_config, decode_constexpr, make_case,  # noqa: F401  (decode_config: a fixture)
-                         run_generation_loops)
+from test_decode import make_case, run_generation_loops
 
 pytestmark = pytest.mark.gpu
 
@@ -241,41 +240,17 @@ def test_gpu_torch_compile_and_cuda_graph():
     assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("name", ["b1-s16k", "fp8-head-b1-s128k", "b4-paged16-hnd-sq3", "sq8-all-options",
-                                  "fp8-tensor-b1-s16k"])
-def test_gpu_decode_key_groups(name, decode_config):
-    """DecodeConfig.key_groups=4 (one softmax state per group of a key block's keys; 64-key steps of
-    16-key groups, FP8 contiguous caches 128-key steps of 32): against float64, as the default kernel."""
-    built = decode_config(key_groups=4)
-    spec, options, splits = CASES.get(name) or (dict(BENCH, lens=(16384, 3), fp8="tensor"), dict(causal=True), None)
-    q, k, v, kw = _cuda(*make_case(hash(name) % 1000 + 4, **spec))
-    check(q, k, v, kw, options, kv_layout=spec.get("layout", "NHD"), num_splits=splits)
-    assert decode_constexpr(built, "KEY_GROUPS") == {4}
-
-
 def _memcheck_case():
     """Ragged lengths, paged caches with shuffled tables, contiguous FP8 (128-key tiles), every op, torch and
-    JAX (for compute-sanitizer); the decode kernel also with DecodeConfig.key_groups=4 and FP8 256-key tiles."""
-    import functools
-
-    from flashbridge.core_kernels.decode.plan import DecodeConfig, plan_decode
+    JAX (for compute-sanitizer); the decode kernel also with FP8 256-key tiles."""
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.decode.plan import DecodeConfig
     from flashbridge.torch_api import decode as tapi
-    # the decode kernel with key groups, and FP8 256-key tiles (the default only on long spans at B=1)
-    for spec, config in ((dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
-                          DecodeConfig(key_groups=4)),
-                         (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
-                          DecodeConfig(key_groups=4)),
-                         (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"),
-                          DecodeConfig(block_n=256))):
-        q, k, v, kw = _cuda(*make_case(3, **spec))
-        tapi.plan_decode = functools.partial(plan_decode, config=config)
-        tapi._decode_plan.cache_clear()
-        try:
-            for splits in (None, 1, 3):
-                tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
-        finally:
-            tapi.plan_decode = plan_decode
-            tapi._decode_plan.cache_clear()
+    # FP8 256-key tiles (the default only on long spans at B=1)
+    q, k, v, kw = _cuda(*make_case(3, hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(1, 0, 130, 1000), fp8="tensor"))
+    with configure(DecodeConfig(block_n=256)):
+        for splits in (None, 1, 3):
+            tapi.decode_attention(q, k, v, num_splits=splits, **kw, softcap=10.0, window_size=(100, -1))
     for spec in (dict(hq=8, hkv=2, dqk=128, dtype="bfloat16", lens=(0, 1, 17, 1000, 4097), page_size=16),
                  # 10 (batch x kv head) programs: contiguous 16-bit takes 128-key tiles at one program per SM,
                  # paged (whole key blocks per page) 5 stages at two

@@ -24,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import threading
 from typing import Any
 
 import numpy as np
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -108,15 +110,44 @@ class _InterpretedKernel:
         return launch
 
 
-def get_kernel(ref: str, interpret: bool) -> Any:
-    """``"norms.kernels:norm_fwd_kernel"`` -> a launchable kernel, compiled or (``interpret``) interpreted."""
+def _resolve(ref: str):
     module_name, _, attr = ref.partition(":")
     if not attr:
         raise ValueError(f"kernel reference {ref!r} is not of the form 'family.module:function'")
-    kernel = getattr(importlib.import_module(f"{_PACKAGE}.{module_name}"), attr)
+    return getattr(importlib.import_module(f"{_PACKAGE}.{module_name}"), attr)
+
+
+def get_kernel(ref: str, interpret: bool) -> Any:
+    """``"norms.kernels:norm_fwd_kernel"`` -> a launchable kernel, compiled or (``interpret``) interpreted."""
+    kernel = _resolve(ref)
     if interpret and isinstance(kernel, JITFunction):
         return _InterpretedKernel(kernel.fn)
     return kernel  # compiled, or already interpreted because TRITON_INTERPRET=1 was set at import
+
+
+@functools.lru_cache(maxsize=None)
+def check_launch_signature(ref: str, n_inputs: int, scalars: tuple[str, ...], n_outputs: int,
+                           constexprs: tuple[str, ...]) -> None:
+    """Raise a ValueError unless the kernel ``ref`` takes ``n_inputs`` tensors, then the runtime scalars
+    ``scalars`` by these names in this order, then ``n_outputs`` tensors, then exactly the constexprs
+    ``constexprs`` (every one the kernel declares, none it does not). Cached: a plan family checks each
+    launch layout once per process."""
+    params = inspect.signature(getattr(_resolve(ref), "fn", _resolve(ref))).parameters.values()
+    declared = {p.name for p in params if p.annotation is tl.constexpr or "constexpr" in str(p.annotation)}
+    positional = [p.name for p in params if p.name not in declared]
+    first, last = n_inputs, n_inputs + len(scalars)
+    if len(positional) != last + n_outputs:
+        raise ValueError(f"{ref}: the launch passes {n_inputs} inputs, {len(scalars)} scalars and {n_outputs} "
+                         f"outputs ({last + n_outputs} positional arguments); the kernel takes {len(positional)}: "
+                         f"{', '.join(positional)}")
+    for i, (given, expected) in enumerate(zip(scalars, positional[first:last])):
+        if given != expected:
+            raise ValueError(f"{ref}: runtime scalar {i} of the launch is {given!r}, the kernel's parameter at "
+                             f"that position is {expected!r}")
+    missing, unknown = sorted(declared - set(constexprs)), sorted(set(constexprs) - declared)
+    if missing or unknown:
+        raise ValueError(f"{ref}: constexprs do not match the kernel's: missing {missing or 'none'}, "
+                         f"unknown {unknown or 'none'}")
 
 
 class _HostStorage:

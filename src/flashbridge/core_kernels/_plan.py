@@ -11,6 +11,9 @@ Runtime scalars come *before* the outputs because jax-triton appends output poin
 arguments and turns every keyword argument into a constexpr; putting sizes that vary from call to call
 (row counts, sequence lengths) there keeps one compiled kernel for many shapes in both frameworks. Values
 that should be specialised (a row width that sets the block size, feature flags) go in ``constexprs``.
+A Plan checks each launch against its kernel's signature when it is built (tensor counts, runtime scalars by
+name and position, constexprs by name; see ``_loader.check_launch_signature``), so a plan and a kernel that
+drift apart fail at once instead of passing arguments to the wrong parameters.
 
 Specialisation of runtime integers: Triton's launcher (torch) would mark an integer argument divisible by 16
 as such, jax-triton never does, and the two would compile different kernels (16-byte vector loads and
@@ -88,7 +91,9 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What to allocate, what to launch in which order, and which buffers the op returns."""
+    """What to allocate, what to launch in which order, and which buffers the op returns. Building one
+    checks the buffers' flow (each read after it is written, each written once) and every launch against its
+    kernel's signature."""
 
     inputs: tuple[str, ...]
     buffers: tuple[Spec, ...]
@@ -113,6 +118,11 @@ class Plan:
         for name in self.results:
             if name not in written:
                 raise ValueError(f"plan result {name!r} is never written")
+        from ._loader import check_launch_signature  # imports the kernel modules, hence triton: not at import
+
+        for launch in self.launches:  # (names via zip: this runs for every plan a front-end builds)
+            check_launch_signature(launch.kernel, len(launch.inputs), next(zip(*launch.scalars), ()),
+                                   len(launch.outputs), next(zip(*launch.constexprs), ()))
 
     def spec(self, name: str) -> Spec:
         for spec in self.buffers:

@@ -2,13 +2,14 @@
 that never holds the ``(N, V)`` logits, plus :func:`linear_cross_entropy_from_layer` for a Flax
 ``nnx.Linear`` head or a tied ``nnx.Embed``.
 
-The same kernels and the same design as ``flashbridge.torch_api.cross_entropy`` (whose docstring explains
-the trade-off): two passes, token chunks walked by ``lax.scan`` (plus one tail chunk) for the loss, lse
-and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into ``dW`` by dynamic-update-slice;
-the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32 accumulation; ``Precision.HIGHEST``
-for float32), lse / loss / dlogits from our kernels. XLA's matmul cannot write into an output as the torch
-path's ``torch.mm(out=...)`` does, so pass 1's chunks of H tokens get their logits from our own GEMM kernel,
-written into dW's storage (see :func:`_pass1`); leftover tokens take small chunks. ``jax.custom_vjp``: under
+The same kernels and the same plan as ``flashbridge.torch_api.cross_entropy`` (whose docstring explains
+the trade-off; ``core_kernels.cross_entropy.plan.LinearCEPlan`` holds the passes): token chunks walked by
+``lax.scan`` for the loss, lse and ``dh``, then static vocabulary slices for ``dW`` / ``db`` written into
+``dW`` by dynamic-update-slice; the logits from ``jnp`` matmuls (cuBLAS through XLA, input dtype, fp32
+accumulation; ``Precision.HIGHEST`` for float32), lse / loss / dlogits from our kernels. XLA's matmul
+cannot write into an output as the torch path's ``torch.mm(out=...)`` does, so pass 1's chunks of H
+tokens get their logits from our own GEMM kernel, written into dW's storage (see :func:`_pass1`), and pass
+2's slice logits are arrays of their own. ``jax.custom_vjp``: under
 ``jax.grad`` with reduction "mean" / "sum" the gradients are computed in the forward pass and scaled by the
 cotangent in the backward; with "none" the backward recomputes the logits from the saved fp32 lse. Every
 kernel call is a ``jax.custom_batching.custom_vmap`` function whose rule folds the mapped axis into the
@@ -28,8 +29,8 @@ import numpy as np
 
 from ..core_kernels import INTERPRETER
 from ..core_kernels.cross_entropy.plan import (
-    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_slice_cols,
-    plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad, plan_linear_logits)
+    LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd,
+    plan_ce_grad, plan_linear_cross_entropy, plan_linear_logits)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, gpu_target, match_varying
 
@@ -66,27 +67,12 @@ def _fwd_call(logits, labels, *, opts: _Opts):
                    {"logits": logits, "labels": labels})
 
 
-def _grad_call(logits, labels, lse, lse_lo, weight, *, opts: _Opts, col0: int = 0, vocab_all=None,
-               in_place: bool = False):
-    """The logits' gradient; ``logits`` may be columns ``col0 ..`` of a ``vocab_all``-wide vocabulary (lse and
-    labels of the whole rows). ``in_place``: the gradient takes over the logits' buffer, as in
-    :func:`_fwd_grad_call` (for logits that are dead after the call; XLA would copy live ones first)."""
+def _grad_call(logits, labels, lse, lse_lo, weight, *, opts: _Opts):
     n_rows, vocab = logits.shape
     (grad,) = execute(lambda target: plan_ce_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
-                                                  per_row_weight=True, **opts.kwargs(), target=target,
-                                                  col0=col0, vocab_all=vocab_all),
-                      {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weight},
-                      aliases={"grad": "logits"} if in_place else None)
+                                                  per_row_weight=True, **opts.kwargs(), target=target),
+                      {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weight})
     return grad
-
-
-def _fwd_grad_call(logits, labels, weight, *, opts: _Opts):
-    n_rows, vocab = logits.shape
-    # the gradient takes over the logits' buffer (as in the torch path): the linear op's chunk logits are
-    # dead after this call, so XLA holds one (C, V) buffer per chunk instead of two
-    return execute(lambda target: plan_ce_fwd_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype),
-                                                   per_row_weight=True, **opts.kwargs(), target=target),
-                   {"logits": logits, "labels": labels, "weight": weight}, aliases={"grad": "logits"})
 
 
 def _row_op(call, n_out: int):
@@ -108,14 +94,38 @@ def _fwd_op(opts: _Opts):
 
 
 @functools.lru_cache(maxsize=None)
-def _grad_op(opts: _Opts, col0: int = 0, vocab_all=None, in_place: bool = False):
-    op = _row_op(lambda *a: (_grad_call(*a, opts=opts, col0=col0, vocab_all=vocab_all, in_place=in_place),), 1)
+def _grad_op(opts: _Opts):
+    op = _row_op(lambda *a: (_grad_call(*a, opts=opts),), 1)
     return lambda *a: op(*a)[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_grad_op(opts: _Opts):
-    return _row_op(functools.partial(_fwd_grad_call, opts=opts), 4)
+def _chunk_op(plan: LinearCEPlan):
+    """The kernels of one pass-1 chunk of ``plan`` (``LinearCEPlan.chunk_plan``) as a row op taking the logits,
+    then the chunk plan's other inputs in its order; a gradient takes over the logits' buffer (they are dead
+    after the call, so XLA holds one (C, V) buffer per chunk instead of two)."""
+    kernels = plan.chunk_plan(1, INTERPRETER)
+
+    def call(*arrays):
+        rows = arrays[0].shape[0]
+        return execute(lambda target: plan.chunk_plan(rows, target), dict(zip(kernels.inputs, arrays)),
+                       aliases={"grad": "logits"} if "grad" in kernels.results else None)
+
+    return _row_op(call, len(kernels.results))
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_op(plan: LinearCEPlan, c0: int, c1: int):
+    """The gradient kernel of pass 2's columns ``[c0, c1)`` (``LinearCEPlan.slice_plan``), over the logits'
+    buffer: (logits, labels, lse, lse_lo, weight) -> grad."""
+    def call(logits, labels, lse, lse_lo, weight):
+        rows = logits.shape[0]
+        return execute(lambda target: plan.slice_plan(rows, c0, c1, target),
+                       {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weight},
+                       aliases={"grad": "logits"})
+
+    op = _row_op(call, 1)
+    return lambda *a: op(*a)[0]
 
 
 def _label_cotangent(labels):
@@ -149,12 +159,12 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 
 @dataclasses.dataclass(frozen=True)
 class _LinearCfg:
-    opts: _Opts
+    ignore_index: int
     reduction: str
-    chunk: int  # pass 1's tokens per chunk with logits of their own (and the forward-only pass's)
-    slice_cols: int  # pass 2's vocabulary columns per slice
     transposed: bool  # weight is (H, V) (a Flax nnx.Linear kernel) instead of (V, H)
-    in_dw: bool  # pass 1 takes chunks of H tokens whose logits live in dW's storage (see _pass1)
+    forward_only: LinearCEPlan  # loss and lse (the primal, and reduction "none"'s forward)
+    with_grads: Optional[LinearCEPlan]  # "mean" / "sum" under differentiation: loss, lse and every gradient
+    recompute: Optional[LinearCEPlan]  # "none": the backward's passes from the saved lse
 
 
 def _precision(dtype):
@@ -171,23 +181,6 @@ def _chunk_logits(h_c, weight, bias, transposed):
     return x if bias is None else x + bias
 
 
-def _scan_chunks(step, carry, row_arrays, chunk: int):
-    """Run ``step(carry, rows) -> (carry, outs)`` over chunks of ``chunk`` rows: ``lax.scan`` over the
-    full chunks, one more call for the tail; the per-row outputs are concatenated back."""
-    n_rows = row_arrays[0].shape[0]
-    n_full, tail = divmod(n_rows, chunk)
-    parts = []
-    if n_full:
-        xs = tuple(a[:n_full * chunk].reshape(n_full, chunk, *a.shape[1:]) for a in row_arrays)
-        carry, ys = jax.lax.scan(step, carry, xs)
-        parts.append(tuple(y.reshape(n_full * chunk, *y.shape[2:]) for y in ys))
-    if tail:
-        carry, ys = step(carry, tuple(a[n_full * chunk:] for a in row_arrays))
-        parts.append(ys)
-    outs = parts[0] if len(parts) == 1 else tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
-    return carry, outs
-
-
 def _reduce(loss_rows, labels, ignore_index, reduction):
     if reduction == "none":
         return loss_rows
@@ -195,15 +188,6 @@ def _reduce(loss_rows, labels, ignore_index, reduction):
     if reduction == "sum":
         return total
     return total / jnp.maximum(jnp.sum(labels != ignore_index), 1).astype(F32)
-
-
-def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
-    def step(carry, rows):
-        h_c, y_c = rows
-        return carry, _fwd_op(cfg.opts)(_chunk_logits(h_c, weight, bias, cfg.transposed), y_c)
-
-    _, (loss_rows, lse, lse_lo) = _scan_chunks(step, None, (hidden, labels), cfg.chunk)
-    return loss_rows, lse, lse_lo
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,109 +217,118 @@ def _logits_op(transposed: bool, has_bias: bool):
     return op
 
 
-def _pass1(hidden, weight, labels, bias, row_weights, cfg: _LinearCfg, lse=None, lse_lo=None):
-    """Token chunks over the whole vocabulary: the logits, (forward, when ``lse`` is None) the loss, lse and
-    lse_lo, their gradient (over the logits' buffer) and ``dh[chunk] = dlogits @ W`` in one GEMM.
+def _pass1(hidden, weight, bias, rows: dict, plan: LinearCEPlan, transposed: bool):
+    """Pass 1 of ``plan``: per chunk the logits, the chunk's kernels and (``plan.chunk_grads``)
+    ``dh[chunk] = dlogits @ W``. ``rows``: the per-row arrays the kernels read besides the logits, by name.
+    Returns the per-row results over all tokens -- (loss, lse, lse_lo) in the forward, then dh -- and the
+    dW-shaped buffer of the in-dW chunks (None without them).
 
-    With ``cfg.in_dw``, chunks of exactly H tokens (H x V logits: dW's size) have their logits written by
-    our kernel into one dW-shaped buffer that each chunk takes over in turn and pass 2 then overwrites with
-    dW, as the torch op uses dW's storage: no logits of their own, so chunks as large as torch's at no
-    memory (XLA's matmul would return a new array per chunk); the remaining tokens take ``cfg.chunk``-token
-    chunks with logits of their own. Returns ((loss_rows, lse, lse_lo, dh) in the forward, else (dh,)) and
-    the buffer (None when no chunk used it).
+    Runs of equal chunks are one ``lax.scan`` each. In-dW chunks (exactly H tokens) get their logits from our
+    GEMM kernel, written into one dW-shaped buffer that each chunk takes over in turn and pass 2 then
+    overwrites with dW (XLA's matmul cannot write into a given buffer; it would return a new array per chunk).
 
     The per-row operands and results of our kernels pass through optimization barriers, which XLA removes
     only after its fusion passes: its dynamic-slice fusion would otherwise wrap each kernel call with the
-    chunk's slices of its operands and the scan's stacking of its results. In the H200's HLO that cloned
-    the forward kernel into such a fusion (a second read of the logits per chunk, scheduled after the
-    gradient, so the in-place gradient had to work on a copy: 63 MiB per 256-token chunk), and copied the
-    whole dW-sized buffer before each in-dW logits kernel (1 GB)."""
-    forward = lse is None
-    hd = hidden.shape[1]
+    chunk's slices of its operands and the scan's stacking of its results, cloning the forward kernel (a
+    second read of the logits, so the in-place gradient had to work on a copy) and copying the whole
+    dW-sized buffer before each in-dW logits kernel."""
+    kernels = plan.chunk_plan(1, INTERPRETER)
+    names = kernels.inputs[1:]  # after the logits
+    op = _chunk_op(plan)
 
-    def chunk_grads(logits, y_c, w_c, *saved):
-        if forward:
-            loss_c, lse_c, grad, lo_c = _fwd_grad_op(cfg.opts)(logits, y_c, w_c)
-            outs = jax.lax.optimization_barrier((loss_c, lse_c, lo_c))
-        else:
-            grad, outs = _grad_op(cfg.opts, in_place=True)(logits, y_c, *saved, w_c), ()
-        return grad, (*outs, _dot(grad, weight, 1, 1 if cfg.transposed else 0))
+    def chunk(logits, row_arrays):
+        out = dict(zip(kernels.results, op(logits, *row_arrays)))
+        stats = tuple(out[n] for n in ("loss", "lse", "lse_lo") if n in out)
+        stats = jax.lax.optimization_barrier(stats) if stats else ()
+        if not plan.chunk_grads:
+            return None, stats
+        return out["grad"], (*stats, _dot(out["grad"], weight, 1, 1 if transposed else 0))
 
-    def step(carry, rows):
-        logits = _chunk_logits(rows[0], weight, bias, cfg.transposed)
-        return carry, chunk_grads(logits, *jax.lax.optimization_barrier(rows[1:]))[1]
+    def step(carry, xs):
+        logits = _chunk_logits(xs[0], weight, bias, transposed)
+        return carry, chunk(logits, jax.lax.optimization_barrier(xs[1:]))[1]
 
-    rows = (hidden, labels, row_weights) + (() if forward else (lse, lse_lo))
-    n_big = hidden.shape[0] // hd if cfg.in_dw else 0
-    if n_big == 0:
-        return _scan_chunks(step, None, rows, cfg.chunk)[1], None
     bias_args = () if bias is None else (bias,)
 
-    def big_step(buffer, rows_c):
-        rows_c = jax.lax.optimization_barrier(rows_c)  # the hidden chunk feeds our logits kernel too
-        out = _logits_op(cfg.transposed, bias is not None)(rows_c[0], weight, buffer, *bias_args)
-        grad, outs = chunk_grads(out.reshape(hd, -1), *rows_c[1:])
+    def in_dw_step(buffer, xs):
+        xs = jax.lax.optimization_barrier(xs)  # the hidden chunk feeds our logits kernel too
+        out = _logits_op(transposed, bias is not None)(xs[0], weight, buffer, *bias_args)
+        grad, outs = chunk(out.reshape(xs[0].shape[0], -1), xs[1:])
         return grad.reshape(weight.shape), outs
 
-    # the buffer starts as zeros (one memset of dW's size, ~0.3 ms at H200 bandwidth): every chunk then
-    # takes it over inside one scan, whose stacked outputs need no concatenation when H divides N
-    xs = tuple(a[:n_big * hd].reshape(n_big, hd, *a.shape[1:]) for a in rows)
-    buffer, ys = jax.lax.scan(big_step, jnp.zeros_like(weight), xs)
-    outs = tuple(y.reshape(n_big * hd, *y.shape[2:]) for y in ys)
-    if n_big * hd < hidden.shape[0]:
-        tail = _scan_chunks(step, None, tuple(a[n_big * hd:] for a in rows), cfg.chunk)[1]
-        outs = tuple(jnp.concatenate(p, axis=0) for p in zip(outs, tail))
+    arrays = (hidden, *(rows[n] for n in names))
+    parts, buffer = [], None
+    for run in plan.chunks:
+        xs = tuple(a[run.start:run.stop] for a in arrays)
+        if run.count == 1 and not run.in_dw:
+            parts.append(step(None, xs)[1])
+            continue
+        xs = tuple(a.reshape(run.count, run.rows, *a.shape[1:]) for a in xs)
+        if run.in_dw:  # the buffer starts as zeros: one memset of dW's size
+            buffer, ys = jax.lax.scan(in_dw_step, jnp.zeros_like(weight), xs)
+        else:
+            _, ys = jax.lax.scan(step, None, xs)
+        parts.append(tuple(y.reshape(run.count * run.rows, *y.shape[2:]) for y in ys))
+    outs = parts[0] if len(parts) == 1 else tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
     return outs, buffer
 
 
-def _pass2(hidden, weight, labels, bias, row_weights, lse, lse_lo, cfg: _LinearCfg, buffer=None):
-    """Vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse and
-    ``dW[slice] = dlogits.T @ h`` (one GEMM: dW is rounded once), ``db[slice] = colsum(dlogits)``; the
-    slices are written into dW in place (a chain of dynamic-update-slices XLA keeps in one buffer): into
-    pass 1's ``buffer`` when it has one (every element is overwritten).
+def _pass2(hidden, weight, bias, rows: dict, plan: LinearCEPlan, transposed: bool, buffer=None):
+    """Pass 2 of ``plan``: per vocabulary slice the logits again, their gradient from pass 1's lse and
+    ``dW[slice] = dlogits.T @ h`` (one GEMM: dW is rounded once), ``db[slice] = colsum(dlogits)``, written
+    into dW in place (a chain of dynamic-update-slices XLA keeps in one buffer): pass 1's ``buffer`` when
+    it has one (every element is overwritten). ``rows``: labels, lse, lse_lo and weight.
 
     One slice at a time: an optimization barrier ties the next slice's input to dW as updated by this
     slice, so XLA cannot schedule the logits GEMMs of later slices before this slice's dW block is written
     (each slice in flight holds N x slice logits and a slice x H block beyond the returned gradients)."""
-    vocab = weight.shape[1] if cfg.transposed else weight.shape[0]
     dw = jnp.zeros_like(weight) if buffer is None else buffer
     db = None if bias is None else jnp.zeros(bias.shape, F32)
-    for c0 in range(0, vocab, cfg.slice_cols):  # static slices: the kernel takes the column offset as a scalar
-        c1 = min(c0 + cfg.slice_cols, vocab)
+    for s in plan.slices:  # static slices: the kernel takes the column offset as a scalar
+        assert s.where == "own", s  # planned with logits_into_dw_rows=False
         hidden, dw = jax.lax.optimization_barrier((hidden, dw))
-        w_s = weight[:, c0:c1] if cfg.transposed else weight[c0:c1]
-        logits = _chunk_logits(hidden, w_s, None if bias is None else bias[c0:c1], cfg.transposed)
-        grad = _grad_op(cfg.opts, c0, vocab, True)(logits, labels, lse, lse_lo, row_weights)
-        if cfg.transposed:
-            dw = jax.lax.dynamic_update_slice(dw, _dot(hidden, grad, 0, 0), (0, c0))  # (H, slice)
+        w_s = weight[:, s.c0:s.c1] if transposed else weight[s.c0:s.c1]
+        logits = _chunk_logits(hidden, w_s, None if bias is None else bias[s.c0:s.c1], transposed)
+        grad = _slice_op(plan, s.c0, s.c1)(logits, rows["labels"], rows["lse"], rows["lse_lo"], rows["weight"])
+        if transposed:
+            dw = jax.lax.dynamic_update_slice(dw, _dot(hidden, grad, 0, 0), (0, s.c0))  # (H, slice)
         else:
-            dw = jax.lax.dynamic_update_slice(dw, _dot(grad, hidden, 0, 0), (c0, 0))  # (slice, H)
+            dw = jax.lax.dynamic_update_slice(dw, _dot(grad, hidden, 0, 0), (s.c0, 0))  # (slice, H)
         if db is not None:
-            db = jax.lax.dynamic_update_slice(db, jnp.sum(grad, axis=0, dtype=F32), (c0,))
+            db = jax.lax.dynamic_update_slice(db, jnp.sum(grad, axis=0, dtype=F32), (s.c0,))
     return dw, db
 
 
+def _lce_forward(hidden, weight, labels, bias, cfg: _LinearCfg):
+    (loss_rows, lse, lse_lo), _ = _pass1(hidden, weight, bias, {"labels": labels}, cfg.forward_only,
+                                         cfg.transposed)
+    return loss_rows, lse, lse_lo
+
+
 def _lce_forward_with_grads(hidden, weight, labels, bias, cfg: _LinearCfg):
-    """Loss and the gradients for an upstream gradient of 1 ("mean" / "sum"), in two passes that each finish
-    a gradient in one GEMM (see the torch path's ``_two_pass_grads``)."""
-    n_active = jnp.sum(labels != cfg.opts.ignore_index)
+    """Loss and the gradients for an upstream gradient of 1 ("mean" / "sum")."""
+    n_active = jnp.sum(labels != cfg.ignore_index)
     scale = (1.0 / jnp.maximum(n_active, 1).astype(F32)) if cfg.reduction == "mean" else jnp.ones((), F32)
     w = jnp.broadcast_to(scale, labels.shape)
-    (loss_rows, lse, lse_lo, dh), buffer = _pass1(hidden, weight, labels, bias, w, cfg)
-    dw, db = _pass2(hidden, weight, labels, bias, w, lse, lse_lo, cfg, buffer)
+    plan = cfg.with_grads
+    (loss_rows, lse, lse_lo, dh), buffer = _pass1(hidden, weight, bias, {"labels": labels, "weight": w}, plan,
+                                                  cfg.transposed)
+    dw, db = _pass2(hidden, weight, bias, {"labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": w}, plan,
+                    cfg.transposed, buffer)
     return loss_rows, lse, dh, dw, db
 
 
 def _lce_recompute_grads(hidden, weight, labels, bias, lse, lse_lo, dloss, cfg: _LinearCfg):
-    (dh,), buffer = _pass1(hidden, weight, labels, bias, dloss, cfg, lse, lse_lo)
-    dw, db = _pass2(hidden, weight, labels, bias, dloss, lse, lse_lo, cfg, buffer)
+    rows = {"labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": dloss}
+    (dh,), buffer = _pass1(hidden, weight, bias, rows, cfg.recompute, cfg.transposed)
+    dw, db = _pass2(hidden, weight, bias, rows, cfg.recompute, cfg.transposed, buffer)
     return dh, dw, db
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _lce(hidden, weight, labels, bias, cfg: _LinearCfg):
     loss_rows, lse, _ = _lce_forward(hidden, weight, labels, bias, cfg)
-    return _reduce(loss_rows, labels, cfg.opts.ignore_index, cfg.reduction), lse
+    return _reduce(loss_rows, labels, cfg.ignore_index, cfg.reduction), lse
 
 
 def _lce_fwd(hidden, weight, labels, bias, cfg):
@@ -343,7 +336,7 @@ def _lce_fwd(hidden, weight, labels, bias, cfg):
         loss_rows, lse, lse_lo = _lce_forward(hidden, weight, labels, bias, cfg)
         return (loss_rows, lse), (hidden, weight, labels, bias, lse, lse_lo)
     loss_rows, lse, dh, dw, db = _lce_forward_with_grads(hidden, weight, labels, bias, cfg)
-    loss = _reduce(loss_rows, labels, cfg.opts.ignore_index, cfg.reduction)
+    loss = _reduce(loss_rows, labels, cfg.ignore_index, cfg.reduction)
     return (loss, lse), (dh, dw, db, labels)
 
 
@@ -381,19 +374,6 @@ def _validate_label_values(labels, vocab: int, ignore_index: int, validate: Opti
     bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
     if bad.any():
         raise ValueError(bad_label_message(int(bad.sum()), int(y[bad][0]), vocab, ignore_index))
-
-
-def _pass1_chunk(n_rows: int, hidden_dim: int) -> int:
-    """Tokens per chunk with logits of their own when not given: the forward-only pass (reduction "none")
-    and pass 1's tokens past the last whole chunk of H (see :func:`_pass1`). Their logits take at most a
-    sixteenth of the weight's size, at least 64 tokens (256 at H=4096, V=128256: 64 MB)."""
-    return min(n_rows, max(64, hidden_dim // 16 // 64 * 64))  # rows * V <= V * H / 16
-
-
-def _slice_cols() -> int:
-    """Pass 2's vocabulary columns per slice (its logits are arrays of their own here, see
-    ``choose_slice_cols``)."""
-    return choose_slice_cols(gpu_target() or INTERPRETER, logits_in_dw=False)
 
 
 def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, label_smoothing: float = 0.0,
@@ -447,9 +427,16 @@ def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_
         logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size, weight_transposed=transposed)
     _validate_label_values(labels, vocab, ignore_index, validate_labels)
     lead = tuple(labels.shape)
-    chunk = min(int(chunk_size), n_rows) if chunk_size else _pass1_chunk(n_rows, h)
-    cfg = _LinearCfg(_Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)),
-                     reduction, chunk, _slice_cols(), bool(transposed), in_dw=not chunk_size)
+    common = dict(dtype=dtype_name(hidden.dtype), chunk_size=int(chunk_size) if chunk_size else None,
+                  logits_into_dw_rows=False, per_row_weight=True, ignore_index=ignore_index,
+                  label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
+                  target=gpu_target() or INTERPRETER)  # the passes are static: planned once for both platforms
+    grads = dict(want_dh=True, want_dw=True, want_db=bias is not None)
+    nothing = dict(want_dh=False, want_dw=False, want_db=False)
+    plan = functools.partial(plan_linear_cross_entropy, n_rows, h, vocab, **common)
+    cfg = _LinearCfg(int(ignore_index), reduction, bool(transposed), plan(forward=True, **nothing),
+                     None if reduction == "none" else plan(forward=True, **grads),
+                     plan(forward=False, **grads) if reduction == "none" else None)
     h2, w, y, b = match_varying(hidden.reshape(n_rows, h), weight, labels.reshape(n_rows), bias)
     loss, lse = _lce(h2, w, y, b, cfg)
     loss = loss.reshape(lead) if reduction == "none" else loss
@@ -470,9 +457,9 @@ def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: O
         bias: optional ``(V,)`` in hidden's dtype.
         ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
-        chunk_size: tokens per chunk (static; their logits are arrays of their own). None: chunks of H tokens
-            whose logits are written into the weight gradient's storage (no memory of their own), the
-            remaining tokens in chunks of ``max(64, H // 16)``.
+        chunk_size: tokens per chunk (static; their logits are arrays of their own). None (as in torch): when
+            the weight's gradient is computed, chunks of H tokens whose logits are written into its storage
+            (no memory of their own), the rest in chunks of ``max(64, H // 16)`` tokens.
 
     Returns:
         The float32 loss (scalar, or ``(...)`` for "none"), and the float32 lse with ``return_lse``.

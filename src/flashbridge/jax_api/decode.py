@@ -76,9 +76,8 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse float32 ``(B, Hq, Sq)``.
 
-    Performance: a decode step can last less than the host needs to dispatch a jitted call (on an H200 a
-    call carries a fixed host cost of a few hundred microseconds; a B=1 step over 16k keys takes ~22 us of
-    kernels). Put the generation loop inside one jitted function (``jax.lax.fori_loop`` / ``jax.lax.scan``
+    Performance: a small decode step takes less GPU time than the host needs to dispatch a jitted call.
+    Put the generation loop inside one jitted function (``jax.lax.fori_loop`` / ``jax.lax.scan``
     over steps) so that cost is paid once per call, not once per step; XLA then runs the steps' kernels back
     to back (``benchmarks/bench_decode.py`` times the JAX rows that way).
 

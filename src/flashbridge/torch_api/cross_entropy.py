@@ -4,22 +4,22 @@ kernels and autograd; ``torch.compile(fullgraph=True)`` clean.
 
 Design of ``linear_cross_entropy`` (the trade-off, time vs memory vs accuracy):
 
-* Two passes, each finishing a gradient in one GEMM (:func:`_two_pass_grads`). Pass 1, token chunks over
-  the whole vocabulary: ``logits = h_c @ W.T (+ b)`` (the framework's GEMM, input dtype, fp32
-  accumulation), then our Triton kernels: the lse / loss pass (one read, online softmax, fp32) and the
-  gradient pass (``dlogits`` written over the logits in place), then ``dh_c = dlogits @ W``. Pass 2,
-  vocabulary slices over all tokens: the slice's logits again, their gradient from pass 1's lse (the
-  kernel takes the slice's column offset), ``dW[slice] = dlogits.T @ h`` and ``db[slice] = colsum``.
+* Two passes, planned once for both front-ends (``core_kernels.cross_entropy.plan.LinearCEPlan``), each
+  finishing a gradient in one GEMM. Pass 1, token chunks over the whole vocabulary: ``logits = h_c @ W.T
+  (+ b)`` (torch's GEMM, input dtype, fp32 accumulation), then our kernels: the lse / loss pass (one read,
+  online softmax, fp32) and the gradient pass (``dlogits`` written over the logits in place), then ``dh_c =
+  dlogits @ W``. Pass 2, vocabulary slices over all tokens: the slice's logits again, their gradient from
+  pass 1's lse (the kernel takes the slice's column offset), ``dW[slice] = dlogits.T @ h`` and
+  ``db[slice] = colsum``.
 * Gradients are computed during the forward (as liger-kernel does) when the reduction is "mean" or "sum"
   and something requires grad: the backward only multiplies them, in place, by the upstream scalar and
   hands them to autograd (no copy; see ``_lce_backward``). With reduction="none" the per-token upstream
   gradients are unknown in the forward, so the forward keeps only the fp32 lse and the backward runs the
   two passes. Four GEMMs in all (eager: three): the logits are computed twice.
 * Memory: the returned gradients and one small buffer. Pass 1's chunk logits live in dW's storage (dW is
-  only written in pass 2; chunks of up to H tokens fit there), pass 2's slice logits in dW's last rows
-  until the slices reach them, then in a 16 MiB buffer. At N=8192, H=4096, V=128256 in bf16: 2 chunks of
-  4096 tokens, 4096-column slices: 1.135 GB peak extra at 54.8 ms on an H200 (dW + dh + 16 MiB;
-  liger-kernel 1.183 GB at 55.1 ms; eager 6.3 GB at 41.2 ms -- ``benchmarks/results/cross_entropy.json``).
+  only written in pass 2), pass 2's slice logits in dW's last rows until the slices reach them, then in a
+  16 MiB buffer: about a third of eager's peak at the same time as liger-kernel's fused op (see
+  ``benchmarks/bench_cross_entropy.py``).
 * Accuracy: lse, loss and the reduction in fp32; the logits are rounded once to the input dtype (as in
   eager); dh and dW are each one GEMM with fp32 accumulation, rounded once to their dtype (as eager does).
   Deterministic: a fixed order, no atomics.
@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 
 from ..core_kernels.cross_entropy.plan import (
-    bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
-    choose_slice_cols, chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
+    LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd,
+    plan_ce_grad, plan_linear_cross_entropy)
 from ._checks import check_tensors
 from ._ops import fused_op, plain_eager
 from ._runtime import dtype_name, execute, target_for
@@ -106,16 +106,6 @@ _ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
 
 # ------------------------------------------------------------------------------------ linear custom ops
 
-def _chunk_size(n_rows: int, hidden: Tensor, vocab: int, chunk_size: int) -> int:
-    if chunk_size > 0:
-        return min(chunk_size, n_rows)
-    free = None
-    if hidden.device.type == "cuda":
-        free_dev, _ = torch.cuda.mem_get_info(hidden.device)
-        free = free_dev + torch.cuda.memory_reserved(hidden.device) - torch.cuda.memory_allocated(hidden.device)
-    return choose_chunk_size(n_rows, hidden.shape[1], vocab, dtype_name(hidden.dtype), free_bytes=free)
-
-
 def _logits_into(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Optional[Tensor]) -> Tensor:
     """``h @ weight.T (+ bias)`` into ``buf`` (a flat buffer of at least that many elements) or a new tensor."""
     out = None if buf is None else buf[:h.shape[0] * weight.shape[0]].view(h.shape[0], weight.shape[0])
@@ -124,101 +114,57 @@ def _logits_into(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Optiona
     return torch.addmm(bias, h, weight.t(), out=out)
 
 
-SMALL_SLICE_BYTES = 16 * 2**20  # the pass-2 logits buffer for the slices that dW's tail rows cannot host
-
-
-def _vocab_slices(n_rows: int, vocab: int, width: int, dw: Tensor, hidden: Tensor):
-    """Yield (c0, c1, buffer) for pass 2: slices of ``width`` columns whose ``n_rows x width`` logits live in
-    dW's last rows (not yet written: slices are written in order) while they fit there, then narrower
-    slices in one small buffer of their own for the rest."""
-    hd = hidden.shape[1]
-    flat = dw.view(-1) if dw.numel() else None
-    tail_rows = -(-n_rows * width // hd)
-    c0 = 0
-    if flat is not None and tail_rows < vocab:
-        tail = flat[(vocab - tail_rows) * hd:]
-        while c0 + width <= vocab - tail_rows:
-            yield c0, c0 + width, tail
-            c0 += width
-    if c0 < vocab:
-        # without dW (only db wanted) nothing else is held: full-width slices
-        small = width if flat is None else max(1, min(width, SMALL_SLICE_BYTES // (n_rows * hidden.element_size())))
-        buf = hidden.new_empty((n_rows * small,))
-        while c0 < vocab:
-            yield c0, min(c0 + small, vocab), buf
-            c0 += small
-
-
-def _two_pass_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, options: dict,
-                    chunk: int, weights: Tensor, per_row: bool, dh: Tensor, dw: Tensor, db: Optional[Tensor],
-                    lse: Optional[Tensor] = None, lse_lo: Optional[Tensor] = None):
-    """The gradients of ``sum_i w_i * loss_i`` (``weights``: float32 (N,) when ``per_row``, else (1,)) into
-    the given buffers (empty = not wanted), in two passes that each finish a gradient in one GEMM:
-
-    1. token chunks of ``chunk`` rows over the whole vocabulary: the logits, the loss and lse (when ``lse``
-       is None, i.e. in the forward), their gradient in place and ``dh[chunk] = dlogits @ W``. The chunk's
-       logits live in dW's storage (dW is not written before pass 2) when they fit there.
-    2. vocabulary slices over all tokens: the slice's logits again, their gradient in place (from pass 1's
-       lse) and ``dW[slice] = dlogits.T @ h``, ``db[slice] = colsum(dlogits)``; see :func:`_vocab_slices`.
-
-    No gradient is rounded more than once (the GEMMs accumulate in fp32), at the cost of the logits GEMM
-    twice (four GEMMs in all); the peak beyond the returned gradients is one small slice buffer.
-    Returns (loss_rows, lse, lse_lo) when computing the forward, else None."""
-    n_rows = hidden.shape[0]
-    vocab = weight.shape[0]
+def _run_passes(plan: LinearCEPlan, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                weights: Tensor, dh: Tensor, dw: Tensor, db: Optional[Tensor], lse: Optional[Tensor] = None,
+                lse_lo: Optional[Tensor] = None):
+    """Execute ``plan`` (see ``LinearCEPlan``): the gradients of ``sum_i w_i * loss_i`` (``weights``: float32
+    (N,) or (1,), as the plan's ``per_row_weight``) into the given buffers (empty = not wanted). A chunk's
+    logits go into dW's storage whenever dW is computed and they fit (dW is written only in pass 2): torch's
+    GEMMs write into any storage, so chunks with logits "of their own" cost nothing here either. Returns
+    (loss_rows, lse, lse_lo) in the forward, else None."""
+    n_rows, vocab = plan.n_rows, plan.vocab
     target = target_for(hidden.device)
-    dtype = dtype_name(hidden.dtype)
-    forward = lse is None
-    if forward:
-        loss_rows = hidden.new_empty((n_rows,), dtype=torch.float32)
-        lse = hidden.new_empty((n_rows,), dtype=torch.float32)
-        lse_lo = hidden.new_empty((n_rows,), dtype=torch.float32)
-    scratch = dw.view(-1) if dw.numel() else None
-    want_dh = dh.numel() > 0
-    for start, stop in chunk_bounds(n_rows, chunk) if forward or want_dh else ():  # pass 1
+    if plan.forward:
+        loss_rows, lse, lse_lo = (hidden.new_empty((n_rows,), dtype=torch.float32) for _ in range(3))
+    flat_dw = dw.view(-1) if dw.numel() else None
+    for start, stop, _ in plan.chunk_bounds():  # pass 1
         rows = stop - start
-        h_c = hidden[start:stop]
-        logits = _logits_into(h_c, weight, bias, scratch if scratch is not None and rows * vocab <= scratch.numel()
-                              else None)
-        named = {"logits": logits, "labels": labels[start:stop]}
-        w_c = weights[start:stop] if per_row else weights
-        if forward and want_dh:
-            plan = plan_ce_fwd_grad(rows, vocab, grad_dtype=dtype, per_row_weight=per_row, **options, target=target)
-            loss_rows[start:stop], lse[start:stop], grad, lse_lo[start:stop] = execute(
-                plan, {**named, "weight": w_c}, out={"grad": logits})
-        elif forward:
-            loss_rows[start:stop], lse[start:stop], lse_lo[start:stop] = execute(
-                plan_ce_fwd(rows, vocab, **options, target=target), named)
+        logits = _logits_into(hidden[start:stop], weight, bias,
+                              flat_dw if flat_dw is not None and rows * vocab <= flat_dw.numel() else None)
+        named = {"logits": logits, "labels": labels[start:stop], "weight": weights[start:stop]
+                 if plan.per_row_weight else weights}
+        kernels = plan.chunk_plan(rows, target)
+        if plan.forward and plan.chunk_grads:
+            loss_rows[start:stop], lse[start:stop], grad, lse_lo[start:stop] = execute(kernels, named,
+                                                                                        out={"grad": logits})
+        elif plan.forward:
+            loss_rows[start:stop], lse[start:stop], lse_lo[start:stop] = execute(kernels, named)
         else:
-            plan = plan_ce_grad(rows, vocab, grad_dtype=dtype, per_row_weight=per_row, **options, target=target)
-            (grad,) = execute(plan, {**named, "lse": lse[start:stop], "lse_lo": lse_lo[start:stop], "weight": w_c},
+            (grad,) = execute(kernels, {**named, "lse": lse[start:stop], "lse_lo": lse_lo[start:stop]},
                               out={"grad": logits})
-        if want_dh:
+        if plan.chunk_grads:
             torch.mm(grad, weight, out=dh[start:stop])
         del logits, named
-    if dw.numel() or db is not None:  # pass 2
-        for c0, c1, buf in _vocab_slices(n_rows, vocab, choose_slice_cols(target, logits_in_dw=True), dw, hidden):
-            logits = _logits_into(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], buf)
-            plan = plan_ce_grad(n_rows, c1 - c0, grad_dtype=dtype, per_row_weight=per_row, **options,
-                                target=target, col0=c0, vocab_all=vocab)
-            (grad,) = execute(plan, {"logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo,
-                                     "weight": weights}, out={"grad": logits})
-            if dw.numel():
-                torch.mm(grad.t(), hidden, out=dw[c0:c1])
-            if db is not None:
-                db[c0:c1] = grad.sum(dim=0, dtype=torch.float32)
-            del logits, grad
-    return (loss_rows, lse, lse_lo) if forward else None
+    buffer = hidden.new_empty((plan.buffer_elements,)) if plan.buffer_elements else None
+    for s in plan.slices:  # pass 2
+        buf = flat_dw[plan.dw_tail_offset(s):] if s.where == "dw_tail" else buffer if s.where == "buffer" else None
+        logits = _logits_into(hidden, weight[s.c0:s.c1], None if bias is None else bias[s.c0:s.c1], buf)
+        (grad,) = execute(plan.slice_plan(n_rows, s.c0, s.c1, target), {
+            "logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weights}, out={"grad": logits})
+        if dw.numel():
+            torch.mm(grad.t(), hidden, out=dw[s.c0:s.c1])
+        if db is not None:
+            db[s.c0:s.c1] = grad.sum(dim=0, dtype=torch.float32)
+        del logits, grad
+    return (loss_rows, lse, lse_lo) if plan.forward else None
 
 
-def _pass1_chunk(n_rows: int, hidden: Tensor, weight: Tensor, chunk_size: int, in_dw: bool) -> int:
-    """Pass 1's tokens per chunk: ``chunk_size`` when given; else, when dW is computed, as many rows as dW's
-    storage holds logits for (its size: no memory of their own); else :func:`_chunk_size`'s budget."""
-    if chunk_size > 0:
-        return min(chunk_size, n_rows)
-    if in_dw:
-        return max(1, min(n_rows, weight.shape[1]))
-    return _chunk_size(n_rows, hidden, weight.shape[0], chunk_size)
+def _plan(hidden: Tensor, weight: Tensor, dh: Tensor, dw: Tensor, db: Optional[Tensor], options: dict, *,
+          forward: bool, chunk_size: int) -> LinearCEPlan:
+    return plan_linear_cross_entropy(
+        hidden.shape[0], hidden.shape[1], weight.shape[0], dtype=dtype_name(hidden.dtype), forward=forward,
+        want_dh=dh.numel() > 0, want_dw=dw.numel() > 0, want_db=db is not None, chunk_size=chunk_size or None,
+        logits_into_dw_rows=True, per_row_weight=not forward, **options, target=target_for(hidden.device))
 
 
 def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
@@ -237,7 +183,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
 
     loss: float32 scalar ("mean" / "sum") or (N,) ("none"); lse, lse_lo float32 (N,) (plan_ce_fwd). With reduction "mean" /
     "sum", dh / dw / db are the gradients for an upstream gradient of 1, computed during the forward
-    (:func:`_two_pass_grads`), for the grad_* flags that are set; the others (and all three for "none") are empty.
+    (:func:`_run_passes`), for the grad_* flags that are set; the others (and all three for "none") are empty.
     """
     n_rows, _ = hidden.shape
     options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
@@ -247,8 +193,8 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     count = _token_count(labels, ignore_index) if reduction == "mean" else None
     scale = ((1.0 / count).reshape(1) if count is not None
              else torch.ones(1, dtype=torch.float32, device=hidden.device))
-    chunk = _pass1_chunk(n_rows, hidden, weight, chunk_size, dw.numel() > 0)
-    loss_rows, lse, lse_lo = _two_pass_grads(hidden, weight, bias, labels, options, chunk, scale, False, dh, dw, db)
+    plan = _plan(hidden, weight, dh, dw, db, options, forward=True, chunk_size=chunk_size)
+    loss_rows, lse, lse_lo = _run_passes(plan, hidden, weight, bias, labels, scale, dh, dw, db)
     loss = _reduce(loss_rows, labels, ignore_index, reduction, (n_rows,), count)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
     return loss, lse, lse_lo, dh, dw, db_out
@@ -273,12 +219,11 @@ def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
              chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
              ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,)) by recomputing the logits from the forward's
-    lse (:func:`_two_pass_grads`): returns (dh, dw, db), empty where the flag is not set."""
-    n_rows, _ = hidden.shape
+    lse (:func:`_run_passes`): returns (dh, dw, db), empty where the flag is not set."""
     options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
     dh, dw, db = _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
-    chunk = _pass1_chunk(n_rows, hidden, weight, chunk_size, dw.numel() > 0)
-    _two_pass_grads(hidden, weight, bias, labels, options, chunk, dloss, True, dh, dw, db, lse, lse_lo)
+    plan = _plan(hidden, weight, dh, dw, db, options, forward=False, chunk_size=chunk_size)
+    _run_passes(plan, hidden, weight, bias, labels, dloss, dh, dw, db, lse, lse_lo)
     return dh, dw, db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
 
 
@@ -440,8 +385,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         bias: optional ``(V,)`` in hidden's dtype.
         ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
             :func:`cross_entropy`.
-        chunk_size: tokens per chunk; None picks it from N, H, V and the free memory
-            (``core_kernels.cross_entropy.plan.choose_chunk_size``).
+        chunk_size: tokens per chunk. None (as in JAX): when the weight's gradient is computed, chunks of H
+            tokens whose logits live in its storage, the rest in chunks of ``max(64, H // 16)`` tokens
+            (``core_kernels.cross_entropy.plan.plan_linear_cross_entropy``).
 
     Returns:
         The float32 loss (a scalar, or ``(...)`` for "none"), and the float32 lse ``(...)`` with

@@ -19,9 +19,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..core_kernels.decode.plan import (DecodeOptions, check_append_args, check_cache_values, check_cascade_args,
-                                        check_decode_args, check_merge_args, check_scales, plan_append,
-                                        plan_cascade, plan_decode, plan_merge)
+from ..core_kernels._config import active_config
+from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_append_args, check_cache_values,
+                                        check_cascade_args, check_decode_args, check_merge_args, check_scales,
+                                        plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
 from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
@@ -70,16 +71,16 @@ def _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sink
     return shape, options
 
 
-@functools.lru_cache(maxsize=256)
-def _decode_plan(shape, options, target, num_splits, q_strides, k_strides, v_strides):
+@functools.lru_cache(maxsize=256)  # keyed on the config too: core_kernels.configure() changes it
+def _decode_plan(shape, options, target, num_splits, q_strides, k_strides, v_strides, config):
     return plan_decode(shape, options, target=target, num_splits=num_splits,
-                       strides={"q": q_strides, "k_cache": k_strides, "v_cache": v_strides})
+                       strides={"q": q_strides, "k_cache": k_strides, "v_cache": v_strides}, config=config)
 
 
 @functools.lru_cache(maxsize=256)
-def _cascade_plan(shape, shared_len, options, target, num_splits, k_strides, v_strides):
+def _cascade_plan(shape, shared_len, options, target, num_splits, k_strides, v_strides, config):
     return plan_cascade(shape, shared_len, options, target=target, num_splits=num_splits,
-                        strides={"k_cache": k_strides, "v_cache": v_strides})
+                        strides={"k_cache": k_strides, "v_cache": v_strides}, config=config)
 
 
 def _check_pairs_base(plan, keys: dict[str, Tensor], values: dict[str, Tensor]) -> None:
@@ -110,7 +111,8 @@ def _decode_attn(
                               v_scale, kv_layout, softmax_scale, causal, window_left, window_right, softcap)
     q, k_cache, v_cache = _prepare(q), _prepare(k_cache), _prepare(v_cache)
     plan = _decode_plan(shape, options, target_for(q.device), num_splits, (q.stride(0), q.stride(1), q.stride(2)),
-                        _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout))
+                        _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout),
+                        active_config(DecodeConfig))
     _check_pairs_base(plan, {"k_cache": k_cache}, {"v_cache": v_cache})
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
              "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
@@ -157,7 +159,8 @@ def _cascade_attn(
         softmax_scale=softmax_scale, causal=causal, softcap=softcap)
     k_cache, v_cache = _prepare(k_cache), _prepare(v_cache)
     plan = _cascade_plan(shape, shared_len, options, target_for(q.device), num_splits,
-                         _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout))
+                         _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout),
+                         active_config(DecodeConfig))
     shared_k, shared_v = shared_k.contiguous(), shared_v.contiguous()
     _check_pairs_base(plan, {"shared_k": shared_k, "k_cache": k_cache}, {"shared_v": shared_v, "v_cache": v_cache})
     given = {"q": q, "shared_k": shared_k, "shared_v": shared_v, "k_cache": k_cache, "v_cache": v_cache,
@@ -246,8 +249,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)``.
 
-    Performance: a decode step can last less than the host needs to launch it (a B=1 step over 16k keys
-    takes ~22 us of kernels on an H200). The op can be captured in a CUDA graph (``torch.cuda.graph``) and
+    Performance: a small decode step takes less GPU time than the host needs to launch it. The op can be
+    captured in a CUDA graph (``torch.cuda.graph``) and
     compiles with ``torch.compile(fullgraph=True)`` (both covered by the GPU tests); replaying a graph of the
     model's step removes the launch cost (``benchmarks/bench_decode.py`` times every torch row that way).
 

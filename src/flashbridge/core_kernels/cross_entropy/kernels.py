@@ -66,8 +66,8 @@ def _fold(m, s, z):
     """Fold a tile of scores ``z`` [N, C, CHUNK] into the online softmax of each chunk lane: running max
     ``m`` and ``s = sum exp(z - m)``, both [N, C]. The CHUNK elements of a lane are the ones a thread loads
     with one vector load, so the tile's max and sum per lane are in-thread reductions (no shuffles), and
-    each element costs a max, a subtraction, an exp and an add (the exp's scaling included: ~5 instructions,
-    was ~10 with a state per element); the rescale is per lane. A NaN score makes its row's sum NaN (the exp
+    each element costs a max, a subtraction, an exp and an add (half of what a state per element costs);
+    the rescale is per lane. A NaN score makes its row's sum NaN (the exp
     of NaN); lanes that have only seen -inf stay at (_NEG_BIG, 0); scores at float32's lowest (a common
     mask value) count as exp(0) against a lane still at _NEG_BIG, as they must when the whole row is masked."""
     m_new = tl.maximum(m, tl.max(z, axis=2))

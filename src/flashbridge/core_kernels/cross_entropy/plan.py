@@ -1,17 +1,18 @@
 """Launch plans and argument rules for the cross-entropy family (pure Python: shapes and options in).
 
 Logits are viewed as ``(n_rows, V)``, C-contiguous (the front-ends copy non-contiguous arrays); labels as
-``(n_rows,)``. Three plans:
+``(n_rows,)``. Kernel plans:
 
 * :func:`plan_ce_fwd`: logits, labels -> per-row loss, lse and lse_lo (float32); one read of the logits.
 * :func:`plan_ce_grad`: logits, labels, lse, lse_lo, weight -> the gradient of ``sum_i w_i * loss_i``
   with respect to the logits; one read of the logits, one write of the gradient.
 * :func:`plan_ce_fwd_grad`: both launches back to back (the chunk step of the linear op, which computes
   its gradients during the forward).
+* :func:`plan_linear_logits`: ``hidden @ W^T (+ b)`` into a buffer the caller owns (the JAX linear op).
 
-:func:`choose_chunk_size` picks the token chunk of ``linear_cross_entropy``; :func:`check_cross_entropy_args`
-and :func:`check_linear_cross_entropy_args` are the argument rules both front-ends share, so that they
-raise the same errors, before any launch.
+:func:`plan_linear_cross_entropy` orchestrates ``linear_cross_entropy``'s two passes for both front-ends;
+:func:`check_cross_entropy_args` and :func:`check_linear_cross_entropy_args` are the argument rules both
+front-ends share, so that they raise the same errors, before any launch.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import dataclasses
 import math
 import numbers
 
+from .._config import active_config
 from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
 
 _KERNELS = "cross_entropy.kernels"
@@ -28,39 +30,38 @@ REDUCTIONS = ("mean", "sum", "none")
 
 @dataclasses.dataclass(frozen=True)
 class CEConfig:
-    """Tile sizes of the cross-entropy kernels. ``None`` picks the default for the target.
+    """Tiles of the cross-entropy kernels and the linear op's pass-2 slices; ``None`` picks the target's
+    default. The GPU defaults were swept on an H200 with Triton 3.6 (bench_cross_entropy.py --tune).
 
     block_v: vocabulary columns per tile (a power of two). Default: 2048 (or the vocabulary rounded up to
         a power of two when smaller).
-    block_n: rows per program. Default on a GPU: ``4096 // block_v`` rows (at least 1, at most 16), so a
-        tile holds 4096 elements, 8 per thread at 8 warps (H200, N=8192, V=128256, bf16, warps 8: the
-        forward took 0.628 ms with 2 x 2048 tiles, 0.652 with 1 x 4096, 0.794 with 1 x 8192; the gradient
-        1.08 ms with each); with too few rows for two programs per SM, one row of 4096 columns (when
-        neither block_n nor block_v is given); in the interpreter, enough rows for ~16K elements per tile
-        (it pays per program).
+    block_n: rows per program. Default on a GPU: ``4096 // block_v`` rows (1 to 16), so a tile holds 4096
+        elements, 8 per thread at 8 warps; with too few rows for two programs per SM, one row of 4096
+        columns (when neither block_n nor block_v is given); in the interpreter, which pays per program,
+        enough rows for ~16K elements per tile.
     num_warps: default 8 for tiles of 4096+ elements, else 4.
-    num_stages: software-pipelining depth of the loop over the vocabulary (Triton's ``num_stages``).
-        Default 1.
+    num_stages: software-pipelining depth of the loop over the vocabulary. Default 1.
+    slice_cols: vocabulary columns per slice of ``linear_cross_entropy``'s pass 2 (default:
+        :func:`choose_slice_cols`).
     """
 
     block_v: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    slice_cols: int | None = None
 
     def __post_init__(self):
-        for name in ("block_v", "block_n", "num_warps", "num_stages"):
+        for name in ("block_v", "block_n", "num_warps", "num_stages", "slice_cols"):
             value = getattr(self, name)
-            if value is not None and (value < 1 or (name != "num_stages" and value & (value - 1))):
-                kind = "a positive int" if name == "num_stages" else "a power of two"
+            positive = name in ("num_stages", "slice_cols")
+            if value is not None and (value < 1 or (not positive and value & (value - 1))):
+                kind = "a positive int" if positive else "a power of two"
                 raise ValueError(f"CEConfig.{name}: must be None or {kind}, got {value}")
 
 
-DEFAULT_CONFIG = CEConfig()
-
-
 def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> tuple[int, int, int]:
-    config = config or DEFAULT_CONFIG  # read at call time: tests swap DEFAULT_CONFIG for small tiles
+    config = config or active_config(CEConfig)
     if config.block_v is not None:
         block_v = min(config.block_v, next_power_of_2(vocab))
     else:
@@ -72,9 +73,8 @@ def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> t
     else:
         block_n = max(1, min(16, 4096 // block_v))
         if config.block_v is None and cdiv(n_rows, block_n) < 2 * target.num_sms:
-            # Too few rows to give every SM two programs (e.g. the 256-token chunks of a low-memory linear
-            # CE: 128 programs of 2 rows on 132 SMs): one row per program, the tile kept at 4096 columns
-            # (1 x 4096 ran within 4% of 2 x 2048 at N=8192).
+            # Too few rows to give every SM two programs (e.g. the linear op's 256-token chunks): one row per
+            # program, the tile kept at 4096 columns (as fast as 2 x 2048 where both fill the GPU).
             block_n, block_v = 1, min(next_power_of_2(vocab), 4096)
     num_warps = config.num_warps or (8 if block_n * block_v >= 4096 else 4)
     return block_n, block_v, num_warps
@@ -175,52 +175,6 @@ def bad_label_message(bad_count: int, example: int, vocab: int, ignore_index: in
             f"e.g. {example}")
 
 
-# --------------------------------------------------------------------------------------------- chunking
-
-CHUNK_FLOOR_BYTES = 256 * 2**20  # never plan chunks smaller than this (GEMMs of a few rows are slow)
-
-
-def choose_chunk_size(n_rows: int, hidden: int, vocab: int, dtype: str, *,
-                      free_bytes: int | None = None) -> int:
-    """Tokens per chunk of ``linear_cross_entropy``.
-
-    A chunk holds its logits and their gradient, ``2 * chunk * V`` elements. The budget for them is the
-    size of the weight (at least 256 MiB) and at most a quarter of the free device memory, so the op's peak
-    extra memory is about the returned gradients plus one more weight. Chunks are balanced (the last is not
-    a sliver) and a multiple of 64 tokens when there is more than one.
-    """
-    itemsize = DTYPE_BYTES[dtype]
-    budget = max(vocab * hidden * itemsize, CHUNK_FLOOR_BYTES)
-    if free_bytes is not None:
-        budget = min(budget, max(free_bytes // 4, 1))
-    per_row = 2 * vocab * itemsize
-    rows = max(1, budget // per_row)
-    if rows >= n_rows:
-        return n_rows
-    if rows >= 64:
-        rows -= rows % 64
-    n_chunks = cdiv(n_rows, rows)
-    chunk = cdiv(n_rows, n_chunks)
-    if rows >= 64:
-        chunk = min(rows, cdiv(chunk, 64) * 64)
-    return chunk
-
-
-def choose_slice_cols(target: Target, *, logits_in_dw: bool) -> int:
-    """Vocabulary columns per slice of the linear op's second pass (the logits of all N tokens for the
-    slice, then ``dW[slice]`` in one GEMM). On a GPU: 4096 where the slice's logits live in dW's rows not yet
-    written (the torch path: the width costs no memory and N x 4096 GEMMs run at full speed), 2048 where they
-    are arrays of their own (the JAX path; H200, N=8192, H=4096, V=128256: 1.333 GB against 1.367 GB with
-    4096, both 59.2 ms). The interpreter takes 256 columns, so that tests cross several slices."""
-    if target.interpret:
-        return 256
-    return 4096 if logits_in_dw else 2048
-
-
-def chunk_bounds(n_rows: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, n_rows)) for s in range(0, n_rows, chunk)]
-
-
 # ------------------------------------------------------------------------------------------------ plans
 
 def _options(ignore_index, label_smoothing, z_loss, softcap):
@@ -231,7 +185,7 @@ def _options(ignore_index, label_smoothing, z_loss, softcap):
 
 
 def _stages(config: CEConfig | None) -> int:
-    return (config or DEFAULT_CONFIG).num_stages or 1
+    return (config or active_config(CEConfig)).num_stages or 1
 
 
 def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
@@ -340,3 +294,161 @@ def plan_linear_logits(n_rows: int, vocab: int, hidden: int, *, dtype: str, weig
                         ("DOT_PRECISION", "ieee" if dtype == "float32" else "tf32")),
             num_warps=warps, num_stages=stages),),
         results=("out",))
+
+
+# ------------------------------------------------------------------------------------- linear: two passes
+
+SMALL_SLICE_BYTES = 16 * 2**20  # pass 2's buffer for the slices whose logits dW's unwritten rows cannot hold
+
+
+def own_chunk_rows(n_rows: int, hidden: int) -> int:
+    """Tokens per pass-1 chunk whose logits are an array of their own (see :func:`plan_linear_cross_entropy`):
+    at most a sixteenth of the weight's size (rows x V <= V x H / 16), at least 64 tokens."""
+    return max(1, min(n_rows, max(64, hidden // 16 // 64 * 64)))
+
+
+def choose_slice_cols(target: Target, *, logits_in_dw: bool) -> int:
+    """Vocabulary columns per slice of pass 2 (the logits of all N tokens for the slice, then ``dW[slice]`` in
+    one GEMM). On a GPU: 4096 where the slice's logits live in dW's rows not yet written (they cost no
+    memory and N x 4096 GEMMs run at full speed), 2048 where they are arrays of their own (H200, Triton 3.6,
+    N=8192, H=4096, V=128256: the same time as 4096 in less memory; bench_cross_entropy.py --jax-sweep).
+    The interpreter takes 256 columns, so that tests cross several slices."""
+    if target.interpret:
+        return 256
+    return 4096 if logits_in_dw else 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRun:
+    """``count`` consecutive pass-1 chunks of ``rows`` tokens from token ``start``. ``in_dw``: each chunk is
+    exactly H tokens and its H x V logits are written into dW's storage (dW is written only in pass 2), so
+    they cost no memory; otherwise the logits are an array of their own."""
+
+    start: int
+    rows: int
+    count: int
+    in_dw: bool
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSlice:
+    """Pass 2's columns ``[c0, c1)``; ``where`` their N x (c1 - c0) logits live: "dw_tail" (dW's last rows,
+    not written before this slice), "buffer" (one buffer of ``LinearCEPlan.buffer_elements``) or "own"."""
+
+    c0: int
+    c1: int
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCEPlan:
+    """The two passes of ``linear_cross_entropy``, executed alike by both front-ends. Each pass finishes a
+    gradient in one GEMM (fp32 accumulation, one rounding), at the cost of the logits GEMM twice.
+
+    1. ``chunks`` (token chunks over the whole vocabulary; empty when pass 1 has nothing to compute): the
+       logits ``h_c @ W^T (+ b)``, the chunk's kernels (:meth:`chunk_plan`: loss, lse and lse_lo when
+       ``forward``, the logits' gradient over the logits when ``chunk_grads``) and ``dh[chunk] = dlogits @ W``.
+    2. ``slices`` (vocabulary slices over all tokens; empty unless dW or db is wanted): the slice's logits
+       again, their gradient from pass 1's lse (:meth:`slice_plan`), ``dW[slice] = dlogits^T h`` and
+       ``db[slice] = colsum(dlogits)``.
+    """
+
+    n_rows: int
+    hidden: int
+    vocab: int
+    dtype: str
+    forward: bool
+    chunk_grads: bool
+    per_row_weight: bool
+    options: tuple[int, float, float, float]  # ignore_index, label_smoothing, z_loss, logit_softcap
+    config: CEConfig
+    chunks: tuple[ChunkRun, ...]
+    slices: tuple[VocabSlice, ...]
+    buffer_elements: int = 0
+
+    def chunk_bounds(self):
+        """(start, stop, in_dw) of every pass-1 chunk, in order."""
+        for run in self.chunks:
+            for i in range(run.count):
+                yield run.start + i * run.rows, run.start + (i + 1) * run.rows, run.in_dw
+
+    def _kw(self, target: Target) -> dict:
+        ignore_index, label_smoothing, z_loss, logit_softcap = self.options
+        return dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                    logit_softcap=logit_softcap, target=target, config=self.config)
+
+    def chunk_plan(self, rows: int, target: Target) -> Plan:
+        """The kernels of one pass-1 chunk: :func:`plan_ce_fwd_grad` (inputs logits, labels, weight),
+        :func:`plan_ce_fwd` (logits, labels) or, in the backward, :func:`plan_ce_grad`."""
+        if self.forward and self.chunk_grads:
+            return plan_ce_fwd_grad(rows, self.vocab, grad_dtype=self.dtype, per_row_weight=self.per_row_weight,
+                                    **self._kw(target))
+        if self.forward:
+            return plan_ce_fwd(rows, self.vocab, **self._kw(target))
+        return plan_ce_grad(rows, self.vocab, grad_dtype=self.dtype, per_row_weight=self.per_row_weight,
+                            **self._kw(target))
+
+    def slice_plan(self, rows: int, c0: int, c1: int, target: Target) -> Plan:
+        """The gradient kernel of pass 2's columns ``[c0, c1)`` for ``rows`` tokens (:func:`plan_ce_grad`
+        with the column offset; inputs logits, labels, lse, lse_lo, weight)."""
+        return plan_ce_grad(rows, c1 - c0, grad_dtype=self.dtype, per_row_weight=self.per_row_weight, col0=c0,
+                            vocab_all=self.vocab, **self._kw(target))
+
+    def dw_tail_offset(self, s: VocabSlice) -> int:
+        """Where a "dw_tail" slice's logits start in dW's flat storage: the first of dW's last
+        ``cdiv(N x width, H)`` rows, which no earlier slice writes."""
+        return (self.vocab - cdiv(self.n_rows * (s.c1 - s.c0), self.hidden)) * self.hidden
+
+
+def plan_linear_cross_entropy(n_rows: int, hidden: int, vocab: int, *, dtype: str, forward: bool, want_dh: bool,
+                              want_dw: bool, want_db: bool, chunk_size: int | None, logits_into_dw_rows: bool,
+                              per_row_weight: bool, ignore_index: int, label_smoothing: float, z_loss: float,
+                              logit_softcap: float, target: Target, config: CEConfig | None = None) -> LinearCEPlan:
+    """The passes of a linear cross-entropy call: the forward (``forward``: loss and lse, and the gradients
+    wanted, computed there when the reduction allows) or the backward's recomputation from the saved lse.
+
+    Pass 1 runs when ``forward`` or ``want_dh``. ``chunk_size`` None: when dW is computed, chunks of exactly H
+    tokens whose logits live in dW's storage, then the remaining tokens; otherwise every token, in chunks of
+    :func:`own_chunk_rows`. A given ``chunk_size``: chunks of that many tokens with logits of their own.
+
+    Pass 2 runs when ``want_dw`` or ``want_db``. ``logits_into_dw_rows``: the runtime can write a GEMM's output
+    into dW's storage (torch); the slices then live in dW's rows not yet written while they fit, the rest in
+    one small buffer. Otherwise (JAX) each slice's logits are an array of their own.
+    """
+    config = config or active_config(CEConfig)
+    chunks: list[ChunkRun] = []
+    if forward or want_dh:
+        start = 0
+        if chunk_size is None and want_dw and n_rows >= hidden:
+            chunks.append(ChunkRun(0, hidden, n_rows // hidden, True))
+            start = chunks[-1].stop
+        rows = min(chunk_size, n_rows) if chunk_size else own_chunk_rows(n_rows - start, hidden)
+        if n_rows - start >= rows:
+            chunks.append(ChunkRun(start, rows, (n_rows - start) // rows, False))
+            start = chunks[-1].stop
+        if start < n_rows:
+            chunks.append(ChunkRun(start, n_rows - start, 1, False))
+    slices: list[VocabSlice] = []
+    buffer_elements = 0
+    if want_dw or want_db:
+        width = config.slice_cols or choose_slice_cols(target, logits_in_dw=logits_into_dw_rows)
+        c0 = 0
+        if not logits_into_dw_rows:
+            slices = [VocabSlice(c, min(c + width, vocab), "own") for c in range(0, vocab, width)]
+            c0 = vocab
+        elif want_dw:
+            tail_rows = cdiv(n_rows * width, hidden)  # dW rows that hold one slice's logits
+            while c0 + width <= vocab - tail_rows:
+                slices.append(VocabSlice(c0, c0 + width, "dw_tail"))
+                c0 += width
+            width = max(1, min(width, SMALL_SLICE_BYTES // (n_rows * DTYPE_BYTES[dtype])))
+        if c0 < vocab:  # without dW (only db wanted) nothing else is held: full-width slices
+            buffer_elements = n_rows * width
+            slices += [VocabSlice(c, min(c + width, vocab), "buffer") for c in range(c0, vocab, width)]
+    return LinearCEPlan(n_rows, hidden, vocab, dtype, forward, want_dh, per_row_weight,
+                        (int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)), config,
+                        tuple(chunks), tuple(slices), buffer_elements)

@@ -8,11 +8,6 @@
   normalised partial ``(out, lse)`` and :func:`merge_states_kernel` merges them. With one split the kernel
   writes the final output directly. Split boundaries depend only on the sequence's own length, the split
   count and the block size: a fixed split count gives bitwise batch-invariant results.
-* KEY_GROUPS > 1: each key block is walked as that many groups of keys, each with its own running softmax
-  state (a leading group axis on the scores, the output accumulator and the row max / sum; batched dots),
-  merged once at the end of the split. With one state per block, the row max and sum over the block's keys
-  and the hand-over of p to ``p @ V`` cross the warps, which split the keys between them: nine CTA barriers
-  per iteration of a 4-warp 64-key step (sm_90); with four groups two remain (the pipeline's own).
 * The cache is addressed as pages: row ``j`` of sequence ``b`` lives in page ``block_table[b, j //
   PAGE_SIZE]`` at slot ``j % PAGE_SIZE``; a contiguous cache is the special case "one page per sequence"
   (page ``b``, slot ``j``). Page, slot and head strides make NHD and HND the same code.
@@ -64,7 +59,7 @@ _E4M3_PAIRS_TO_F16 = tl.constexpr("{ .reg .b32 t; .reg .b16 even, odd; prmt.b32 
 
 @triton.jit
 def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_MASK: tl.constexpr,
-                    WIDEN_ASM: tl.constexpr, TRANSPOSE: tl.constexpr = False):
+                    WIDEN_ASM: tl.constexpr, TRANSPOSE: tl.constexpr):
     """An FP8 K or V tile [N, D] for 16-bit queries as two float16 tiles [N, D / 2], its even and its odd
     columns (TRANSPOSE: [D / 2, N] each, the layout of ``q @ K^T``'s K operand). ``p @ V`` then runs as
     two dots into two accumulators, interleaved once per split; ``q @ K^T`` as two dots over q's even and
@@ -72,22 +67,16 @@ def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_
     in f16 than in bf16.
 
     Why: the MMAs' operands hold pairs of elements adjacent along the contraction, and Hopper's
-    ``ldmatrix`` moves 16-bit elements only. Read as 16-bit elements (two adjacent columns of one key each)
-    a tile goes from the pipeline's shared-memory buffer straight into registers in the dot operand's
-    layout (``ldmatrix.trans`` for V, whose contraction runs over keys; plain ``ldmatrix`` for K^T, over
-    columns); there each register holds the same column pair of two neighbours along the contraction, and
-    one byte permute plus two conversions give the even and the odd column's pairs in f16. Widening V to
-    f16 before the dot instead costs a trip back through shared memory (a store, a barrier and a second
-    buffer per stage), and a plain ``v.to(f16)`` reads the transposed tile a byte at a time. K widened by
-    Triton (``k.to(f16)``) loads its operand with four k-values per thread, which the f16 q operand then
-    has to match: sm_90 ptxas rebuilt q's register quads for every MMA (72 moves per 128-key step of the
-    B=1 split kernel). WIDEN_ASM (compiled kernels) does the widening in inline PTX; the interpreter, which
-    cannot run PTX, the same with Triton's bit casts. Needs D even, even strides and a 2-byte aligned base
-    (the plan's ``K_PAIRS`` / ``V_PAIRS``). ``rows`` / ``key_ok`` may carry a leading key-group axis
-    ([G, N / G], tiles [G, N / G, D / 2]; not with TRANSPOSE)."""
+    ``ldmatrix`` moves 16-bit elements only. Read as 16-bit elements (two adjacent columns of one key) a tile
+    goes from the pipeline's shared-memory buffer straight into registers in the dot operand's layout
+    (``ldmatrix.trans`` for V, plain ``ldmatrix`` for K^T); one byte permute and two conversions per register
+    then give the even and the odd columns in f16. Widening V before the dot costs a trip back through
+    shared memory, and K widened by Triton leaves ptxas rebuilding q's operand registers for every MMA.
+    WIDEN_ASM (compiled kernels) widens in inline PTX, the interpreter with Triton's bit casts. Needs D even,
+    even strides and a 2-byte aligned base (the plan's ``K_PAIRS`` / ``V_PAIRS``)."""
     offs_p = tl.arange(0, BLOCK_D // 2)
     pairs_row = rows.to(tl.pointer_type(tl.uint16), bitcast=True)
-    pairs = load_tile(tl.expand_dims(pairs_row, -1) + offs_p, key_ok, offs_p * 2 < D, APPLY_MASK,
+    pairs = load_tile(pairs_row[:, None] + offs_p[None, :], key_ok, offs_p * 2 < D, APPLY_MASK,
                       BLOCK_D != D)  # [N, D / 2]: columns 2j (low byte) and 2j + 1 (high byte)
     if TRANSPOSE:
         pairs = tl.trans(pairs)
@@ -104,8 +93,7 @@ def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_
 def f16_query(q):
     """A bf16 query tile as float16 for ``q @ K^T`` against an FP8 cache, and the power of two that undoes
     its scaling: (q16, inv_scale). e4m3 widens to f16 in one instruction per pair (``F2FP.F16.E4M3``) but
-    to bf16 only through a second per-element conversion (``F2F.BF16.F16``, 64 per tile of the B=1 split
-    kernel: a quarter of what the FP8 loop issues beyond the bf16 one). bf16 -> f16 is exact over f16's
+    to bf16 only through a second per-element conversion (``F2F.BF16.F16``). bf16 -> f16 is exact over f16's
     normal range; a tile whose largest |q| reaches 2^15 is first scaled by an exact power of two (folded
     back into the score scale), so no element can overflow f16. Elements below 2^-14 keep f16's subnormal
     precision (absolute error < 2^-25)."""
@@ -148,16 +136,14 @@ def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, P
 @triton.jit
 def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
-             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_GROUPS: tl.constexpr = 1,
-             K_PAIRS: tl.constexpr = False, WIDEN_ASM: tl.constexpr = False):
+             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, K_PAIRS: tl.constexpr,
+             WIDEN_ASM: tl.constexpr):
     """Raw scores q k^T [M, N] (float32). ``Q_row`` [M] / ``K_row`` [N] point at each row's first element.
 
     One chunk: q [M, BLOCK_DQK] is already in registers. Several (head dims above 256, e.g. a 576-dim
     latent + rope key): the dot is summed over ``DQK_CHUNKS`` column chunks of q and K, q reloaded (it is a
     few KB, L1-resident) so that no register tile is padded to the next power of two.
-    KEY_GROUPS > 1 (one chunk only): q [G, M, Dqk] (the same rows for every group), ``K_row`` / ``key_ok``
-    [G, N / G], scores [G, M, N / G].
-    K_PAIRS (an FP8 cache, one chunk, one group): q and ``q_odd`` are q's even and odd columns in f16
+    K_PAIRS (an FP8 cache, one chunk): q and ``q_odd`` are q's even and odd columns in f16
     [M, Dqk / 2], K is read as column pairs (:func:`load_e4m3_pairs`) and the scores are the sum of the two
     halves' dots. Otherwise ``q_odd`` is unused.
     """
@@ -167,13 +153,9 @@ def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr
         qk = tl.dot(q, k_even.to(q.dtype), input_precision=DOT_PRECISION)
         qk = tl.dot(q_odd, k_odd.to(q.dtype), qk, input_precision=DOT_PRECISION)
     elif DQK_CHUNKS == 1:
-        k = load_tile(tl.expand_dims(K_row, -1) + offs_dqk, key_ok, offs_dqk < DQK, CHECK_KEYS,
-                      BLOCK_DQK != DQK).to(q.dtype)  # [N, Dqk] or [G, N / G, Dqk]
-        if KEY_GROUPS == 1:
-            k_t = tl.trans(k)
-        else:
-            k_t = tl.permute(k, (0, 2, 1))
-        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        k = load_tile(K_row[:, None] + offs_dqk[None, :], key_ok, offs_dqk < DQK, CHECK_KEYS,
+                      BLOCK_DQK != DQK).to(q.dtype)  # [N, Dqk]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
         qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(DQK_CHUNKS):
@@ -193,40 +175,34 @@ def decode_kv_range(
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr = 1, K_PAIRS: tl.constexpr = False,
+    POSITIVE_SCALE: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
     score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
-    block is inside the sequence and visible from every row. KEY_GROUPS > 1: the block's keys as [G, N / G]
-    (group g holds keys g * N / G ..), one softmax state per group (see the module docstring). V_PAIRS:
+    block is inside the sequence and visible from every row. V_PAIRS:
     ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_e4m3_pairs`); otherwise ``acc_odd``
     is unused. K_PAIRS: q / ``q_odd`` are q's even / odd columns (see :func:`block_qk`)."""
-    if KEY_GROUPS == 1:
-        offs_n = tl.arange(0, BLOCK_N)
-    else:
-        NG: tl.constexpr = BLOCK_N // KEY_GROUPS
-        offs_n = tl.arange(0, KEY_GROUPS)[:, None] * NG + tl.arange(0, NG)[None, :]  # [G, N / G]
+    offs_n = tl.arange(0, BLOCK_N)
     kh64 = tl.cast(kh, tl.int64)
     for blk in range(blk_lo, blk_hi):
         n_start = blk * BLOCK_N
-        offs_k = n_start + offs_n  # [N] or [G, N / G]
+        offs_k = n_start + offs_n  # [N]
         key_ok = offs_k < length
         page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
                                  PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
-        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N] or [G, N / G]
+        K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N]
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
         qk = block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK,
-                      DQK_CHUNKS, APPLY_MASK, DOT_PRECISION, KEY_GROUPS, K_PAIRS, WIDEN_ASM)
+                      DQK_CHUNKS, APPLY_MASK, DOT_PRECISION, K_PAIRS, WIDEN_ASM)
         if V_PAIRS:
-            v, v_odd = load_e4m3_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM)  # even, odd columns
+            v, v_odd = load_e4m3_pairs(V_row, key_ok, DV, BLOCK_DV, APPLY_MASK, WIDEN_ASM, False)  # even, odd
         else:
-            v = load_tile(tl.expand_dims(V_row, -1) + offs_dv, key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
+            v = load_tile(V_row[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)
             if V.dtype.element_ty.is_fp8() and Q.dtype.element_ty != tl.float32:
                 v = v.to(tl.float16)  # odd head dims or strides (see load_e4m3_pairs)
             else:
                 v = v.to(Q.dtype.element_ty)
-        # q index [M, 1] against key index [1, N] (or [G, 1, N / G]): broadcast to the scores' shape
-        p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, tok[:, None], tl.expand_dims(offs_k, -2), qk_scale, cap2,
+        p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, tok[:, None], offs_k[None, :], qk_scale, cap2,
                                          slope2, diag, length, window_left, window_right, APPLY_MASK, HAS_LOCAL,
                                          HAS_SOFTCAP, HAS_ALIBI, POSITIVE_SCALE)
         acc = fold_values(acc, p, alpha, v, DOT_PRECISION)
@@ -250,7 +226,7 @@ def decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, KEY_GROUPS: tl.constexpr, K_PAIRS: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -316,25 +292,15 @@ def decode_fwd_kernel(
         slope2 = 0.0
     m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
     ACC_D: tl.constexpr = BLOCK_DV // 2 if V_PAIRS else BLOCK_DV  # V_PAIRS: even / odd columns apart
-    if KEY_GROUPS == 1:
-        acc = tl.zeros([BLOCK_M, ACC_D], dtype=tl.float32)
-    else:  # one state per key group; a sink joins group 0's only
-        q = tl.broadcast_to(q[None, :, :], (KEY_GROUPS, BLOCK_M, BLOCK_DQK))
-        first = (tl.arange(0, KEY_GROUPS) == 0)[:, None]
-        m_i = tl.where(first, m_i[None, :], float("-inf"))
-        l_i = tl.where(first, l_i[None, :], 0.0)
-        acc = tl.zeros([KEY_GROUPS, BLOCK_M, ACC_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, ACC_D], dtype=tl.float32)
     acc_odd = acc
 
     # Three segments, as the FlashAttention forward: masked blocks, fully visible blocks (no mask
     # arithmetic), masked blocks; each clamped to this split's blocks [s_lo, s_hi). The masked ones are empty
     # for most splits (only a window's edge or a sequence's ragged tail has blocks there), and a branch around
-    # them skips their loops' pipeline prologue and drain as well: sm_90, the B=1 split kernel ran ~900
-    # instructions of empty prologue before its first useful load and as many after its last (H200, Hq=32,
-    # Hkv=8, D=128: B=1 S=16k 24.0 -> 22.25 us per step, FP8 S=128k 69.4 -> 68.6; decode_h200.json and
-    # benchmarks/NOTES.md). The same branch in the attention forward made ptxas serialize the causal kernels'
-    # wgmmas (compile-only); every decode kernel compiles without that (`bench_decode.py --ptxas`, the
-    # cascade's wgmma kernel included).
+    # them also skips their pipelined loops' prologue and drain, which cost short splits a visible share of
+    # their time. (The same branch in the attention forward made ptxas serialize the causal kernels' wgmmas;
+    # the decode kernels compile without that: bench_decode.py --ptxas.)
     bounds = (lo, full_lo, full_hi, hi)
     for seg in tl.static_range(3):
         seg_lo = tl.maximum(bounds[seg], s_lo)
@@ -345,15 +311,7 @@ def decode_fwd_kernel(
                 offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right,
                 stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV, BLOCK_M,
                 BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, seg != 1, HAS_LOCAL, HAS_SOFTCAP,
-                HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, KEY_GROUPS, K_PAIRS)
-    if KEY_GROUPS > 1:  # merge the groups' states (the one exchange between warps per split)
-        m_all = tl.max(m_i, 0)
-        weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [G, M]
-        l_i = tl.sum(l_i * weight, 0)
-        acc = tl.sum(acc * weight[:, :, None], 0)
-        if V_PAIRS:
-            acc_odd = tl.sum(acc_odd * weight[:, :, None], 0)
-        m_i = m_all
+                HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, K_PAIRS)
     if V_PAIRS:  # columns 2j and 2j + 1 side by side again
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_DV])
     out, lse = softmax_finalize(acc, m_i, l_i)

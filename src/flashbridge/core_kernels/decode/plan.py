@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .._config import active_config
 from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
 from ..flash_attn.plan import check_score_options, check_seqlen_bound, local_mask_mode, window_scalars
@@ -50,53 +51,30 @@ TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Tile and launch parameters. ``None`` picks the default for the target (see :func:`decode_tiles`).
+    """Tile and launch settings of the decode family; ``None`` picks the target's default.
 
-    * ``block_n``: keys per loop step; ``block_m``: the most packed (query token x GQA head) rows of one
-      program (more rows -> more row blocks, each reading the cache again);
-    * ``programs_per_sm``: the auto split count aims at this many programs per SM when the batch does not
-      fill the GPU on its own (set, it overrides the tile's own, ``DecodeTiles.programs_per_sm``),
-      ``min_blocks_per_split`` keeps each split at least that many key blocks long;
+    * ``block_n``, ``num_warps``, ``num_stages``: the decode kernel's keys per step, warps and pipeline
+      depth (defaults: :data:`GPU_DECODE_TILES`). Setting ``block_n`` or ``num_stages`` also drops the
+      default tile's own split rule (``DecodeTile.programs_per_sm``).
+    * ``block_m``: the most packed (query token x GQA head) rows per program; more rows mean more row
+      blocks, each reading the cache again.
     * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
-      ``merge_block_states`` states per step.
-    * ``key_groups``: the decode kernel walks each key block as this many groups of keys with a softmax
-      state each, merged once per split (see ``decode/kernels.py``): the row max / sum and the hand-over of p
-      to ``p @ V`` then stay inside a warp instead of crossing the 4 warps every step. sm_90, Triton 3.6,
-      4 warps, 64-key steps, bf16: 9 CTA barriers per step with one group, 2 with four. Each group needs at
-      least 16 keys; head dims above 256 (chunked q.k) take one group. None = 1: every timed default is
-      faster with one group (see :func:`decode_tiles`).
-    * ``k_pairs``: with an FP8 cache and 16-bit queries, read K as 16-bit column pairs and score q's even
-      and odd columns against them in two dots (``load_e4m3_pairs`` in ``decode/kernels.py``; needs an even
-      head dim, even K strides, one column chunk and one key group). None = True where it applies; False =
-      K widened by Triton (``k.to(f16)``).
-
-    The GPU defaults are set for Hopper (see :func:`choose_num_splits` and :func:`decode_tiles`); the
-    interpreter pays per program and per operation, not per element.
+      ``merge_block_states`` states per dependent round.
     """
 
     block_n: Optional[int] = None
     block_m: Optional[int] = None
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
-    programs_per_sm: Optional[int] = None
-    min_blocks_per_split: Optional[int] = None
     merge_block_elements: Optional[int] = None
     merge_block_states: Optional[int] = None
-    key_groups: Optional[int] = None
-    k_pairs: Optional[bool] = None
 
     def __post_init__(self):
-        for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states", "key_groups"):
+        for name in ("block_n", "block_m", "merge_block_elements", "merge_block_states"):
             value = getattr(self, name)
-            minimum = 1 if name.startswith("merge") or name == "key_groups" else 16
+            minimum = 1 if name.startswith("merge") else 16
             if value is not None and (value < minimum or value & (value - 1)):
                 raise ValueError(f"DecodeConfig.{name}: must be a power of two >= {minimum}, got {value}")
-        if not (self.k_pairs is None or isinstance(self.k_pairs, bool)):
-            raise ValueError(f"DecodeConfig.k_pairs: must be None, True or False, got {self.k_pairs!r}")
-
-
-DEFAULT_CONFIG = DecodeConfig()
-
 
 # ------------------------------------------------------------------------------------------------ shapes
 
@@ -469,7 +447,46 @@ def _pad(d: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """One entry of the decode kernel's tile table: the most packed rows per program, keys per step, warps,
+    pipeline stages, and the programs per SM the split count then aims at (0: the cache kind's own rule,
+    see :func:`choose_num_splits`)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 0
+
+
+# Hopper tiles by case (picked by _gpu_case). Decode is memory-bound: small tiles, many programs in flight.
+# Every entry compiles without spills within 227 KB of shared memory (bench_decode.py --ptxas, sm_90).
+GPU_DECODE_TILES = {
+    # head dims up to 128: swept on H200, Triton 3.6 (bench_decode.py --splits)
+    "narrow": DecodeTile(64, 64, 4, 3),
+    # padded head dims above 128 (q.k in 64-column chunks above 256), Dv <= 256: narrower steps, 8 warps
+    "wide": DecodeTile(64, 32, 8, 3),
+    # Dv above 256 (MLA: 576 / 512): half the rows, for the wider accumulator
+    "wide_v": DecodeTile(32, 32, 8, 3),
+    # float32 queries (IEEE dots keep their operands in registers): spill-free for head dims 64..576, <= 128 rows
+    "float32": DecodeTile(16, 32, 8, 2),
+    # FP8 caches, head dims <= 128, whole 128-key blocks per page: H200, Triton 3.6 (--splits-fp8, --splits-fp8pairs)
+    "fp8": DecodeTile(64, 128, 4, 3),
+    # FP8, contiguous, SMs left idle, >= FP8_WIDE_SPLIT_KEYS keys per split: H200 (--splits-onesmab, --splits-onesmspan)
+    "fp8_one_per_sm": DecodeTile(64, 256, 4, 3, 1),
+    # 16-bit contiguous caches whose batch leaves SMs idle: H200, Triton 3.6 (--splits-onesm, --splits-onesmb)
+    "idle_contiguous": DecodeTile(64, 128, 4, 3, 1),
+    # 16-bit paged caches with whole 64-key blocks per page, SMs left idle: H200 (--splits-onesmab, --splits-onesmspan)
+    "idle_paged": DecodeTile(64, 64, 4, 5, 2),
+}
+# The interpreter pays per program and per operation, not per element.
+INTERPRETER_DECODE_TILE = DecodeTile(64, 32, 4, 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeTiles:
+    """The tiles of one decode launch (see :func:`decode_tiles`)."""
+
     block_m: int
     block_n: int
     block_dqk: int
@@ -477,157 +494,97 @@ class DecodeTiles:
     block_dv: int
     num_warps: int
     num_stages: int
-    key_groups: int = 1
-    # > 0: the tile was picked for a batch that leaves SMs idle, to run this many programs per SM
-    # (choose_num_splits then fills the SMs once); 0: the cache kind's own split rule
-    programs_per_sm: int = 0
+    programs_per_sm: int = 0  # > 0: choose_num_splits fills the SMs once at this many programs each
 
 
 def _one_wave_splits(target: Target, programs_per_sm: int, base: int) -> int:
-    """Splits that fill every SM with ``programs_per_sm`` programs once, ``base`` programs existing without
-    splits: no second wave starts (at most MAX_AUTO_SPLITS). decode_tiles picks FP8's wide tile on it and
-    choose_num_splits uses it for tiles made for a fixed number of programs per SM."""
+    """Splits that fill every SM once with ``programs_per_sm`` programs when ``base`` programs exist without
+    splits (at most MAX_AUTO_SPLITS): no second wave starts."""
     return min(target.num_sms * programs_per_sm // base, MAX_AUTO_SPLITS)
 
 
+def _gpu_case(rows: int, widest: int, block_dv: int, dtype: str, cache: Optional[CacheShape],
+              batch_heads: Optional[int], span: Optional[int], target: Target) -> str:
+    """The :data:`GPU_DECODE_TILES` entry of a call. A batch "leaves SMs idle" when its (batch x kv head)
+    programs are fewer than the SMs (one row block each: at most 16 rows, padded head dim 128): tiles made
+    for a fixed number of programs per SM then win, which the split count fills once."""
+    if dtype == "float32":
+        return "float32"
+    if widest > 128:
+        return "wide" if block_dv <= 256 else "wide_v"
+    idle = batch_heads is not None and batch_heads < target.num_sms and rows <= 16 and widest == 128
+    if cache is not None and cache.fp8:
+        if cache.paged and cache.page_size % 128:
+            return "narrow"  # a page-table lookup per 64-key block
+        # 256-key tiles only pay with long splits: 4096 keys per split or fewer measured slower
+        if (idle and not cache.paged and span is not None
+                and span // _one_wave_splits(target, 1, batch_heads) >= FP8_WIDE_SPLIT_KEYS):
+            return "fp8_one_per_sm"
+        return "fp8"  # a wider tile runs each split's dependent chain (load, convert, dot, softmax, dot) less often
+    if idle and (cache is None or not cache.paged):
+        return "idle_contiguous"
+    if idle and cache.page_size % GPU_DECODE_TILES["idle_paged"].block_n == 0:
+        return "idle_paged"
+    return "narrow"
+
+
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
-                 config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16", *,
+                 config: Optional[DecodeConfig] = None, dtype: str = "bfloat16", *,
                  cache: Optional[CacheShape] = None, batch_heads: Optional[int] = None,
                  span: Optional[int] = None) -> DecodeTiles:
-    """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``. Head dims up to 256 are one
-    power-of-two tile; above, q.k runs in 64-wide chunks. GPU: 4 warps for head dims up to 128 (the tiles
-    are small: decode is memory-bound and wants many programs in flight), 8 above; 3 pipeline stages.
-    float32 (IEEE dots keep their operands in registers; twice the bytes per staged tile) takes 16 rows,
-    32 keys, 8 warps and 2 stages, the one setting found without register spills for head dims 64..576 and
-    up to 128 packed rows. FP8 caches (16-bit queries, head dims up to 128) take 128-key tiles: each
-    iteration of a split is a dependent chain (load, convert, dot, softmax, dot) that a wider tile runs half
-    as often (H200, B=1, S=128k: 90.4 us against 97.2 with 64 keys; B=32, S=8k: 175 against 184 --
-    ``benchmarks/results/decode_splits_fp8_h200.json``; with V as column pairs 73.2 against 75.5 at 32
-    splits, ``decode_splits_fp8pairsplits_h200.json``); paged FP8 caches keep 64 keys unless a page holds
-    whole 128-key tiles (``cache``: None = a 16-bit cache). Every default is checked by
-    ``benchmarks/bench_decode.py --ptxas`` (no spills, shared memory within Hopper's 227 KB).
-
-    When the batch leaves SMs idle without splits (``batch_heads`` = batch x kv heads below the SM count, at
-    most 16 packed rows, head dims 65..128; None = unknown, the tiles above), caches take tiles made for a
-    fixed number of programs per SM (``DecodeTiles.programs_per_sm``), which the split count then
-    fills once. H200, Hq=32, Hkv=8, D=128, Sq=1, two or three alternations per reading:
-
-    * contiguous: 128 keys (139 KB of shared memory at 3 stages: one program per SM). B=1 S=16k 24.1 us at
-      16 splits against 25.0 at 32 with 64 keys, S=32k 38.9 against 39.9, S=128k 126.8 against 129.0, B=2
-      S=16k 38.6 (8 splits) against 39.6 (16), B=4 67.8 (4) against 79.3 (9), B=8 126.5 (2) against 139.9
-      (5) -- ``decode_splits_onesm_h200.json``, ``decode_splits_onesmb_h200.json``;
-    * paged (whole 64-key blocks per page): 5 stages at two programs per SM. B=1 S=16k 25.8 us at 32 splits
-      against 26.4 at 64 with 3 stages, S=128k 130.9 against 131.3, B=2 S=16k 40.8 (16) against 46.9 (64) --
-      ``decode_splits_onesmab_h200.json``, ``decode_splits_onesmspan_h200.json`` (3 and 4 stages time the
-      same there);
-    * FP8, contiguous, with ``span`` (the longest span a split count is made for) long enough for
-      ``FP8_WIDE_SPLIT_KEYS`` keys per split at one program per SM: 256-key tiles at one per SM. B=1 S=128k
-      (8192 keys per split at 16 splits) 71.2 us against 73.1 at 32 splits with 128 keys; with 4096 keys per
-      split or fewer, one per SM lost: S=64k 41.4 against 41.0, S=32k 26.0 against 25.5, B=4 S=16k 41.5
-      against 40.8 (``decode_splits_onesmab_h200.json``, ``decode_splits_onesmspan_h200.json``). The 256-key
-      tile keeps 4 warps: 8 (two per scheduler, to cover the one-warp chain's fixed-latency waits) won on one
-      machine and lost on another, three alternations each: S=128k 72.5 -> 71.5 us
-      (``decode_splits_fp8warps8_h200.json``), 69.0 -> 71.0 (``decode_splits_fp8warps8b_h200.json``). Otherwise
-      FP8 keeps its 128-key tiles at two per SM (one per SM at 128 keys won only at B=1 S=16k, 16.8 against
-      17.2 us, and lost at S=32k and B=2 S=16k).
-
-    Key groups (``DecodeConfig.key_groups``) are off by default: with FP8 V read as column pairs
-    (``load_e4m3_pairs``) one group is the fastest on every timed row. H200, Hq=32, Hkv=8, D=128, default tiles
-    and splits (``decode_splits_fp8pairs_h200.json``, twice), 1 -> 4 groups: FP8 B=1 S=16k 17.3 -> 22.9 us,
-    S=128k 73.3 -> 78.3, B=32 S=8k 128.5 / 132.8 -> 134.1 / 134.7 (before the pairs, when V went back
-    through shared memory as f16, 4 groups had won at S=128k, 90.7 -> 80.5). 16-bit caches lost with groups on
-    every row (``decode_splits_groups_h200.json``: B=1 S=16k 25.6 -> 30.7 us, S=128k 126.5 -> 131.1,
-    B=32 S=8k 239.6 -> 243.8, paged 129.8 -> 147.3)."""
+    """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``: the table entry of the call
+    (:func:`_gpu_case`; the interpreter: :data:`INTERPRETER_DECODE_TILE`), with ``config``'s fields on top.
+    Head dims up to 256 are one power-of-two tile; above, q.k runs in 64-wide chunks. ``cache`` None = a
+    16-bit cache; ``batch_heads``: batch x kv heads (None = unknown); ``span``: the longest span a split
+    count is made for."""
+    config = config or active_config(DecodeConfig)
     if head_dim_qk <= 256:
         block_dqk, chunks = _pad(head_dim_qk), 1
     else:
         block_dqk, chunks = _CHUNK_DQK, cdiv(head_dim_qk, _CHUNK_DQK)
     block_dv = _pad(head_dim_v)
-    widest = max(block_dqk * chunks, block_dv)
-    per_sm = 0
-    # the batch leaves SMs idle without splits (at most 16 packed rows: one row block per (batch, kv head))
-    idle = batch_heads is not None and batch_heads < target.num_sms and rows <= 16 and widest == 128
     if target.interpret:
-        bm_cap, bn, warps, stages = 64, 32, 4, 1
+        tile = INTERPRETER_DECODE_TILE
     else:
-        bm_cap = 64 if block_dv <= 256 else 32
-        bn = 64 if widest <= 128 else 32
-        warps, stages = (4 if widest <= 128 else 8), 3
-        if dtype == "float32":
-            bm_cap, bn, warps, stages = 16, 32, 8, 2
-        elif (cache is not None and cache.fp8 and widest <= 128
-              and (not cache.paged or cache.page_size % 128 == 0)):
-            bn = 128
-            one_wave_splits = _one_wave_splits(target, 1, batch_heads) if idle else 0  # one row block each
-            if (one_wave_splits and not cache.paged and span is not None
-                    and span // one_wave_splits >= FP8_WIDE_SPLIT_KEYS):
-                bn, per_sm = 256, 1
-        elif idle and (cache is None or not cache.fp8):
-            if cache is None or not cache.paged:
-                bn, per_sm = 128, 1
-            elif cache.page_size % bn == 0:
-                stages, per_sm = 5, 2
-    if config.block_n or config.num_stages:
-        per_sm = 0  # a tile of the caller's choice: the cache kind's split rule
-    bm = min(config.block_m or bm_cap, max(16, next_power_of_2(rows)))
-    bn = config.block_n or bn
-    groups = config.key_groups or 1
-    if groups > 1 and (chunks > 1 or bn // groups < 16):
-        raise ValueError(f"DecodeConfig.key_groups: {groups} groups of a {bn}-key block leave fewer than 16 keys "
-                         f"per group" if chunks == 1 else
-                         f"DecodeConfig.key_groups: head dims above 256 (q.k in chunks) take one group, got {groups}")
-    return DecodeTiles(bm, bn, block_dqk, chunks, block_dv, config.num_warps or warps, config.num_stages or stages,
-                       groups, per_sm)
+        tile = GPU_DECODE_TILES[_gpu_case(rows, max(block_dqk * chunks, block_dv), block_dv, dtype, cache,
+                                          batch_heads, span, target)]
+    per_sm = 0 if config.block_n or config.num_stages else tile.programs_per_sm
+    return DecodeTiles(min(config.block_m or tile.block_m, max(16, next_power_of_2(rows))),
+                       config.block_n or tile.block_n, block_dqk, chunks, block_dv,
+                       config.num_warps or tile.num_warps, config.num_stages or tile.num_stages, per_sm)
 
 
 def choose_num_splits(*, batch: int, heads_kv: int, rows: int, span: int, head_dim_qk: int, head_dim_v: int,
-                      target: Target, config: DecodeConfig = DEFAULT_CONFIG, dtype: str = "bfloat16",
+                      target: Target, config: Optional[DecodeConfig] = None, dtype: str = "bfloat16",
                       cache: Optional[CacheShape] = None) -> int:
-    """The automatic split count. ``base = batch * heads_kv * row_blocks`` programs exist without splits.
+    """The automatic split count, from shapes only (no device sync; traces under jit / torch.compile).
+    ``base = batch * heads_kv * row_blocks`` programs exist without splits. The first rule that applies:
 
-    The first rule that applies:
+    * tiles made for a fixed number of programs per SM (``DecodeTiles.programs_per_sm``): that many per SM,
+      rounded down so that no second wave starts;
+    * contiguous 16-bit caches: 1 split once ``base`` reaches one program per SM, else 2 programs per SM;
+    * paged caches, and FP8 caches on 64-key tiles (a page-table lookup or FP8 conversions every step): 4
+      programs per SM rounded up to a power of two, 1 split only once ``base`` reaches that;
+    * FP8 caches on wider tiles: the contiguous rule rounded down to a power of two.
 
-    * Tiles picked for a batch that leaves SMs idle (``DecodeTiles.programs_per_sm``, see
-      :func:`decode_tiles`): that many programs per SM, the count rounded down so that no second wave
-      starts (Hkv=8, contiguous 16-bit at one per SM: B=1 16 splits, B=2 8, B=4 4, B=8 2; paged at two per
-      SM: B=1 32, B=2 16), then to whole merge steps as below.
-    * Contiguous bf16/fp16 caches (``cache`` None, or neither paged nor FP8): 1 split once ``base`` reaches
-      one program per SM, else enough splits for ``programs_per_sm`` (default 2) per SM. H200, Hq=32,
-      Hkv=8, D=128 (the split sweep in ``benchmarks/results/decode_splits_h200.json``): B=1, S=128k took
-      130 us at 32 splits against 149 at 64 (the earlier default of 4 per SM), S=16k 25.6 against 29.6;
-      B=32, S=8k 246 us with 1 split against 252-261 with 3-4.
-    * Paged caches, and FP8 caches on 64-key tiles (a page-table lookup per key block, or the FP8
-      conversions in every iteration), want more programs in flight: 4 per SM, the count rounded up to a
-      power of two, and 1 split only once ``base`` reaches that (B=1, S=128k, paged: 133 us at 64 splits,
-      149 at 32; FP8: 96 against 110; B=32, S=8k, paged: 254 us at 4 splits, 279 at 3, 250 at 2, 283 at 1
-      -- ``decode_splits_b32_h200.json``).
-    * FP8 caches on 128-key tiles (see :func:`decode_tiles`): the contiguous rule, the count rounded down
-      to a power of two (B=1, S=128k: 90.4 us at 32 splits, 97.2 at 64; B=32, S=8k: 175 us at 1 split,
-      183 at 4 -- ``decode_splits_fp8_h200.json``).
-
-    Then a contiguous 16-bit count (or one of the first rule) above the merge's states per step (16) is
-    rounded down to whole steps (B=1, S=16k: 24.8 us per step at 32 splits against 25.2 at 33, four
-    alternations; S=128k equal, 126.7 -- ``decode_splits_split32_h200.json``, 64-key tiles at 2 programs per
-    SM). Likely the merge's third dependent round for the 33rd state (not profiled; one round of 32 states
-    measured slower than two of 16 in ``decode_splits_merge_h200.json``, so the round count alone does not
-    decide).
-
-    Each split is at least ``min_blocks_per_split`` key blocks of the longest possible span (the cache
-    capacity, or the window), and there are at most 64. Static (shapes only, never the lengths' values), so
-    it needs no device sync and traces under jit / torch.compile."""
+    Contiguous 16-bit counts (and the first rule's) above the merge's states per round are rounded down to
+    whole rounds (a 33rd state costs the merge a third dependent round). Each split keeps at least 4 key
+    blocks of the longest possible span (the cache capacity, or the window), and there are at most
+    MAX_AUTO_SPLITS. The rules were timed on an H200, Triton 3.6 (bench_decode.py --splits and its
+    --splits-* sweeps). The interpreter keeps the 4-per-SM rule and 1 block per split."""
+    config = config or active_config(DecodeConfig)
     tiles = decode_tiles(rows, head_dim_qk, head_dim_v, target, config, dtype, cache=cache,
                          batch_heads=batch * heads_kv, span=span)
     base = batch * heads_kv * cdiv(rows, tiles.block_m)
     fp8 = cache is not None and cache.fp8
     wide_fp8 = fp8 and tiles.block_n >= 128
     gathered = (cache is not None and cache.paged) or (fp8 and not wide_fp8)
-    dense = not (gathered or target.interpret)  # the interpreter keeps the 4-per-SM rule (tests' split counts)
-    one_wave = tiles.programs_per_sm > 0 and not config.programs_per_sm
-    slots = target.num_sms * (config.programs_per_sm or tiles.programs_per_sm or (2 if dense else 4))
+    dense = not (gathered or target.interpret)
+    one_wave = tiles.programs_per_sm > 0
+    slots = target.num_sms * (tiles.programs_per_sm or (2 if dense else 4))
     if base >= (target.num_sms if dense else slots):
         return 1
-    min_blocks = config.min_blocks_per_split or (1 if target.interpret else 4)
-    by_length = max(1, cdiv(span, tiles.block_n) // min_blocks)
+    by_length = max(1, cdiv(span, tiles.block_n) // (1 if target.interpret else 4))
     if one_wave:
         wanted = _one_wave_splits(target, tiles.programs_per_sm, base)
     else:
@@ -651,14 +608,13 @@ def _span(shape: DecodeShape, options: DecodeOptions) -> int:
 
 
 def resolve_num_splits(shape: DecodeShape, options: DecodeOptions, num_splits: Optional[int], target: Target,
-                       config: DecodeConfig = DEFAULT_CONFIG) -> int:
+                       config: Optional[DecodeConfig] = None) -> int:
     if num_splits is not None:
         return num_splits
     return choose_num_splits(batch=shape.batch, heads_kv=shape.heads_kv, rows=shape.seqlen_q * shape.group,
                              span=_span(shape, options), head_dim_qk=shape.head_dim_qk,
                              head_dim_v=shape.head_dim_v, target=target, config=config, dtype=shape.dtype,
                              cache=shape.cache)
-
 
 # ------------------------------------------------------------------------------------------------- plans
 
@@ -674,17 +630,16 @@ def _dot_precision(dtype: str) -> str:
 def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheShape, options: DecodeOptions,
                    q_strides, k_strides, v_strides, out_strides, lse_strides, group, head_dim_qk, head_dim_v,
                    dtype, tiles: DecodeTiles, has_seqlens: bool, has_sinks: bool, alibi_stride: int,
-                   target: Target, k_pairs_wanted: Optional[bool] = None) -> Launch:
+                   target: Target) -> Launch:
     left, right = window_scalars(options)
     # FP8 V read as pairs of columns (see load_e4m3_pairs) for 16-bit queries: even head dims and strides (two
     # accumulators of >= 16 columns each, tl.dot's minimum); the base must be 2-byte aligned (JAX arrays
     # are; torch_api.decode._check_pairs_base refuses a misaligned view)
     v_pairs = (cache.fp8 and dtype != "float32" and head_dim_v % 2 == 0 and tiles.block_dv >= 32
                and pow2_divisor(*v_strides, cap=2) == 2)
-    # K too (q's even and odd columns against K's, see block_qk): one column chunk and one key group, unless
-    # DecodeConfig.k_pairs is False
-    k_pairs = (k_pairs_wanted is not False and cache.fp8 and dtype != "float32" and head_dim_qk % 2 == 0
-               and tiles.block_dqk >= 32 and tiles.dqk_chunks == 1 and tiles.key_groups == 1
+    # K too (q's even and odd columns against K's, see block_qk), with one column chunk
+    k_pairs = (cache.fp8 and dtype != "float32" and head_dim_qk % 2 == 0
+               and tiles.block_dqk >= 32 and tiles.dqk_chunks == 1
                and pow2_divisor(*k_strides, cap=2) == 2)
     qo = (*q_strides, *out_strides)
     kv = (*k_strides, *v_strides)
@@ -714,8 +669,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
                     ("WIDEN_ASM", (v_pairs or k_pairs) and not target.interpret),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("KEY_GROUPS", tiles.key_groups),
-                    ("K_PAIRS", k_pairs)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("K_PAIRS", k_pairs)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -723,13 +677,11 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
 
 def _merge_launch(*, a: tuple[str, str], b: Optional[tuple[str, str]], sinks: Optional[str], n_a: int, n_b: int,
                   n_rows: int, seqlen_q: int, heads: int, head_dim_v: int, lse_strides: tuple[int, int, int],
-                  target: Target, config: DecodeConfig) -> Launch:
-    # Elements per program: enough programs for two per SM when the merge is small (decode of one
-    # sequence merges only Hq * Dv elements per split), at least 16, at most 512 (16 states x 512 fp32 per
-    # step in registers); states per step: 16 (a 64-split merge is four dependent round trips to memory).
-    # H200, B=1, Hq=32, Dv=128 (4096 elements, 32 splits; decode_splits_merge_h200.json), elements per
-    # program 32 -> 16: S=16k 25.6 -> 25.1 us per step, S=128k 126.8 -> 126.5, FP8 70.5 -> 70.3; 8 and 64-128
-    # slower, and 32 or 8 states per step too.
+                  target: Target, config: Optional[DecodeConfig]) -> Launch:
+    # Elements per program: two programs per SM when the merge is small (decode of one sequence merges only
+    # Hq * Dv elements per split), 16 to 512 (16 states x 512 fp32 per round in registers); 16 states per
+    # dependent round. Swept on H200, Triton 3.6 (bench_decode.py --splits-merge).
+    config = config or active_config(DecodeConfig)
     elements = n_rows * head_dim_v
     block_e = config.merge_block_elements or (
         256 if target.interpret else max(16, min(512, next_power_of_2(cdiv(elements, 2 * target.num_sms)))))
@@ -769,11 +721,12 @@ def _partial_strides(batch: int, seqlen_q: int, heads: int, dv: int):
 
 def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, num_splits: Optional[int] = None,
                 strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                config: DecodeConfig = DEFAULT_CONFIG) -> Plan:
+                config: Optional[DecodeConfig] = None) -> Plan:
     """Plan inputs: q, k_cache, v_cache, cache_seqlens, [block_table], [alibi_slopes], [sinks], [k_scale,
     v_scale]. ``strides``: "q" -> (batch, token, head), "k_cache" / "v_cache" -> (page, slot, head) element
     strides (default: contiguous). Results: out (q's dtype, ``shape.out_shape``), lse (float32, (B, Hq, Sq))."""
     strides = strides or {}
+    config = config or active_config(DecodeConfig)
     cache = shape.cache
     splits = resolve_num_splits(shape, options, num_splits, target, config)
     rows = shape.seqlen_q * shape.group
@@ -790,8 +743,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                   k_strides=strides.get("k_cache") or cache.strides(cache.head_dim_k),
                   v_strides=strides.get("v_cache") or cache.strides(cache.head_dim_v), group=shape.group,
                   head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v, dtype=shape.dtype, tiles=tiles,
-                  has_seqlens=True, alibi_stride=shape.heads_q if options.alibi_batched else 0,
-                  k_pairs_wanted=config.k_pairs)
+                  has_seqlens=True, alibi_stride=shape.heads_q if options.alibi_batched else 0)
     finals = (Spec("out", shape.out_shape, shape.dtype), Spec("lse", shape.lse_shape, "float32"))
     inputs = tuple(n for n, here in present.items() if here)
     if splits == 1:
@@ -813,7 +765,7 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
 
 
 def plan_merge(n_states: int, rows: int, head_dim: int, dtype: str, *, target: Target,
-               config: DecodeConfig = DEFAULT_CONFIG) -> Plan:
+               config: Optional[DecodeConfig] = None) -> Plan:
     """Plan inputs: outs ``(N, rows, D)``, lses ``(N, rows)`` (contiguous). Results: out ``(rows, D)`` in
     ``dtype``, lse float32 ``(rows,)``."""
     launch = _merge_launch(a=("outs", "lses"), b=None, sinks=None, n_a=n_states, n_b=0, n_rows=rows, seqlen_q=1,
@@ -825,7 +777,7 @@ def plan_merge(n_states: int, rows: int, head_dim: int, dtype: str, *, target: T
 
 def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *, target: Target,
                  num_splits: Optional[int] = None, strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                 config: DecodeConfig = DEFAULT_CONFIG) -> Plan:
+                 config: Optional[DecodeConfig] = None) -> Plan:
     """Plan inputs: q (contiguous), shared_k, shared_v (contiguous), k_cache, v_cache, cache_seqlens,
     [block_table], [sinks], [k_scale, v_scale]. Results: out, lse as :func:`plan_decode`.
 
@@ -833,6 +785,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     precedes every request's own tokens), the requests' caches as in decode (causal within each), and one
     merge kernel combines both sets of partial states and adds the sinks."""
     strides = strides or {}
+    config = config or active_config(DecodeConfig)
     cache = shape.cache
     b, sq, hq, dv = shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v
     shared = dataclasses.replace(cache, paged=False, num_pages=1, page_size=shared_len, max_pages=1)
@@ -847,7 +800,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
                                 alibi_batched=False)
     q_strides = contiguous_q_strides((b, sq, hq, shape.head_dim_qk))
     common = dict(cache=None, target=target, group=shape.group, head_dim_qk=shape.head_dim_qk, head_dim_v=dv,
-                  dtype=shape.dtype, has_sinks=False, alibi_stride=0, k_pairs_wanted=config.k_pairs)
+                  dtype=shape.dtype, has_sinks=False, alibi_stride=0)
 
     # 1. shared prefix: one "sequence" of B * Sq query tokens
     rows_a = b * sq * shape.group

@@ -78,7 +78,7 @@ def attn_bwd_preprocess_kernel(
         delta -= tl.load(DLSE + l_ptrs, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(DELTA + l_ptrs, delta, mask=row_ok)
     # lse in log2 units once per row here, not once per (row, key block) in the dK/dV loop, where each
-    # thread converts every row its slice of the [N, M] tile touches (48 of the loop's 449 sm_90 instructions)
+    # thread would convert every row its slice of the [N, M] tile touches
     tl.store(LSE2 + l_ptrs, lse_log2(tl.load(LSE + l_ptrs, mask=row_ok, other=float("-inf"))), mask=row_ok)
 
 
@@ -100,9 +100,9 @@ def _load_parts(A, stride_a, offs_a, offs_a_o, DA: tl.constexpr, BLOCK_A: tl.con
                 start, offs, rows_ok, CHECK_ROWS: tl.constexpr, COL_SPLIT: tl.constexpr):
     """Rows ``start + offs`` of two arrays (q and dO, or k and v) as :func:`load_rows` reads them: this
     program's columns (``offs_a`` / ``offs_b``) and, with a column split, the other half's (``offs_*_o``;
-    without one the same tiles again, unused). Both arrays first, then both other halves: the order the
-    H200-timed kernel was compiled with. BLOCK_A / BLOCK_B (the padded widths) decide whether any column
-    can lie past DA / DB, for halves too. Returns (a, b, a_o, b_o)."""
+    without one the same tiles again, unused). Both arrays first, then both other halves. BLOCK_A / BLOCK_B
+    (the padded widths) decide whether any column can lie past DA / DB, for halves too. Returns (a, b, a_o,
+    b_o)."""
     a = load_rows(A, start, offs, stride_a, offs_a, rows_ok, DA, BLOCK_A, CHECK_ROWS)
     b = load_rows(B, start, offs, stride_b, offs_b, rows_ok, DB, BLOCK_B, CHECK_ROWS)
     a_o, b_o = a, b
@@ -156,7 +156,7 @@ def _dkdv_step(
         delta = tl.load(D_head + offs_m)
     # EARLY_DP (AttentionConfig.early_dp), in the unmasked segment only: dP^T is issued before the
     # exponentials, so the tensor cores compute it while the warps evaluate P^T (in the masked segments the
-    # extra live tile made ptxas spill more: sm_90, D=128 causal, stack 128 -> 208 B).
+    # extra live tile made ptxas spill more).
     DP_FIRST: tl.constexpr = EARLY_DP and not APPLY_MASK
     qk_t = _dot_t_parts(k, q, k_o, q_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     if DP_FIRST:
@@ -184,8 +184,8 @@ def _dkdv_q_range(
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
     pairs in one flat loop, head-major: an outer loop over the heads around the pipelined block loop made
-    ptxas spill 1.4 KB per thread (sm_90, D=128, GROUP=4), against 56-128 B without GQA. GROUP == 1 keeps
-    the plain block loop (the flat one would add a division per step)."""
+    ptxas spill heavily. GROUP == 1 keeps the plain block loop (the flat one would add a division per
+    step)."""
     if GROUP == 1:
         slope2 = alibi_slope2(SLOPES, b, kh, stride_ab, HAS_ALIBI)
         Q_head = Q_seq + kh * stride_qh
@@ -260,11 +260,11 @@ def _dkdv_program(
     DO_seq = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
     l_seq = tl.cast(b, tl.int64) * stride_lb + q_start
     # Three segments: [lo, a_hi) masked scores whose rows all lie inside the sequence (the causal diagonal:
-    # no row checks on the loads, 955 -> 629 sm_90 instructions per step at D=128), [a_hi, b_hi) fully
-    # visible, [b_hi, hi) masked scores with row checks (window edges, the ragged last query block). A
-    # partly visible block past the last whole one (full_lo > len_q // BLOCK_M) moves to the third segment.
-    # Without a window no block precedes the visible ones (lo == full_lo): the bounds stay as they were,
-    # and so does the kernel (sm_90: the unmasked step otherwise took 6 more instructions).
+    # no row checks on the loads, a third fewer instructions per step), [a_hi, b_hi) fully visible,
+    # [b_hi, hi) masked scores with row checks (window edges, the ragged last query block). A partly
+    # visible block past the last whole one (full_lo > len_q // BLOCK_M) moves to the third segment.
+    # Without a window no block precedes the visible ones (lo == full_lo), and the plain bounds keep the
+    # unmasked step smaller.
     if HAS_LOCAL:
         a_hi = tl.minimum(full_lo, len_q // BLOCK_M)
         b_hi = tl.where(full_lo == a_hi, full_hi, a_hi)

@@ -156,13 +156,12 @@ def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """Load a [R, C] tile (or [G, R, C]: rows in groups), masking rows and/or columns only when the caller
-    cannot rule them out (masks cost instructions in the inner loop). ``rows_ok`` [R] (or [G, R]),
-    ``cols_ok`` [C]; masked elements read 0."""
+    """Load a [R, C] tile, masking rows and/or columns only when the caller cannot rule them out (masks cost
+    instructions in the inner loop). ``rows_ok`` [R], ``cols_ok`` [C]; masked elements read 0."""
     if CHECK_ROWS and CHECK_COLS:
-        x = tl.load(ptrs, mask=tl.expand_dims(rows_ok, -1) & cols_ok, other=0.0)
+        x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
     elif CHECK_ROWS:
-        x = tl.load(ptrs, mask=tl.expand_dims(rows_ok, -1), other=0.0)
+        x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
     elif CHECK_COLS:
         x = tl.load(ptrs, mask=cols_ok, other=0.0)
     else:
@@ -259,12 +258,10 @@ def visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: 
     window.
 
     Each window edge is compared as ``k_idx <= q_idx + (diag + right)``: the bound is a vector over the
-    rows (one add per row), and every score costs one comparison against it. The equivalent ``k_idx -
-    (q_idx + diag) <= right`` costs a subtraction per score as well, and ptxas then kept more of the
-    masked loops' integers live: sm_90, Triton 3.6, D=128 causal, the forward's diagonal step (64 keys)
-    612 -> 472 instructions, the dK/dV loop's 955 -> 629 (stack 152 -> 80 B, with its row checks split
-    off), the dQ loop's 501 -> 403. The unbounded side is 2**30 (plan.py), so no sum overflows int32 for
-    sequences shorter than 2**30."""
+    rows (one add per row), and every score costs one comparison against it (the equivalent ``k_idx -
+    (q_idx + diag) <= right`` costs a subtraction per score and made ptxas keep more integers live in the
+    masked loops). The unbounded side is 2**30 (plan.py), so no sum overflows int32 for sequences shorter
+    than 2**30."""
     if HAS_LOCAL == 1:
         ok = k_idx <= q_idx + (diag + window_right)
     else:
@@ -328,13 +325,12 @@ def online_softmax_probs(m_i, l_i, s, scale):
     -inf = masked; ``scale`` > 0, or the literal 1.0 for scores already scaled, which the compiler folds
     away) -> (p [M, N], alpha [M], m_new, l_new), where alpha rescales everything accumulated so far.
     The row max is taken on ``s`` and scaled once per row; ``s * scale - max`` is one fused multiply-add.
-    With a leading group axis (s [G, M, N], states [G, M]) each group keeps its own state.
 
     A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
     """
     m_new = tl.maximum(m_i, tl.max(s, -1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale - tl.expand_dims(m_use, -1))  # [M, N]
+    p = tl.exp2(s * scale - m_use[:, None])  # [M, N]
     alpha = tl.exp2(m_i - m_use)  # [M]
     l_i = l_i * alpha + tl.sum(p, -1)
     return p, alpha, m_new, l_i
@@ -342,10 +338,10 @@ def online_softmax_probs(m_i, l_i, s, scale):
 
 @triton.jit
 def fold_values(acc, p, alpha, v, DOT_PRECISION: tl.constexpr):
-    """``acc * alpha + p @ v``: acc [M, Dv], p [M, N] from :func:`online_softmax_probs`, v [N, Dv] (or all
-    with a leading group axis). Callers holding V in column slices fold each slice into its own
-    accumulator with the same p and alpha (decode's FP8 V, see decode/kernels.py)."""
-    acc = acc * tl.expand_dims(alpha, -1)
+    """``acc * alpha + p @ v``: acc [M, Dv], p [M, N] from :func:`online_softmax_probs`, v [N, Dv]. Callers
+    holding V in column slices fold each slice into its own accumulator with the same p and alpha (decode's
+    FP8 V, see decode/kernels.py)."""
+    acc = acc * alpha[:, None]
     return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
 
@@ -386,7 +382,7 @@ def softmax_finalize(acc, m_i, l_i):
 @triton.jit
 def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
+                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> the block's softmax weights
     and the updated running state: (p, alpha, m_i, l_i), see :func:`online_softmax_probs`.
 
@@ -407,7 +403,7 @@ def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen
 @triton.jit
 def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
                  window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr = False):
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers (:func:`block_probs`) -> fold
     ``v`` [N, Dv] into the running (acc, m_i, l_i). Shared by every forward iteration strategy (dense
     ranges, paged decode)."""
@@ -447,13 +443,13 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED_STAGES: tl.constexpr = 0, POSITIVE_SCALE: tl.constexpr = False):
+                 MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
     """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order.
 
     MASKED_STAGES > 0: a masked segment (the causal diagonal, window edges, a ragged tail: a few blocks)
-    runs with that pipelining depth instead of the kernel's. Its staged buffers otherwise add registers to
-    the loop that also carries the mask arithmetic: sm_90, Triton 3.6, causal D=128 / D=64 forward spill
-    32 bytes at 255 registers when all three segments are pipelined, none with 1 (209 / 224 registers)."""
+    runs with that pipelining depth instead of the kernel's: its staged buffers otherwise add registers to
+    the loop that also carries the mask arithmetic (the causal forward spilled with all three segments
+    pipelined)."""
     offs_n = tl.arange(0, BLOCK_N)
     if APPLY_MASK and MASKED_STAGES > 0:
         for blk in tl.range(blk_lo, blk_hi, num_stages=MASKED_STAGES):

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from .._config import active_config
 from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
                      pow2_divisor)
 
@@ -29,65 +30,28 @@ TensorInfo = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Block sizes and launch parameters of the three main kernels. ``None`` picks the default for the
-    target and the (padded) head dim, from the table :data:`GPU_TILES`.
+    """Tiles and launch settings of the forward, dK/dV and dQ kernels; ``None`` picks the target's default
+    (the tables below, by padded head dim).
 
-    * forward: one program per ``block_m`` query rows, looping over keys ``block_n`` at a time;
-    * dK/dV: one program per ``dkdv_block_n`` keys, looping over queries ``dkdv_block_m`` at a time;
-    * dQ: one program per ``dq_block_m`` query rows, looping over keys ``dq_block_n`` at a time.
+    * ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: the forward (one program per ``block_m``
+      query rows, ``block_n`` keys per step); ``dkdv_*``: the dK/dV kernel (one program per ``dkdv_block_n``
+      keys, ``dkdv_block_m`` queries per step); ``dq_*``: the dQ kernel (as the forward). Block sizes are
+      powers of two >= 16 (``tl.dot``'s minimum).
+    * ``masked_num_stages``, ``masked_block_n``: pipeline depth and key block width of the forward's masked
+      segments (causal diagonal, window edges, ragged tails); a narrower block leaves the mask arithmetic room
+      in registers.
+    * ``head_group``: program order (``block_schedule`` in kernels_common): 1 = grid order, G > 1 = the longest
+      causal blocks of G (head, sequence) pairs first. Default: :func:`_head_group`.
+    * ``fused_backward``: the dK/dV and dQ grids in one launch (the dQ programs fill the SMs the dK/dV grid's
+      last wave leaves idle), when both tiles have the same warp count and dK/dV is not column-split.
+      Default on.
+    * ``early_dp``: in the dK/dV loop's unmasked segment, issue ``dp^T = v dout^T`` before the exponentials
+      so the tensor cores run it while the warps compute ``p^T``.
+    * ``dkdv_col_split``: 1 or 2 dK/dV programs per key block; with 2 each accumulates half of dK's and dV's
+      columns (half the registers, so larger tiles fit) and recomputes the scores (1.5x the products).
 
-    * ``masked_num_stages``: pipelining depth of the forward's masked segments (the causal diagonal, window
-      edges, ragged tails), None = the default of :data:`GPU_MASKED_STAGES`, else the forward's
-      ``num_stages``.
-    * ``masked_block_n``: key block width of the forward's masked segments (a power of two; None or a
-      value >= the forward's ``block_n`` = ``block_n``): the masked segments walk the same keys in narrower
-      blocks, whose smaller score tile leaves the mask arithmetic room in registers. sm_90, Triton 3.6, causal
-      D=128 forward (128 x 128 tiles) with 64: masked loop 1244 instructions per 128 keys with 7 local loads
-      -> 2 x 611 with none, and the fully visible loop (the hot one) 600 -> 544 with 6 -> 3 local loads (stack
-      32 -> 24 B). None = the default of :data:`GPU_MASKED_BLOCK_N` (64 for D=128's causal / windowed
-      forward), else ``block_n``.
-    * ``head_group``: the order in which the programs of the forward, dK/dV and dQ kernels start (see
-      ``block_schedule`` in kernels_common.py): 1 = grid order, every block of a head before the next head;
-      G > 1 = the longest causal blocks of G (head, sequence) pairs first, then the next-longest, ... None =
-      4 for causal attention on a GPU, else 1 (see :func:`_head_group`).
-    * ``fused_backward``: run the dK/dV and dQ grids in one launch (``attn_bwd_kernel``: the dQ programs
-      fill the SMs the dK/dV grid's last wave leaves idle) at the dK/dV tile's ``num_stages``, when both
-      tiles have the same ``num_warps`` (else the two launches); identical results. None = True: H200,
-      bf16, S=4096: one ``--order-only`` run gave backward D=128 full 383 -> 395 TFLOP/s, causal 349 -> 354,
-      D=64 causal 312 -> 328, GQA 32/8 causal 322 -> 331; alternating both four times in one process
-      (``bench_attention.py --ab 4``) MHA differs by less than 1.5% either way and GQA causal gains 1.4%.
-      D=256's default splits the dK/dV grid's columns (``dkdv_col_split``) and keeps two launches.
-    * ``early_dp``: order of the products in the dK/dV loop's unmasked segment. False: ``p^T`` recomputed
-      from ``k q^T``, then ``dv += p^T dout``, then ``dp^T = v dout^T``; True: ``dp^T`` issued right after
-      ``k q^T``, before the exponentials, so the tensor cores compute it while the warps evaluate ``p^T``,
-      and ``ds^T`` is formed while ``dv``'s product runs. sm_90, Triton 3.6, D=128 one-launch backward:
-      the tensor cores' idle stretches in that loop shrink from ~80 + ~80 to ~40 + ~20 instructions (the
-      ``MUFU.EX2`` run sits between the ``dp^T`` MMAs and their wait), same instruction count, stack 56 B
-      (causal: 128 -> 152 B; applied to the masked segments too it was 208). The dQ loop is left as it is:
-      ptxas already overlaps its exponentials with its ``dp`` MMAs. Identical results. None = the default
-      of :data:`GPU_EARLY_DP` (on for D=128, and for D=64 and D=256 without a causal mask or window).
-    * ``dkdv_col_split``: 1 or 2 dK/dV programs per key block. With 2 each program accumulates half of
-      dK's and dV's columns (half the accumulator registers, so larger tiles fit) and recomputes the
-      scores and dP^T over both halves (1.5x the dK/dV kernel's products); the backward then runs as two
-      launches. Needs padded head dims >= 32. Identical results up to the products' summation order. None
-      = the default of :data:`GPU_DKDV_COL_SPLIT`, else 1.
-    * ``skip_empty_tail``: whether the backward's dK/dV and dQ kernels (and the one-launch backward's two
-      halves) leave their trailing masked segment out when the plan proves it empty: no causal mask or
-      window, fixed lengths, a loop axis the block divides. An empty segment still runs its pipelined loop's
-      prologue and drain (the decode kernel lost ~2 us per call to them at B=1 S=16k), and a runtime branch
-      around it makes ptxas serialize the causal kernels' wgmmas, so the choice is made at compile time.
-      sm_90, Triton 3.6, B=4 S=4096 full attention: one-launch D=128 backward 4944 -> 3072 instructions
-      (stack 56 -> 24 B, the dK/dV loop's spill reloads 12 -> 6), D=256 dK/dV 255 -> 239 registers; causal
-      kernels unchanged. H200, B=4 S=4096 bf16, alternating four times with ``skip_empty_tail=False``
-      (``attention_ab_skip_empty_tail-False*_h200.json``), median full-attention backward ms: D=128 3.447
-      -> 3.439, D=64 1.941 -> 1.927, GQA 32/8 D=128 7.061 -> 6.720 (-5%), D=256 11.47 -> 11.05 (-4%, every
-      sample). The forward keeps its three segments: the same change there measured ~6% slower on every
-      full-attention row of the H200's D=128 table (``attention_h200_d128_tail_fwd.json``). None = True.
-
-    The GPU defaults are the fastest of the candidates ``bench_attention.py --tune-only`` timed on an H200
-    (the sweep is quoted above :data:`GPU_TILES`). The interpreter (CPU) pays per program and per
-    operation, not per element: it takes 64 x 64 tiles everywhere and no pipelining. Block sizes must be
-    powers of two >= 16 (``tl.dot``'s minimum).
+    Every setting gives the same results up to the products' summation order. The interpreter (CPU) pays per
+    program and per operation, not per element: 64 x 64 tiles everywhere, no pipelining.
     """
 
     block_m: Optional[int] = None
@@ -108,7 +72,6 @@ class AttentionConfig:
     fused_backward: Optional[bool] = None
     early_dp: Optional[bool] = None
     dkdv_col_split: Optional[int] = None
-    skip_empty_tail: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -122,7 +85,7 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.head_group: must be None or >= 1, got {self.head_group}")
         if self.dkdv_col_split not in (None, 1, 2):
             raise ValueError(f"AttentionConfig.dkdv_col_split: must be None, 1 or 2, got {self.dkdv_col_split!r}")
-        for flag in ("fused_backward", "early_dp", "skip_empty_tail"):
+        for flag in ("fused_backward", "early_dp"):
             value = getattr(self, flag)
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"AttentionConfig.{flag}: must be None, True or False, got {value!r}")
@@ -134,72 +97,39 @@ class AttentionConfig:
         return tuple(g if g is not None else d for g, d in zip(given, default))
 
 
-# (block_m, block_n, num_warps, num_stages) per kernel, by padded head dim (the larger of Dqk, Dv), for
-# Hopper. First chosen by ptxas (largest tiles without spills); where the H200 timed a tile faster, the timing
-# wins. "fwd_masked": the forward of causal / windowed calls, whose diagonal blocks may favour other tiles.
-# From the H200 sweep of 2026-11-30 (bench_attention.py --tune-only, S=4096, B*S=16384, H=16, bf16; TFLOP/s
-# full / causal, the previous default in brackets; the backward figures time the whole backward with one
-# kernel's tile changed):
-#   D=64:  forward 128 x 64, 8 warps 440 (414) full, 64 x 64, 4 warps 357 (336) causal; dK/dV 64 x 64, 4 warps,
-#          3 stages 349 / 225 (283 / 202); dQ 64 x 64, 4 warps, 3 stages 291 / 252 (285 / 202)
-#   D=128: forward 128 x 128 causal too 407 (399); dK/dV 64 x 128, 8 warps, 3 stages 375 / 326 (365 / 324);
-#          dQ 4 stages 375 / 330 (359 / 323)
-#   D=256: forward 128 x 64, 8 warps, 2 stages 434 / 395 (169 / 153: the first table had it at 64 x 32);
-#          dK/dV 32 x 32, 4 warps 141 / 131 (102 / 98); dQ 128 x 32 125 / 122 (102 / 98)
-#          (the same dK/dV tile at 8 warps, spill-free where 4 warps spill 16 / 136 B full / causal: backward
-#          13.96 -> 21.8 ms full, 7.42 -> 11.5 causal, B=4 S=4096, attention_ab_dkdv_num_warps-8_d256_h200.json)
-# "dkdv_gqa_causal": the dK/dV tile of causal calls whose K / V heads serve several query heads (each dK/dV
-# program walks group x Sq query rows): D=128, GQA 32/8, S=4096, alternating both four times in one process
-# (bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'), median backward 325.5 -> 339.3 TFLOP/s;
-# the same tile costs MHA causal 3-4% (D=128 342.5 -> 332.6, D=64 305 -> 292) and GQA full 2% (375.5 -> 369).
+# Hopper defaults, keyed by padded head dim (the larger of Dqk, Dv) and kernel entry: "fwd", "fwd_masked" (the
+# forward of causal / windowed calls), "dkdv" ("dkdv_masked": causal / windowed calls), "dkdv_gqa_causal" (causal
+# calls whose K / V heads serve several query heads), "dkdv_split" (with dkdv_col_split = 2), "dq". "H200" below
+# means: timed on an H200 with Triton 3.6 by benchmarks/bench_attention.py at S=4096, bf16.
+#
+# (block_m, block_n, num_warps, num_stages) of each kernel, bf16 / fp16:
 GPU_TILES = {
+    # H200, --tune-only
     64: {"fwd": (128, 64, 8, 3), "fwd_masked": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)},
+    # H200, --tune-only; dkdv_gqa_causal: --ab 4 --ab-config '{"dkdv_block_m": 32}' at GQA 32/8
     128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 128, 8, 3), "dkdv": (64, 128, 8, 3),
           "dkdv_gqa_causal": (32, 128, 8, 3), "dq": (128, 64, 8, 4)},
+    # H200, --tune-only; dkdv_split: --ab 3 with the split (sm_90: 255 registers, no stack, where 32 x 32 spills)
     256: {"fwd": (128, 64, 8, 2), "fwd_masked": (128, 64, 8, 2), "dkdv": (32, 32, 4, 2),
           "dkdv_split": (32, 128, 8, 2), "dq": (128, 32, 8, 2)},
 }
-# Pipelining depth of the masked segments per forward entry where the H200 timed it faster than the entry's
-# num_stages (AttentionConfig.masked_num_stages overrides it): D=128's full forward 503 vs 475 TFLOP/s at
-# S=4096 with 2 (491 with 1), although at that length no masked segment runs: with 3 the kernel as a whole
-# spills 16 bytes (sm_90, Triton 3.6), with 2 it does not (same sweep as above).
-GPU_MASKED_STAGES = {128: {"fwd": 2}}
-# Key block width of the masked segments per forward entry where the H200 timed a narrower one faster
-# (AttentionConfig.masked_block_n overrides it): D=128 causal, S=4096, alternating three times in one process
-# (bench_attention.py --ab 3 --ab-config '{"masked_block_n": 64}', attention_ab_masked_block_n-64_h200.json),
-# median forward MHA 419.6 -> 425.3 TFLOP/s, GQA 32/8 432.4 -> 443.5. Not for the full forward ("fwd": its
-# masked segments are the ragged tails): there the narrower masked loop costs the visible loop 32 bytes of
-# stack, and MHA 498.6 -> 475.8, GQA 503.5 -> 493.0.
-GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
-# Whether the dK/dV loop issues dP^T before the exponentials (AttentionConfig.early_dp) by default, per padded
-# head dim, for full attention ("dkdv") and causal / windowed calls ("dkdv_masked"); absent = off. H200, S=4096,
-# B=4, bf16, alternating four times in one process (bench_attention.py --ab 4 --ab-config '{"early_dp": true}',
-# attention_ab_early_dp-True_h200.json), median backward TFLOP/s: D=128 full 378.6 -> 395.3, causal 342.2 ->
-# 349.0; GQA 32/8 full 377.1 -> 391.1, causal 336.8 -> 347.6; D=64 full 338.7 -> 353.6, causal 316.8 -> 312.4
-# (kept off). D=256 (attention_ab_early_dp-True_d256_h200.json, B=4 H=16, S=4096), backward ms: full
-# 14.31 -> 13.99 (2.3%, every alternation), causal 7.41 -> 7.40 (kept off).
-GPU_EARLY_DP = {64: {"dkdv": True}, 128: {"dkdv": True, "dkdv_masked": True}, 256: {"dkdv": True}}
-# dK/dV programs per key block (AttentionConfig.dkdv_col_split) per padded head dim where the H200 timed a
-# split faster, for full attention ("dkdv") and causal / windowed calls ("dkdv_masked"); absent = 1. A split
-# plan takes the table's "dkdv_split" tile where it has one. D=256: half of dK / dV's 256 columns per program
-# leaves room for 128-key tiles with 8 warps on wgmma (sm_90, Triton 3.6: 255 registers, no stack, full and
-# causal; the unsplit 32 x 32 tile: 16 / 136 B of stack). H200, B=4 H=16 S=4096, alternating three times in
-# one process (attention_ab_dkdv_col_split-2_dkdv_block_m-32_dkdv_block_n-128_dkdv_num_warps-8_d256_h200.json),
-# backward: full 14.06 -> 11.43 ms (195.5 -> 240.6 TFLOP/s), causal 7.43 -> 6.05 ms (184.9 -> 227.2); a split
-# at 64 x 64 / 8 warps lost (16.2 / 9.3 ms), at 32 x 64 / 4 warps full +4%, causal -10%. D=128 and D=64 keep
-# one program (attention_ab_dkdv_col_split-2_h200.json, three alternations, backward ms: D=128 full 3.52 -> 4.94,
-# causal 1.92 -> 2.68, GQA 32/8 full 7.10 -> 9.92, D=64 full 1.96 -> 2.97): their unsplit tiles already run on
-# wgmma, so a split only adds products and gives up the one-launch backward.
-GPU_DKDV_COL_SPLIT = {256: {"dkdv": 2, "dkdv_masked": 2}}
-# float32 inputs take IEEE dots (no tensor-core fp32 path), which keep their operands in registers: small tiles.
+# float32 inputs take IEEE dots, which keep their operands in registers: the largest tiles without spills (ptxas)
 GPU_TILES_FP32 = {
     128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
     256: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (32, 32, 8, 2)},
 }
 INTERPRETER_TILE = (64, 64, 4, 1)
+# The options below apply to bf16 / fp16 on a GPU only; absent = the option's neutral value.
+# masked_num_stages: H200, --tune-only (D=128's full forward at 3 stages spills 16 bytes on sm_90, at 2 none)
+GPU_MASKED_STAGES = {128: {"fwd": 2}}
+# masked_block_n: H200, --ab 3 --ab-config '{"masked_block_n": 64}' (the full forward lost: its visible loop spilled)
+GPU_MASKED_BLOCK_N = {128: {"fwd_masked": 64}}
+# early_dp: H200, --ab 4 --ab-config '{"early_dp": true}' (D=64 and D=256 causal: no gain, kept off)
+GPU_EARLY_DP = {64: {"dkdv": True}, 128: {"dkdv": True, "dkdv_masked": True}, 256: {"dkdv": True}}
+# dkdv_col_split: H200, --ab 3 with the split (D=64 / 128 lost: their unsplit tiles already run on wgmma)
+GPU_DKDV_COL_SPLIT = {256: {"dkdv": 2, "dkdv_masked": 2}}
 
 
-DEFAULT_CONFIG = AttentionConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,12 +366,10 @@ def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig
 
 
 def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -> int:
-    """The main kernels' ``HEAD_GROUP`` constexpr (program order, see ``block_schedule``). Default: 4 for
-    causal attention on a GPU -- H200, D=128, S=4096, bf16 (``attention_order_h200.json``): MHA 16 heads
-    forward 401 -> 427 TFLOP/s, backward 323 -> 333; GQA 32/8 forward 428 -> 439, backward 273 -> 314 (8
-    and 16 within 1-3% of 4, 64 slower) -- 1 otherwise: without the causal mask every block is as long as
-    the next and grouping only spreads a head's K / V over more of L2 (full attention forward 528 -> 481 at
-    4). The interpreter keeps grid order (its program order does not matter)."""
+    """The main kernels' ``HEAD_GROUP`` constexpr (program order, see ``block_schedule``): 4 for causal
+    attention on a GPU (H200, Triton 3.6, bench_attention.py --order-only: 8 and 16 within a few percent, 64
+    slower), else 1: without the causal mask every block is as long as the next and grouping only spreads a
+    head's K / V over more of L2. The interpreter keeps grid order."""
     if config.head_group is not None:
         return config.head_group
     return 4 if options.causal and not target.interpret else 1
@@ -479,8 +407,8 @@ def _dkdv_col_split(config: AttentionConfig, shape: AttnShape, options: AttnOpti
 
 
 def _timed_default(per_dim: dict, kernel: str, shape: AttnShape, target: Target):
-    """The value an H200 timing set for ``kernel`` ("fwd", "fwd_masked", ...) in ``per_dim`` (keyed like
-    :data:`GPU_TILES`), or None: in the interpreter, for float32 inputs and where nothing was timed."""
+    """``per_dim``'s value for ``kernel`` ("fwd", "fwd_masked", ...; keyed like :data:`GPU_TILES`), or None:
+    in the interpreter, for float32 inputs and where the table has none."""
     if target.interpret:
         return None
     table, key = _gpu_key(shape)
@@ -545,17 +473,9 @@ def _strided(prefix: str, strides: tuple[int, int, int]):
 def local_mask_mode(window_left: Optional[int], window_right: Optional[int], *, one_comparison: bool) -> int:
     """The kernels' ``HAS_LOCAL`` constexpr (see ``visible`` in kernels_common): 0 = no window; 1 = a right
     edge at or left of the diagonal and no left edge (causal), where the mask is one comparison per score;
-    2 = any other window, and causal ones unless ``one_comparison``.
-
-    Every attention kernel takes the one-comparison mask for causal calls; decode keeps three (its masked
-    segments are ragged tails, not timed). History: with the earlier form of the comparison (``k - (q +
-    diag) <= right``, a subtraction per score) only the dQ loop gained from it (H200, causal, S=4096 /
-    16384, ``attention_causalmask_h200_d128-64.json``: backward D=64 309 -> 325 / 333 -> 356 TFLOP/s, D=128
-    339-350 -> 352 / 378-392 -> 393), while the forward lost at D=128 (425 -> 407 / 480 -> 463: spills in
-    its unmasked loop) and the dK/dV loop spilled more (sm_90: main loop 421 -> 500 instructions). With the
-    bound compared as ``k <= q + (diag + right)`` (a vector over the rows) the one comparison is the smaller
-    kernel everywhere: sm_90, Triton 3.6, D=128 causal forward diagonal step 612 -> 472 instructions and
-    unmasked step 544 -> 538, D=64 544 -> 399 / 299 -> 298, D=256 848 -> 664 / 522 -> 516."""
+    2 = any other window, and causal ones unless ``one_comparison``. The attention kernels take the one
+    comparison (the smaller kernel on sm_90 at every head dim); decode keeps the general mask for its ragged
+    tails."""
     if window_left is None and window_right is None:
         return 0
     if one_comparison and window_left is None and window_right <= 0:
@@ -583,25 +503,25 @@ def _alibi_stride(shape: AttnShape, options: AttnOptions) -> int:
     return shape.heads_q if options.alibi_batched else 0
 
 
-def _tail_blocks(config: AttentionConfig, shape: AttnShape, options: AttnOptions, loop_len: int, block: int) -> bool:
-    """Whether a backward kernel keeps its trailing masked segment (its ``TAIL_BLOCKS``): always with
-    ``skip_empty_tail=False``, else when the segment can hold blocks: a causal mask or a window edge,
-    per-sequence lengths, or a loop axis of ``loop_len`` (queries for dK/dV, keys for dQ) that ``block`` does
-    not divide. Without any, every program walks whole visible blocks and the kernel leaves the segment out
-    (see ``AttentionConfig.skip_empty_tail``)."""
-    if config.skip_empty_tail is False:
-        return True
+def _tail_blocks(shape: AttnShape, options: AttnOptions, loop_len: int, block: int) -> bool:
+    """Whether a backward kernel keeps its trailing masked segment (its ``TAIL_BLOCKS``): only when the
+    segment can hold blocks -- a causal mask or a window edge, per-sequence lengths, or a loop axis of
+    ``loop_len`` (queries for dK/dV, keys for dQ) that ``block`` does not divide. An empty segment still
+    costs its pipelined loop's prologue and drain, and a runtime branch around it made ptxas serialize the
+    causal kernels' wgmmas, so the plan decides at compile time. (The forward keeps all three segments: the
+    same change there was slower on the H200.)"""
     return bool(options.causal or options.has_local or shape.varlen or loop_len % block)
 
 
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
+                       config: Optional[AttentionConfig] = None) -> Plan:
     """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
 
     ``strides`` maps "q" / "k" / "v" to (batch, row, head) element strides (default: contiguous).
     Results: out (q's dtype, ``shape.out_shape``) and lse (float32, ``shape.lse_shape``).
     """
+    config = config or active_config(AttentionConfig)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
@@ -638,7 +558,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
 def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target, has_dlse: bool = False,
                        sinks_dtype: Optional[str] = None,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
+                       config: Optional[AttentionConfig] = None) -> Plan:
     """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
 
     ``out`` and ``lse`` are the forward's results (contiguous); ``dlse`` a gradient arriving at lse.
@@ -646,6 +566,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     Results: dq, dk, dv (contiguous, in the inputs' dtype), then with sinks dsinks (``sinks_dtype``,
     ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
     """
+    config = config or active_config(AttentionConfig)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()),
@@ -666,8 +587,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     flags = _flags(shape, options)
     head_group = _head_group(config, options, target)
     early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
-    kv_tail = _tail_blocks(config, shape, options, shape.seqlen_q, kv_m)  # dK/dV walks query blocks
-    q_tail = _tail_blocks(config, shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
+    kv_tail = _tail_blocks(shape, options, shape.seqlen_q, kv_m)  # dK/dV walks query blocks
+    q_tail = _tail_blocks(shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
                     ("stride_ab", _alibi_stride(shape, options)))
@@ -693,8 +614,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     kv_grid = (cdiv(shape.seqlen_k, kv_n) * col_split, shape.heads_kv, shape.batch)
     q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's unsplit tiles: 4 and 8) the dQ path
-    # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread); and it runs one dK/dV program per
-    # key block (no column split)
+    # would run at the dK/dV count and spill; and it runs one dK/dV program per key block (no column split)
     if config.fused_backward is not False and kv_warps == q_warps and col_split == 1:  # None = fused
         fused_scalars = (*dkdv_scalars, *_strided("dq", contiguous_strides(shape.q_shape())),
                          ("heads_kv", shape.heads_kv), ("n_seqs", shape.batch))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from .._config import active_config
 from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
 
 MAX_COLS = 65536  # one row lives in one program's registers; wider rows would spill to local memory
@@ -16,31 +17,29 @@ _KERNELS = "norms.kernels"
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
-    """Block sizes. ``None`` picks the default for the target.
+    """Tiles of the norm kernels; ``None`` picks the target's default. The GPU defaults were swept on an
+    H200 with Triton 3.6 (bf16, widths 2048 and 8192, benchmarks/bench_norms.py --tune).
 
-    block_m: rows per program (a power of two). Default on a GPU: enough rows that a program moves
-        about 8K elements, so narrow rows still keep enough bytes in flight; one row from 8K columns up.
+    block_m: rows per program (a power of two). Default on a GPU: about 8K elements per program in the
+        forward (narrow rows still keep enough bytes in flight; one row from 8K columns up), 8-16K and at
+        most 4 rows in the backward.
     num_warps: warps per program. Default: about 16 elements per thread, 4 to 16 warps.
     bwd_programs_per_sm: persistent backward programs per SM (each keeps one partial dweight row).
     bwd_num_stages: software-pipelining depth of the backward's row-tile loop.
     log2_chunks: LayerNorm statistics merge 2**log2_chunks exact per-chunk (count, mean, M2) triples
-        with Welford/Chan's parallel formula (capped by the block width; RMSNorm needs no chunks).
+        with Welford/Chan's parallel formula (capped by the block width; RMSNorm needs no chunks). Two
+        parts: the Welford/Chan merge at the smallest cost (more parts were slower on the H200).
     """
 
     block_m: int | None = None
     num_warps: int | None = None
     bwd_programs_per_sm: int = 2
     bwd_num_stages: int = 1
-    # LayerNorm statistics: a row is merged from 2**log2_chunks Welford parts. Measured on the H200 (bf16,
-    # forward, kernel alone): 1/2/4/8 parts gave 3.97/3.92/3.80/3.30 TB/s at 16384x8192 and
-    # 3.97/3.70/3.29/2.24 at 65536x2048, so two parts: the Welford/Chan merge at the smallest cost.
     log2_chunks: int = 1
 
 
 def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig, backward: bool) -> tuple[int, int, int]:
-    """(rows per program, padded width, warps). GPU defaults measured on an H200 (bf16, widths 2048 and
-    8192, benchmarks/bench_norms.py --tune): forward ~8K elements and ~32 per thread; backward ~8-16K
-    elements per program, 2-4 rows."""
+    """(rows per program, padded width, warps): see :class:`NormConfig`."""
     block_n = next_power_of_2(n_cols)
     if config.block_m is not None:
         block_m = config.block_m
@@ -96,17 +95,23 @@ def check_norm_args(
     return n_rows, n_cols
 
 
-@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments: build each once
 def plan_norm_fwd(
     n_rows: int, n_cols: int, *, x_dtype: str, residual_dtype: str | None, is_rms: bool,
     has_weight: bool, has_bias: bool, has_post_residual: bool, dropout_p: float, eps: float,
-    target: Target, config: NormConfig = NormConfig(),
+    target: Target, config: NormConfig | None = None,
 ) -> Plan:
     """Plan inputs: x, [weight], [bias], [residual], [post_residual], [seed] (int32 (1,), with dropout).
 
     Results: y (x_dtype, ``(n_rows, n_cols)``), h (residual_dtype; a ``(0,)`` placeholder without a
     residual), mean (float32 ``(n_rows,)``; ``(0,)`` for RMSNorm), rstd (float32 ``(n_rows,)``).
     """
+    return _plan_norm_fwd(n_rows, n_cols, x_dtype, residual_dtype, is_rms, has_weight, has_bias,
+                          has_post_residual, dropout_p, eps, target, config or active_config(NormConfig))
+
+
+@functools.lru_cache(maxsize=1024)  # plans are pure functions of hashable arguments: build each once
+def _plan_norm_fwd(n_rows, n_cols, x_dtype, residual_dtype, is_rms, has_weight, has_bias, has_post_residual,
+                   dropout_p, eps, target, config) -> Plan:
     assert x_dtype in FLOAT_DTYPES
     has_res = residual_dtype is not None
     has_dropout = dropout_p > 0.0
@@ -137,10 +142,9 @@ def plan_norm_fwd(
     return Plan(inputs=inputs, buffers=buffers, launches=(launch,), results=("y", "h", "mean", "rstd"))
 
 
-@functools.lru_cache(maxsize=1024)
 def plan_norm_bwd(
     n_rows: int, n_cols: int, *, dx_dtype: str, weight_dtype: str | None, bias_dtype: str | None,
-    is_rms: bool, has_dh: bool, dropout_p: float, target: Target, config: NormConfig = NormConfig(),
+    is_rms: bool, has_dh: bool, dropout_p: float, target: Target, config: NormConfig | None = None,
 ) -> Plan:
     """Plan inputs: dy, h, [weight], [mean] (LayerNorm), rstd, [seed] (with dropout), [dh].
 
@@ -148,6 +152,13 @@ def plan_norm_bwd(
     stored h output. Results: dx (dx_dtype; also the gradient of the residual), then dweight and dbias
     (in their parameters' dtypes) for the parameters that exist.
     """
+    return _plan_norm_bwd(n_rows, n_cols, dx_dtype, weight_dtype, bias_dtype, is_rms, has_dh, dropout_p, target,
+                          config or active_config(NormConfig))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_norm_bwd(n_rows, n_cols, dx_dtype, weight_dtype, bias_dtype, is_rms, has_dh, dropout_p, target,
+                   config) -> Plan:
     has_w, has_b = weight_dtype is not None, bias_dtype is not None
     has_dropout = dropout_p > 0.0
     present = {"dy": True, "h": True, "weight": has_w, "mean": not is_rms, "rstd": True,
