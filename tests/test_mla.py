@@ -125,3 +125,397 @@ def test_reference_decode_paged_equals_contiguous_and_prefill():
     prefill = ref.mla_attention(q, kv, head_dim_v=dv, causal=True)
     for x, y in zip(full, prefill):
         np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+torch = pytest.importorskip("torch")
+tapi = pytest.importorskip("flashbridge.torch_api.mla")
+
+from helpers import assert_close, np64, torch_to_jax  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, lengths=None):
+    """Absorbed MLA computed plainly in q's dtype (differentiable): the naive same-dtype implementation the
+    tolerance is measured against. Returns (out, lse)."""
+    b, sq, _, d = q.shape
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    mask = torch.from_numpy(ref.visible(b, sq, kv.shape[1], causal=causal,
+                                        indices=None if indices is None else np.asarray(indices),
+                                        lengths=lengths))
+    s = torch.einsum("bqhd,bkd->bhqk", q, kv) * scale
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.nan_to_num(torch.softmax(s.float(), dim=-1)).to(q.dtype)
+    return torch.einsum("bhqk,bkd->bqhd", p, kv[..., :head_dim_v]), lse
+
+
+def _make(seed, b, sq, sk, h, dqk, dtype="float32"):
+    g = torch.Generator().manual_seed(seed)
+    dt = TORCH_DTYPES[dtype]
+    return torch.randn(b, sq, h, dqk, generator=g).to(dt), torch.randn(b, sk, dqk, generator=g).to(dt)
+
+
+def _check_lse(lse, ref_lse, naive_lse, floor=1e-5):
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np64(lse)), finite), "lse: -inf pattern differs from the reference"
+    assert_close(np.where(finite, np64(lse), 0.0), np.where(finite, ref_lse, 0.0),
+                 np.where(finite, np64(naive_lse), 0.0), name="lse", floor=floor)
+
+
+# (b, sq, sk, h, dqk, dv, causal, topk, dtype)
+CASES = {
+    "h1-48-32": (1, 7, 17, 1, 48, 32, False, 0, "float32"),
+    "h3-40-32-causal-s63": (2, 63, 63, 3, 40, 32, True, 0, "float32"),
+    "h16-40-32-sq5-sk17-causal": (2, 5, 17, 16, 40, 32, True, 0, "float32"),
+    "h3-dv-eq-dqk": (2, 9, 17, 3, 32, 32, False, 0, "float32"),
+    "h3-sparse": (2, 5, 17, 3, 40, 32, False, 6, "float32"),
+    "h16-sparse-causal": (1, 9, 63, 16, 40, 32, True, 20, "float32"),
+    "h3-bf16-causal": (2, 17, 17, 3, 40, 32, True, 0, "bfloat16"),
+    "h2-576-512-causal": (1, 3, 17, 2, 576, 512, True, 0, "bfloat16"),
+}
+
+
+def _case(name):
+    b, sq, sk, h, dqk, dv, causal, topk, dtype = CASES[name]
+    q, kv = _make(zlib_seed(name), b, sq, sk, h, dqk, dtype)
+    indices = None
+    if topk:
+        indices = torch.from_numpy(_sparse_indices(_rng(zlib_seed(name) + 1), b, sq, sk, topk, causal=causal))
+    return q, kv, dict(head_dim_v=dv, causal=causal, indices=indices)
+
+
+def zlib_seed(name: str) -> int:
+    import zlib
+    return zlib.crc32(name.encode())
+
+
+def _np_kw(kw):
+    return {n: (v.numpy() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+
+
+# --------------------------------------------------------------------------------------- torch prefill
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_mla_attention_forward(name):
+    q, kv, kw = _case(name)
+    out, lse = tapi.mla_attention(q, kv, **kw, return_lse=True)
+    ro, rl = ref.mla_attention(np64(q), np64(kv), **_np_kw(kw))
+    no, nl = naive(q, kv, **kw)
+    assert out.dtype == q.dtype and tuple(out.shape) == ro.shape and tuple(lse.shape) == rl.shape
+    floor = 1e-5 if q.dtype == torch.float32 else 1e-3
+    assert_close(out, ro, no, name="out", floor=floor)
+    _check_lse(lse, rl, nl, floor=floor)
+
+
+@pytest.mark.parametrize("name", ["h3-40-32-causal-s63", "h16-40-32-sq5-sk17-causal", "h3-sparse",
+                                  "h16-sparse-causal", "h1-48-32"])
+def test_torch_mla_attention_backward(name):
+    q, kv, kw = _case(name)
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    out, lse = tapi.mla_attention(q, kv, **kw, return_lse=True)
+    g = torch.Generator().manual_seed(7)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    rdq, rdkv = ref.mla_attention_bwd(np64(dout), np64(q), np64(kv), dlse=np64(dlse), **_np_kw(kw))
+    nq, nkv = q.detach().clone().requires_grad_(), kv.detach().clone().requires_grad_()
+    no, nl = naive(nq, nkv, **kw)
+    torch.autograd.backward((no, nl), (dout, torch.where(torch.isfinite(nl), dlse, 0.0)))
+    assert_close(q.grad, rdq, nq.grad, name="dq")
+    assert_close(kv.grad, rdkv, nkv.grad, name="dkv")
+
+
+def test_torch_backward_is_deterministic():
+    q, kv, kw = _case("h16-sparse-causal")
+    grads = []
+    for _ in range(2):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        tapi.mla_attention(qq, kk, **kw).sum().backward()
+        grads.append((qq.grad, kk.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_torch_lse_only_gradient():
+    q, kv, kw = _case("h3-40-32-causal-s63")
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    _, lse = tapi.mla_attention(q, kv, **kw, return_lse=True)
+    torch.where(torch.isfinite(lse), lse, 0.0).sum().backward()
+    dlse = np.ones(lse.shape)
+    rdq, rdkv = ref.mla_attention_bwd(np.zeros(q.shape[:3] + (kw["head_dim_v"],)), np64(q), np64(kv), dlse=dlse,
+                                      **_np_kw(kw))
+    np.testing.assert_allclose(np64(q.grad), rdq, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(np64(kv.grad), rdkv, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------- torch decode
+
+def make_cache(seed, *, b=3, lens=(0, 1, 30), sq=1, h=3, dqk=40, dv=32, page_size=None, fp8=False, topk=0,
+               dtype="float32", spare_pages=3):
+    """Random decode inputs: q, a contiguous or paged latent cache (shuffled pages, -1 in unused table
+    entries), cache_seqlens, FP8 scale, top-k indices (-1 padded, some past the sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    s_max = max(max(lens), 1)
+    dt = TORCH_DTYPES[dtype]
+    q = torch.randn(b, sq, h, dqk, generator=g).to(dt)
+    logical = torch.randn(b, s_max, dqk, generator=g)
+    kw = {"cache_seqlens": torch.tensor(lens, dtype=torch.int32), "head_dim_v": dv}
+    if fp8:
+        kw["kv_scale"] = torch.rand((), generator=g) * 0.5 + 0.25
+        logical = (logical / kw["kv_scale"]).to(torch.float8_e4m3fn)
+    else:
+        logical = logical.to(dt)
+    if page_size is None:
+        cache = logical
+    else:
+        max_pages = -(-s_max // page_size)
+        n_pages = b * max_pages + spare_pages
+        perm = torch.randperm(n_pages, generator=g)
+        table = torch.full((b, max_pages), -1, dtype=torch.int32)
+        cache = torch.randn(n_pages, page_size, dqk, generator=g).to(logical.dtype)
+        for i in range(b):
+            for j in range(-(-lens[i] // page_size)):
+                page = int(perm[i * max_pages + j])
+                table[i, j] = page
+                rows = logical[i, j * page_size:(j + 1) * page_size]
+                cache[page, :rows.shape[0]] = rows
+        kw["block_table"] = table
+    if topk:
+        idx = np.full((b, sq, topk), -1, dtype=np.int32)
+        rng = _rng(seed)
+        for i in range(b):
+            for t in range(sq):
+                visible = max(lens[i] - sq + t + 1, 0)
+                chosen = rng.permutation(visible)[:topk]
+                idx[i, t, :len(chosen)] = chosen
+                if len(chosen) < topk:
+                    idx[i, t, -1] = lens[i] + 2  # past the sequence: skipped
+                idx[i, t] = rng.permutation(idx[i, t])
+        kw["indices"] = torch.from_numpy(idx)
+    return q, cache, kw
+
+
+def _cache_np(t):
+    if t.dtype == torch.float8_e4m3fn:
+        import ml_dtypes
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return np64(t)
+
+
+def decode_reference(q, cache, kw):
+    return ref.mla_decode(np64(q), _cache_np(cache), **{n: (v.numpy() if isinstance(v, torch.Tensor) else v)
+                                                         for n, v in kw.items()})
+
+
+def decode_naive(q, cache, kw):
+    """The decode computed plainly in q's dtype over the gathered, dequantised cache."""
+    lens = kw["cache_seqlens"].tolist()
+    s_max = max(max(lens), 1)
+    kv = torch.zeros(q.shape[0], s_max, q.shape[-1], dtype=q.dtype)
+    table = kw.get("block_table")
+    for b, length in enumerate(lens):
+        j = torch.arange(length)
+        rows = cache[b, :length] if table is None else cache[table[b, j // cache.shape[1]].long(), j % cache.shape[1]]
+        rows = rows.double()
+        if "kv_scale" in kw:
+            rows = rows * kw["kv_scale"].double()
+        kv[b, :length] = rows.to(q.dtype)
+    return naive(q, kv, head_dim_v=kw["head_dim_v"], causal=True, indices=kw.get("indices"), lengths=lens)
+
+
+def check_decode(q, cache, kw, *, api=None, num_splits=None, floor=1e-5):
+    out, lse = (api or tapi).mla_decode(q, cache, **kw, num_splits=num_splits, return_lse=True)
+    ro, rl = decode_reference(q, cache, kw)
+    no, nl = decode_naive(q, cache, kw)
+    assert_close(out, ro, no, name="out", floor=floor)
+    _check_lse(lse, rl, nl, floor=floor)
+    for i, length in enumerate(kw["cache_seqlens"].tolist()):
+        if length == 0:
+            assert np.all(np64(out)[i] == 0.0) and np.all(np.isneginf(np64(lse)[i]))
+    return out, lse
+
+
+DECODE_CASES = {
+    "contig-h3": dict(lens=(0, 1, 30)),
+    "contig-h16-sq3": dict(lens=(5, 1, 33), sq=3, h=16),
+    "paged4": dict(lens=(0, 7, 29), page_size=4),
+    "paged16-h1-48": dict(lens=(17, 0, 40), page_size=16, h=1, dqk=48),
+    "sparse-contig": dict(lens=(3, 30, 19), topk=8),
+    "sparse-paged4-sq2": dict(lens=(9, 2, 31), topk=5, page_size=4, sq=2),
+    "fp8-paged8": dict(lens=(0, 12, 31), fp8=True, page_size=8),
+    "fp8-sparse": dict(lens=(4, 25, 30), fp8=True, topk=6),
+    "bf16-576-512": dict(lens=(17, 5, 1), h=2, dqk=576, dv=512, dtype="bfloat16", page_size=16),
+    "fp8-bf16q-576-512": dict(lens=(9, 17, 0), h=2, dqk=576, dv=512, dtype="bfloat16", fp8=True),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_torch_mla_decode(name):
+    spec = DECODE_CASES[name]
+    q, cache, kw = make_cache(zlib_seed(name), **spec)
+    check_decode(q, cache, kw, floor=1e-5 if q.dtype == torch.float32 else 1e-3)
+
+
+def test_torch_decode_split_counts_agree_and_fixed_split_is_reproducible():
+    q, cache, kw = make_cache(11, lens=(31, 2, 17), page_size=4, topk=9)
+    base = tapi.mla_decode(q, cache, **kw, num_splits=1)
+    for splits in (2, 3, 5):
+        out = tapi.mla_decode(q, cache, **kw, num_splits=splits)
+        np.testing.assert_allclose(np64(out), np64(base), atol=2e-6, rtol=1e-5)
+        assert torch.equal(out, tapi.mla_decode(q, cache, **kw, num_splits=splits))
+
+
+def test_torch_decode_of_full_cache_equals_causal_prefill():
+    q, kv = _make(3, 2, 4, 13, 3, 40)
+    lens = torch.tensor([13, 13], dtype=torch.int32)
+    a = tapi.mla_decode(q, kv, cache_seqlens=lens, head_dim_v=32, num_splits=1)
+    b = tapi.mla_attention(q, kv, head_dim_v=32, causal=True)
+    np.testing.assert_allclose(np64(a), np64(b), atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+def _bad_attention(**override):
+    q, kv = _make(0, 1, 3, 5, 2, 40)
+    args = dict(q=q, kv=kv, head_dim_v=32)
+    args.update(override)
+    return lambda api: api.mla_attention(**args)
+
+
+def _bad_decode(**override):
+    q, cache, kw = make_cache(0, lens=(4, 6), b=2, page_size=4)
+    args = dict(q=q, kv_cache=cache, **kw)
+    args.update(override)
+    return lambda api: api.mla_decode(args["q"], args["kv_cache"],
+                                      **{n: v for n, v in args.items() if n not in ("q", "kv_cache")})
+
+
+BAD = [
+    ("dv-above-dqk", _bad_attention(head_dim_v=41), ValueError, "head_dim_v: must be between 1 and"),
+    ("kv-dtype", _bad_attention(kv=torch.randn(1, 5, 40, dtype=torch.float16)), TypeError, "kv: must have q's dtype"),
+    ("kv-4d", _bad_attention(kv=torch.randn(1, 5, 1, 40)), ValueError, "kv: expected 3 non-empty dimensions"),
+    ("kv-dim", _bad_attention(kv=torch.randn(1, 5, 48)), ValueError, "q, kv: expected kv of shape"),
+    ("heads", _bad_attention(q=torch.randn(1, 3, 129, 40)), ValueError, "129 query heads are not supported"),
+    ("indices-dtype", _bad_attention(indices=torch.zeros(1, 3, 2, dtype=torch.int64)), TypeError,
+     "indices: must be int32"),
+    ("indices-shape", _bad_attention(indices=torch.zeros(1, 2, 2, dtype=torch.int32)), ValueError,
+     r"indices: expected shape \(1, 3, topk\)"),
+    ("duplicates", _bad_attention(indices=torch.tensor([[[1, 4, 1], [0, -1, -1], [2, 3, 9]]], dtype=torch.int32)),
+     ValueError, "query 0 of sequence 0 lists key 1 more than once"),
+    ("below-minus-one", _bad_attention(indices=torch.tensor([[[1, -2], [0, -1], [2, 3]]], dtype=torch.int32)),
+     ValueError, r"indices: entry \(0, 0, 1\) = -2"),
+    ("block-mask", _bad_attention(block_mask=object()), NotImplementedError, "block_mask: .*flashbridge.masks"),
+    ("causal-type", _bad_attention(causal=1), TypeError, "causal: expected a bool"),
+    ("decode-kv-scale-16bit", _bad_decode(kv_scale=torch.tensor(1.0)), ValueError,
+     "kv_scale: only meaningful for a float8_e4m3fn cache"),
+    ("decode-cache-dtype", _bad_decode(kv_cache=torch.randn(9, 4, 40, dtype=torch.float16)), TypeError,
+     "kv_cache: dtype float16 is not supported"),
+    ("decode-page-size", _bad_decode(kv_cache=torch.randn(9, 3, 40)), ValueError, "page size 3"),
+    ("decode-seqlens", _bad_decode(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError,
+     r"cache_seqlens: expected shape \(2,\)"),
+    ("decode-length", _bad_decode(cache_seqlens=torch.tensor([1, 99], dtype=torch.int32)), ValueError,
+     "cache_seqlens: sequence 1 needs 99 rows"),
+    ("decode-dv", _bad_decode(head_dim_v=64), ValueError, "head_dim_v: must be between 1 and"),
+    ("decode-dup", _bad_decode(indices=torch.tensor([[[3, 3]], [[0, 1]]], dtype=torch.int32)), ValueError,
+     "lists key 3 more than once"),
+    ("decode-splits", _bad_decode(num_splits=0), ValueError, "num_splits: must be between 1 and"),
+]
+
+
+@pytest.mark.parametrize("name,call,error,match", BAD, ids=[c[0] for c in BAD])
+def test_torch_bad_inputs(name, call, error, match):
+    with pytest.raises(error, match=match):
+        call(tapi)
+
+
+def test_decode_duplicates_past_the_length_and_padding_are_allowed():
+    """Only the keys a query visits must be distinct: repeated -1 and repeated entries past the sequence
+    are padding."""
+    q, cache, kw = make_cache(5, lens=(4, 6), b=2)
+    kw["indices"] = torch.tensor([[[0, -1, -1, 9, 9]], [[5, 1, 7, 7, -1]]], dtype=torch.int32)
+    check_decode(q, cache, kw)
+
+
+# ------------------------------------------------------------------------------------------------- JAX
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+japi = pytest.importorskip("flashbridge.jax_api.mla")
+
+
+def _j(kw):
+    return {n: torch_to_jax(v) for n, v in kw.items()}
+
+
+@pytest.mark.parametrize("name", ["h16-sparse-causal", "h3-40-32-causal-s63", "h2-576-512-causal"])
+def test_jax_mla_attention_matches_torch_bitwise(name):
+    """Forward and gradients under jit: the same kernels, the same bits as torch."""
+    q, kv, kw = _case(name)
+    idx = kw.pop("indices")
+
+    def loss(q, kv, idx):
+        out, lse = japi.mla_attention(q, kv, **kw, indices=idx, return_lse=True)
+        return jnp.sum(out.astype(jnp.float32) * 0.5) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    (grads, (out, lse)) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(
+        torch_to_jax(q), torch_to_jax(kv), None if idx is None else torch_to_jax(idx))
+    tq, tkv = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    tout, tlse = tapi.mla_attention(tq, tkv, **kw, indices=idx, return_lse=True)
+    (tout.float().sum() * 0.5 + torch.where(torch.isfinite(tlse), tlse, 0.0).sum()).backward()
+    for a, b in ((out, tout), (lse, tlse), (grads[0], tq.grad), (grads[1], tkv.grad)):
+        np.testing.assert_array_equal(np64(a), np64(b))
+
+
+def test_jax_vmap_folds_into_the_batch():
+    q, kv, kw = _case("h3-sparse")
+    idx = kw.pop("indices")
+    qs, kvs, idxs = (torch.stack([x, x.flip(0)]) for x in (q, kv, idx))
+    out = jax.vmap(lambda q, kv, i: japi.mla_attention(q, kv, **kw, indices=i))(
+        torch_to_jax(qs), torch_to_jax(kvs), torch_to_jax(idxs))
+    for v in range(2):
+        want = tapi.mla_attention(qs[v], kvs[v], **kw, indices=idxs[v])
+        np.testing.assert_array_equal(np64(out[v]), np64(want))
+    grads = jax.vmap(jax.grad(lambda q, kv: jnp.sum(japi.mla_attention(q, kv, **kw)), argnums=(0, 1)))(
+        torch_to_jax(qs), torch_to_jax(kvs))
+    tq = qs[1].clone().requires_grad_()
+    tapi.mla_attention(tq, kvs[1], **kw).sum().backward()
+    np.testing.assert_array_equal(np64(grads[0][1]), np64(tq.grad))
+
+
+@pytest.mark.parametrize("name", ["sparse-paged4-sq2", "fp8-paged8", "fp8-bf16q-576-512", "contig-h16-sq3"])
+def test_jax_mla_decode_matches_torch_bitwise(name):
+    q, cache, kw = make_cache(zlib_seed(name), **DECODE_CASES[name])
+    dv = kw.pop("head_dim_v")
+    want, want_lse = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=2, return_lse=True)
+    out, lse = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=2, return_lse=True))(
+        torch_to_jax(q), torch_to_jax(cache), _j(kw))
+    np.testing.assert_array_equal(np64(out), np64(want))
+    np.testing.assert_array_equal(np64(lse), np64(want_lse))
+
+
+def test_jax_mla_decode_against_reference():
+    q, cache, kw = make_cache(21, **DECODE_CASES["sparse-contig"])
+    check_decode(q, cache, kw, api=_JaxAsTorch())
+
+
+class _JaxAsTorch:
+    """The JAX ops with torch tensors in and out (so the torch-side checks apply unchanged)."""
+
+    @staticmethod
+    def mla_decode(q, cache, **kw):
+        res = japi.mla_decode(torch_to_jax(q), torch_to_jax(cache), **{n: torch_to_jax(v) for n, v in kw.items()})
+        return tuple(torch.from_numpy(np.asarray(r).astype(np.float64)) for r in res)
+
+    @staticmethod
+    def mla_attention(q, kv, **kw):
+        res = japi.mla_attention(torch_to_jax(q), torch_to_jax(kv), **{n: torch_to_jax(v) for n, v in kw.items()})
+        return res
+
+
+@pytest.mark.parametrize("name,call,error,match", [c for c in BAD if c[0] in (
+    "dv-above-dqk", "duplicates", "block-mask", "decode-kv-scale-16bit", "decode-dup", "below-minus-one")],
+    ids=lambda c: c if isinstance(c, str) else "")
+def test_jax_bad_inputs(name, call, error, match):
+    with pytest.raises(error, match=match):
+        call(_JaxAsTorch())

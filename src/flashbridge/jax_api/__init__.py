@@ -6,6 +6,7 @@ ops need no flax.
 from .attention import dot_product_attention, flash_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
+from .mla import mla_attention, mla_decode
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 
 _FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "MultiHeadAttention": ".attention_flax"}
@@ -21,4 +22,4 @@ def __getattr__(name):
 __all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "append_kv_cache", "cascade_attention",
            "cross_entropy", "decode_attention", "dot_product_attention", "flash_attention",
            "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
-           "linear_cross_entropy_from_layer", "rms_norm"]
+           "linear_cross_entropy_from_layer", "mla_attention", "mla_decode", "rms_norm"]
