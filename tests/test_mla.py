@@ -519,3 +519,66 @@ class _JaxAsTorch:
 def test_jax_bad_inputs(name, call, error, match):
     with pytest.raises(error, match=match):
         call(_JaxAsTorch())
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+MODULE_CONFIG = dict(hidden_size=48, num_heads=3, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                     qk_rope_head_dim=8, v_head_dim=16)
+
+
+def _torch_module(q_lora_rank=24, seed=0):
+    torch.manual_seed(seed)
+    m = tapi.MultiHeadLatentAttention(**{**MODULE_CONFIG, "q_lora_rank": q_lora_rank})
+    with torch.no_grad():
+        for p in m.parameters():  # norm weights away from 1, projections of a realistic size
+            p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_torch_module_paths_agree(q_lora_rank):
+    """Prefill / training (un-absorbed, flash_attention with Dqk = nope + rope) and decode (absorbed,
+    mla_decode over the latent cache), from the same weights: all tokens at once into an empty cache, then
+    token by token into a paged cache (unused rows NaN: never read)."""
+    m = _torch_module(q_lora_rank)
+    x = torch.randn(2, 9, MODULE_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(1))
+    want = m(x)
+    latent = MODULE_CONFIG["kv_lora_rank"] + MODULE_CONFIG["qk_rope_head_dim"]
+    got = m.decode(x, torch.zeros(2, 12, latent), torch.zeros(2, dtype=torch.int32))
+    np.testing.assert_allclose(np64(got), np64(want), atol=2e-6, rtol=1e-5)
+    cache = torch.full((7, 4, latent), float("nan"))
+    table = torch.tensor([[3, 0, 5], [6, 1, 2]], dtype=torch.int32)
+    steps = [m.decode(x[:, t:t + 1], cache, torch.full((2,), t, dtype=torch.int32), block_table=table)
+             for t in range(9)]
+    np.testing.assert_allclose(np64(torch.cat(steps, 1)), np64(want), atol=2e-6, rtol=1e-5)
+
+
+def test_torch_module_trains():
+    m = _torch_module()
+    x = torch.randn(2, 5, MODULE_CONFIG["hidden_size"])
+    m(x).square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_flax_module_paths_agree_and_match_torch():
+    from flax import nnx
+
+    fm = pytest.importorskip("flashbridge.jax_api.mla_flax")
+    tm = _torch_module()
+    jm = fm.MultiHeadLatentAttention(**MODULE_CONFIG, rngs=nnx.Rngs(0))
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        getattr(jm, name).kernel[...] = jnp.asarray(getattr(tm, name).weight.detach().numpy().T)
+    for name in ("q_a_layernorm", "kv_a_layernorm"):
+        getattr(jm, name).scale[...] = jnp.asarray(getattr(tm, name).weight.detach().numpy())
+    x = torch.randn(2, 7, MODULE_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
+    xj = jnp.asarray(x.numpy())
+    want = jm(xj)
+    np.testing.assert_allclose(np.asarray(want), np64(tm(x)), atol=2e-6, rtol=1e-5)
+    latent = MODULE_CONFIG["kv_lora_rank"] + MODULE_CONFIG["qk_rope_head_dim"]
+    step = nnx.jit(lambda m, x, c, n: m.decode(x, c, n))
+    cache, outs = jnp.zeros((2, 8, latent)), []
+    for t in range(0, 7, 3):  # chunks of 3, 3, 1 new tokens
+        out, cache = step(jm, xj[:, t:t + 3], cache, jnp.full((2,), t, jnp.int32))
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, 1), np.asarray(want), atol=2e-6, rtol=1e-5)

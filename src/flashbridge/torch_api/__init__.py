@@ -2,11 +2,11 @@
 from .attention import MultiheadAttention, flash_attention, scaled_dot_product_attention
 from .cross_entropy import LinearCrossEntropyLoss, cross_entropy, linear_cross_entropy
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
-from .mla import mla_attention, mla_decode
+from .mla import MultiHeadLatentAttention, mla_attention, mla_decode
 from .modules import LayerNorm, RMSNorm
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 
 __all__ = ["LayerNorm", "LinearCrossEntropyLoss", "MultiheadAttention", "RMSNorm", "append_kv_cache",
            "cascade_attention", "cross_entropy", "decode_attention", "flash_attention", "merge_attention_states", "layer_norm",
-           "mla_attention", "mla_decode", "layer_norm_dropout_residual", "linear_cross_entropy", "rms_norm",
+           "MultiHeadLatentAttention", "mla_attention", "mla_decode", "layer_norm_dropout_residual", "linear_cross_entropy", "rms_norm",
            "scaled_dot_product_attention"]

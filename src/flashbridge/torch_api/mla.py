@@ -243,3 +243,146 @@ def mla_decode(q: Tensor, kv_cache: Tensor, *, cache_seqlens: Tensor, block_tabl
     out, lse = _mla_decode(q, kv_cache, cache_seqlens, block_table, indices, kv_scale, shape.head_dim_v,
                            float(options.softmax_scale), splits)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------- module
+
+def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary position embedding (rotate-half form) of ``x`` ``(B, S, ..., D)`` at integer ``positions``
+    ``(B, S)``, computed in float32: the pairs ``(x[i], x[i + D/2])`` turn by ``position * theta^(-2i/D)``."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) * 2.0 / d)
+    angles = positions.to(torch.float32)[..., None] * freqs  # (B, S, D/2)
+    angles = angles.reshape(*angles.shape[:2], *([1] * (x.dim() - 3)), d // 2)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    x1, x2 = x.float()[..., :d // 2], x.float()[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class MultiHeadLatentAttention(torch.nn.Module):
+    """DeepSeek-V3 multi-head latent attention, with DeepSeek-V3's configuration and parameter names
+    (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` -- or ``q_proj`` without ``q_lora_rank`` --,
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``) and two paths over the same
+    weights:
+
+    * ``forward(hidden_states, positions=None)``: training / prefill, un-absorbed. Per head, keys
+      ``[c_kv W_UK^T, k_rope]`` (``qk_nope_head_dim + qk_rope_head_dim``, 192 for DeepSeek-V3) and values
+      ``c_kv W_UV^T`` (``v_head_dim``, 128) from the normalised latent ``c_kv``; causal
+      :func:`flash_attention`.
+    * ``decode(hidden_states, kv_cache, cache_seqlens, ...)``: absorbed. The cache holds one latent row per
+      token, ``[c_kv, k_rope]`` (``kv_lora_rank + qk_rope_head_dim``, 576); the new tokens' rows are written
+      at ``cache_seqlens[b] + i`` (in place), the query absorbs ``W_UK`` (``q_nope W_UK``), :func:`mla_decode`
+      attends over the cache once for all heads, and ``W_UV`` maps its ``kv_lora_rank``-dim output back.
+
+    ``W_UK`` / ``W_UV`` are the two halves of ``kv_b_proj.weight`` viewed as ``(H, nope + v, kv_lora_rank)``.
+    RoPE: rotate-half form with ``rope_theta``; positions default to ``0 .. S - 1`` (forward) and
+    ``cache_seqlens[b] + i`` (decode). The default scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``
+    in both paths.
+
+    Example::
+
+        >>> mla = MultiHeadLatentAttention(64, 4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        ...                                qk_rope_head_dim=8, v_head_dim=16)
+        >>> x = torch.randn(2, 10, 64)
+        >>> y = mla(x)                                           # prefill / training
+        >>> cache = torch.zeros(2, 16, 32 + 8)
+        >>> lens = torch.zeros(2, dtype=torch.int32)
+        >>> y_step = mla.decode(x[:, :1], cache, lens)           # first token into an empty cache
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, *, rope_theta: float = 10000.0,
+                 rms_norm_eps: float = 1e-6, attention_bias: bool = False, softmax_scale: Optional[float] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        from .modules import RMSNorm
+
+        if qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim: must be even (RoPE turns pairs of dims), got {qk_rope_head_dim}")
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.rope_theta = rope_theta
+        self.softmax_scale = self.qk_head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+        lin = torch.nn.Linear
+        if q_lora_rank is None:
+            self.q_proj = lin(hidden_size, num_heads * self.qk_head_dim, bias=False, **factory)
+        else:
+            self.q_a_proj = lin(hidden_size, q_lora_rank, bias=attention_bias, **factory)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=rms_norm_eps, **factory)
+            self.q_b_proj = lin(q_lora_rank, num_heads * self.qk_head_dim, bias=False, **factory)
+        self.kv_a_proj_with_mqa = lin(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias, **factory)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=rms_norm_eps, **factory)
+        self.kv_b_proj = lin(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, **factory)
+        self.o_proj = lin(num_heads * v_head_dim, hidden_size, bias=attention_bias, **factory)
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cache row: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def _query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(q_nope (B, S, H, nope), q_rope (B, S, H, rope) with RoPE applied)."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:2], self.num_heads, self.qk_head_dim)
+        return q[..., :self.qk_nope_head_dim], rotary(q[..., self.qk_nope_head_dim:], positions, self.rope_theta)
+
+    def latent(self, x: Tensor, positions: Tensor) -> Tensor:
+        """The cache rows of tokens ``x`` ``(B, S, hidden)`` at ``positions``: ``[c_kv, k_rope]``
+        ``(B, S, kv_lora_rank + qk_rope_head_dim)``."""
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[..., :self.kv_lora_rank])
+        return torch.cat([c_kv, rotary(kv[..., self.kv_lora_rank:], positions, self.rope_theta)], -1)
+
+    def _up_projections(self) -> tuple[Tensor, Tensor]:
+        w = self.kv_b_proj.weight.reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]  # W_UK (H, nope, r), W_UV (H, v, r)
+
+    def forward(self, hidden_states: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        from .attention import flash_attention
+
+        b, s, _ = hidden_states.shape
+        if positions is None:
+            positions = torch.arange(s, device=hidden_states.device).expand(b, s)
+        q_nope, q_rope = self._query(hidden_states, positions)
+        latent = self.latent(hidden_states, positions)
+        kv = self.kv_b_proj(latent[..., :self.kv_lora_rank]).reshape(b, s, self.num_heads, -1)
+        k_rope = latent[..., self.kv_lora_rank:, ].unsqueeze(2).expand(b, s, self.num_heads, self.qk_rope_head_dim)
+        k = torch.cat([kv[..., :self.qk_nope_head_dim], k_rope], -1)
+        q = torch.cat([q_nope, q_rope], -1)
+        out = flash_attention(q, k, kv[..., self.qk_nope_head_dim:], causal=True, softmax_scale=self.softmax_scale)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))
+
+    def decode(self, hidden_states: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, *,
+               block_table: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+               num_splits: Optional[int] = None) -> Tensor:
+        """The new tokens ``hidden_states`` ``(B, Sq, hidden)`` of sequences whose caches hold
+        ``cache_seqlens`` tokens (int32 ``(B,)``, before this call): writes their latent rows into
+        ``kv_cache`` (contiguous ``(B, S_max, latent_dim)`` or paged ``(num_pages, page_size, latent_dim)``
+        with ``block_table``; in place) and returns their outputs ``(B, Sq, hidden)``; the caller advances
+        ``cache_seqlens`` by Sq."""
+        b, sq, _ = hidden_states.shape
+        steps = torch.arange(sq, device=hidden_states.device)
+        if positions is None:
+            positions = cache_seqlens.long()[:, None] + steps
+        q_nope, q_rope = self._query(hidden_states, positions)
+        rows = cache_seqlens.long()[:, None] + steps  # (B, Sq) cache rows of the new tokens
+        latent = self.latent(hidden_states, positions).to(kv_cache.dtype)
+        with torch.no_grad():
+            if block_table is None:
+                kv_cache[torch.arange(b, device=rows.device)[:, None], rows] = latent
+            else:
+                page_size = kv_cache.shape[1]
+                pages = torch.gather(block_table.long(), 1, rows // page_size)
+                kv_cache[pages, rows % page_size] = latent
+        w_uk, w_uv = self._up_projections()
+        q = torch.cat([torch.einsum("bshn,hnr->bshr", q_nope, w_uk), q_rope], -1)
+        out = mla_decode(q, kv_cache, cache_seqlens=cache_seqlens + sq, block_table=block_table,
+                         head_dim_v=self.kv_lora_rank, softmax_scale=self.softmax_scale, num_splits=num_splits)
+        out = torch.einsum("bshr,hvr->bshv", out, w_uv)
+        return self.o_proj(out.reshape(b, sq, self.num_heads * self.v_head_dim))
