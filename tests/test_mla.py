@@ -582,3 +582,46 @@ def test_flax_module_paths_agree_and_match_torch():
         out, cache = step(jm, xj[:, t:t + 3], cache, jnp.full((2,), t, jnp.int32))
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, 1), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ decode_attention routing
+
+@pytest.mark.parametrize("layout,paged,fp8", [("NHD", False, False), ("HND", True, False), ("NHD", True, True)])
+def test_decode_attention_routes_latent_views_to_the_mla_kernel(layout, paged, fp8, monkeypatch):
+    """decode_attention with one KV head and v_cache = k_cache[..., :Dv] (a view) runs the MLA kernel and
+    equals mla_decode bit for bit; a copy of the values (not a view) stays on the generic path."""
+    from flashbridge.torch_api import decode as tdecode
+
+    q, cache, kw = make_cache(31, lens=(9, 0, 30), h=4, page_size=8 if paged else None, fp8=fp8)
+    dv = kw.pop("head_dim_v")
+    want, want_lse = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, return_lse=True)
+    k = cache.unsqueeze(2) if layout == "NHD" else cache.unsqueeze(1)
+    extra = {n: kw[n] for n in ("cache_seqlens", "block_table") if n in kw}
+    if fp8:
+        extra["k_scale"] = extra["v_scale"] = kw["kv_scale"]
+    calls = []
+    real = tapi._mla_decode
+    monkeypatch.setattr(tapi, "_mla_decode", lambda *a: calls.append(a[1].shape) or real(*a))
+    out, lse = tdecode.decode_attention(q, k, k[..., :dv], kv_layout=layout, **extra, return_lse=True)
+    assert calls == [cache.shape]  # the (pages, rows, Dqk) view of the cache
+    np.testing.assert_array_equal(np64(out), np64(want))
+    np.testing.assert_array_equal(np64(lse), np64(want_lse))
+    generic = tdecode.decode_attention(q, k, k[..., :dv].clone(), kv_layout=layout, **extra)
+    assert len(calls) == 1
+    np.testing.assert_allclose(np64(generic), np64(out), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["flashbridge.torch_api.mla", "flashbridge.jax_api.mla",
+                                  "flashbridge.jax_api.mla_flax"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    pytest.importorskip("flax")
+    module = importlib.import_module(name)
+    globs = {**vars(module), "jax": jax, "jnp": jnp, "torch": torch}
+    if name.endswith("mla_flax"):
+        from flax import nnx
+        globs["nnx"] = nnx
+    result = doctest.testmod(module, globs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
