@@ -143,12 +143,13 @@ def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, 
     b, sq, _, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     mask = torch.from_numpy(ref.visible(b, sq, kv.shape[1], causal=causal,
-                                        indices=None if indices is None else np.asarray(indices),
-                                        lengths=lengths))
+                                        indices=None if indices is None else np.asarray(indices.cpu()),
+                                        lengths=lengths)).to(q.device)
     s = torch.einsum("bqhd,bkd->bhqk", q, kv) * scale
     s = s.masked_fill(~mask[:, None], float("-inf"))
-    lse = torch.logsumexp(s.float(), dim=-1)
-    p = torch.nan_to_num(torch.softmax(s.float(), dim=-1)).to(q.dtype)
+    wide = s.to(torch.promote_types(s.dtype, torch.float32))  # bf16 scores softmax in float32, float64 stays
+    lse = torch.logsumexp(wide, dim=-1)
+    p = torch.nan_to_num(torch.softmax(wide, dim=-1)).to(q.dtype)
     return torch.einsum("bhqk,bkd->bqhd", p, kv[..., :head_dim_v]), lse
 
 
@@ -625,3 +626,56 @@ def test_docstring_examples_run(name):
         globs["nnx"] = nnx
     result = doctest.testmod(module, globs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------------------- compiled for the H200
+
+def _h200_plans():
+    """The default GPU plans of the benchmark's shapes: decode H=128 paged (dense, top-k), H=16 FP8,
+    prefill causal (dense forward, sparse backward)."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.mla import plan as P
+
+    h200 = Target(interpret=False, num_sms=132)
+    plans = []
+    for heads, fp8, topk in ((128, False, 0), (128, False, 2048), (16, True, 0)):
+        cache = "float8_e4m3fn" if fp8 else "bfloat16"
+        shape, options, _ = P.check_mla_decode_args(
+            q=((64, 1, heads, 576), "bfloat16"), kv_cache=((64 * 512, 64, 576), cache), cache_seqlens=((64,), "int32"),
+            block_table=((64, 512), "int32"), head_dim_v=512, indices=((64, 1, topk), "int32") if topk else None,
+            kv_scale=((), "float32") if fp8 else None)
+        plans.append((f"decode H{heads} fp8={fp8} topk={topk}", P.plan_mla_fwd(shape, options, target=h200), cache))
+    for topk in (0, 2048):
+        shape, options = P.check_mla_args(q=((1, 4096, 128, 576), "bfloat16"), kv=((1, 4096, 576), "bfloat16"),
+                                          head_dim_v=512, causal=True,
+                                          indices=((1, 4096, topk), "int32") if topk else None)
+        plans.append((f"prefill topk={topk}", (P.plan_mla_bwd if topk else P.plan_mla_fwd)(shape, options, target=h200),
+                      "bfloat16"))
+    return plans
+
+
+@pytest.mark.slow  # ~2.5 minutes of compiles on a 2-core CPU
+@pytest.mark.parametrize("index", range(5))
+def test_kernels_compile_identically_and_fit_the_h200(index, monkeypatch):
+    """torch (Triton's launcher) and JAX (jax-triton) compile the same PTX for sm_90, every kernel of the
+    default plans fits Hopper's 227 KB of shared memory per block, and the wgmma kernels keep their MMAs
+    asynchronous (ptxas serialises them without failing when it cannot keep their registers live)."""
+    import sys
+    from pathlib import Path
+
+    parity = pytest.importorskip("test_compile_parity")
+    parity._backend()  # skips without an NVIDIA backend / ptxas
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _common import compile_launch_sm90
+
+    monkeypatch.setitem(parity._TT, "float8_e4m3fn", "fp8e4nv")
+    name, plan, cache_dtype = _h200_plans()[index]
+    dtypes = {"q": "bfloat16", "kv": cache_dtype, "cache_seqlens": "int32", "block_table": "int32",
+              "indices": "int32", "kv_scale": "float32", "dout": "bfloat16", "out": "bfloat16", "lse": "float32"}
+    dtypes.update({s.name: s.dtype for s in plan.buffers})
+    for launch in plan.launches:
+        if launch.kernel.startswith("mla."):
+            parity._assert_same_ptx(launch, dtypes)
+        smem, usage = compile_launch_sm90(plan, launch, dtypes)
+        assert smem <= 227 * 1024, f"{name} {launch.kernel}: {smem} B of shared memory"
+        assert "SERIALIZED" not in usage, f"{name} {launch.kernel}: {usage}"

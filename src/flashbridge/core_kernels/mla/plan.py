@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .._plan import (DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
+from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
 from ..decode.plan import (FP8_DTYPE, MAX_PAGE_SIZE, DecodeConfig, _check_int32, _merge_launch, _partial_specs,
                            _partial_strides, check_num_splits)
@@ -29,7 +29,6 @@ _K = "mla.kernels"
 MAX_HEAD_DIM_QK = 1024
 MAX_HEADS = 128
 MAX_AUTO_SPLITS = 64
-SMEM_BUDGET = 227 * 1024  # Hopper: shared memory one block may use
 TensorInfo = tuple[tuple[int, ...], str]
 
 
@@ -331,46 +330,43 @@ def _rows_per_block(shape: MLAShape) -> int:
     return shape.heads if shape.sparse else shape.seqlen_q * shape.heads
 
 
-def fwd_smem_bytes(shape: MLAShape, block_m: int, block_n: int, stages: int) -> int:
-    """Shared memory of the forward kernel as Triton lays it out on sm_90 (checked against the compiled
-    kernels with ``benchmarks/bench_mla.py --ptxas``): q's tiles (the A operand of the scores' MMAs), one
-    latent tile per pipeline stage, an FP8 tile's widened copy, and p's hand-over between the warps."""
-    bdv, bdr = _widths(shape)
-    cols = bdv + (bdr if shape.head_dim_qk > shape.head_dim_v else 0)
-    qsize = 2 if shape.dtype != "float32" else 4
-    kv_size = DTYPE_BYTES[shape.cache.dtype]
-    widened = block_n * cols * qsize if shape.cache.fp8 else 0
-    return block_m * cols * qsize + stages * block_n * cols * kv_size + widened + block_m * block_n * qsize
-
-
 def fwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFIG) -> Tiles:
-    """The forward's tiles. Interpreter: up to 64 rows, 16 keys per step (several steps and a ragged tail
-    even at the tests' lengths), no pipelining. GPU, 16-bit queries: up to 64 rows (the heads of a token),
-    64 keys per step, 8 warps for 64 rows of 256+ value columns (each warp group then holds half of the
-    64 x 512 float32 accumulator: 128 registers per thread), else 4; as many pipeline stages (2..4) as fit
-    Hopper's shared memory. float32 queries (IEEE dots keep operands in registers): 16 x 16 tiles, 8 warps."""
+    """The forward's tiles (``MLAConfig`` fields override them one by one).
+
+    Interpreter: up to 64 rows, 16 keys per step (several steps and a ragged tail at the tests' lengths), no
+    pipelining, 4 programs per "SM" (the tests' split counts).
+
+    GPU, 16-bit queries, 64 rows (H >= 64, the heads of one token): 64 keys per step, 8 warps, 2 stages --
+    each warp group holds half of the 64 x 512 float32 accumulator (128 registers per thread); Triton gives
+    both warp groups the whole 64 x 64 score tile (a score dot feeding another dot keeps its rows within one
+    warp group), so q k^T runs twice per CTA. sm_90 (Triton 3.9): 216 KB of shared memory (q 72 KB, two
+    72 KB latent stages), 255 registers, 376 B of stack (the 36 loop-invariant descriptors of q's k-steps
+    live through the loop; ~50 local reloads per 64-key step), 1008 instructions per step, 76 wgmma. 32 keys
+    per step spills nothing in the loop but needs 1906 instructions per 64 keys (its score MMAs are n=16).
+    Fewer rows (H=16, memory-bound): 8 warps (mma.sync: 133 registers, no spills), 64 keys, the pipeline
+    depth that gives two latent buffers (168 KB): 3 stages for a contiguous cache, 5 when each step first
+    reads a page id or top-k positions (the pipeliner gives that load a stage of its own).
+    FP8 caches (16-bit queries widened to f16, the tile widened in registers; Triton does not stage it
+    through cp.async): 32 keys per step, 8 warps, 4 stages, at most 32 rows -- 64 rows on wgmma spilled
+    600 B and ptxas serialised every wgmma (a wait after each); 32 rows run mma.sync: 254 registers, no
+    spills (16 rows: 189). One program per SM in every case (registers or shared memory).
+    float32 queries (IEEE dots keep their operands in registers): 16 x 16 tiles, 8 warps, 2 stages."""
     rows = _rows_per_block(shape)
-    bdv, _ = _widths(shape)
+    bm = min(64, max(16, next_power_of_2(rows)))
     if target.interpret:
-        bm, bn, warps, stages = min(64, max(16, next_power_of_2(rows))), 16, 4, 1
+        tiles = Tiles(bm, 16, 4, 1, 4)
     elif shape.dtype == "float32":
-        bm, bn, warps, stages = 16, 16, 8, 2
+        tiles = Tiles(16, 16, 8, 2)
+    elif shape.cache.fp8:
+        tiles = Tiles(min(bm, 32), 32, 8, 4)
+    elif bm >= 64:
+        tiles = Tiles(64, 64, 8, 2)
     else:
-        bm = min(64, max(16, next_power_of_2(rows)))
-        bn = 64
-        warps = 8 if bm >= 64 and bdv >= 256 else 4
-        stages = 2
-    bm = config.block_m or bm
-    bn = config.block_n or bn
-    warps = config.num_warps or warps
-    if not target.interpret and config.num_stages is None and shape.dtype != "float32":
-        stages = 1
-        for depth in (2, 3, 4):
-            if fwd_smem_bytes(shape, bm, bn, depth) <= SMEM_BUDGET:
-                stages = depth
-    stages = config.num_stages or stages
-    per_sm = max(1, SMEM_BUDGET // max(fwd_smem_bytes(shape, bm, bn, stages), 1)) if not target.interpret else 4
-    return Tiles(bm, bn, warps, stages, min(per_sm, 4))
+        gathered = shape.cache.paged or shape.sparse
+        tiles = Tiles(bm, 64, 8, 5 if gathered else 3)
+    return Tiles(config.block_m or tiles.block_m, config.block_n or tiles.block_n,
+                 config.num_warps or tiles.num_warps, config.num_stages or tiles.num_stages,
+                 config.programs_per_sm or tiles.programs_per_sm)
 
 
 def row_blocks(shape: MLAShape, block_m: int) -> int:
@@ -389,7 +385,7 @@ def choose_num_splits(shape: MLAShape, options: MLAOptions, tiles: Tiles, target
     if not options.decode:
         return 1
     base = shape.batch * row_blocks(shape, tiles.block_m)
-    slots = target.num_sms * (config.programs_per_sm or tiles.programs_per_sm)
+    slots = target.num_sms * tiles.programs_per_sm
     steps = cdiv(shape.topk, tiles.block_n) if shape.sparse else cdiv(shape.cache.capacity, tiles.block_n)
     limit = max(1, min(MAX_AUTO_SPLITS, steps // (1 if target.interpret else 4)))
 
@@ -483,10 +479,14 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
 
 
 def bwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFIG) -> tuple[Tiles, Tiles, int]:
-    """(dQ tiles, dKV tiles, dKV parts). dQ: the forward's row blocks (a token's heads), keys in steps; dKV:
-    ``block_n`` keys per program, the packed (token, head) rows ``block_m`` at a time. Interpreter: 16-key
-    steps and two dKV parts (the parts' sum runs in the tests). GPU: 64 x 32 (dQ) and 32 keys x 64 rows (dKV)
-    at 8 warps; enough dKV parts that ``batch x key blocks x parts`` fills the SMs once (at most 8)."""
+    """(dQ tiles, dKV tiles, dKV parts). dQ: row blocks of a token's heads, keys in steps; dKV: ``block_n``
+    keys per program, the packed (token, head) rows ``block_m`` at a time. Interpreter: 16-key steps and two
+    dKV parts (the parts' sum runs in the tests). GPU (sm_90, Triton 3.9, H=128, 576 / 512): dQ 32 rows x 32
+    keys at 8 warps (mma.sync; 220 registers, no spills, 106 KB; 64 rows on wgmma spilled 1.1 KB: the
+    64 x 576 float32 dQ alone is 144 registers per thread), dKV 16 keys x 64 rows at 8 warps (175 registers,
+    no spills, 157 KB; 32 keys spilled 650 B, and the sparse kernel's 64 x 32 tile needed 236 KB of shared
+    memory, more than an SM has); enough dKV parts that ``batch x key blocks x parts`` fills the SMs once
+    (at most 8)."""
     rows = _rows_per_block(shape)
     bm = min(64, max(16, next_power_of_2(rows)))
     if target.interpret:
@@ -495,8 +495,8 @@ def bwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
         parts = 2
     else:
         fp32 = shape.dtype == "float32"
-        dq = Tiles(16 if fp32 else bm, 16 if fp32 else 32, 8, 2)
-        dkv = Tiles(16 if fp32 else 64, 16 if fp32 else 32, 8, 2)
+        dq = Tiles(16 if fp32 else min(bm, 32), 16 if fp32 else 32, 8, 2)
+        dkv = Tiles(16 if fp32 else 64, 16, 8, 2)
         parts = None
     dq = Tiles(config.dq_block_m or dq.block_m, config.dq_block_n or dq.block_n, config.dq_num_warps or dq.num_warps,
                config.dq_num_stages or dq.num_stages)
