@@ -3,7 +3,7 @@
 #   scripts/gpu_session.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-order attention-ab bench-decode bench-ce ce-jax host-overhead
 #   jax-settings attention-jax-settings attention-steady profile-attention profile-decode profile-decode-sass attention-bar
-#   decode-probe decode-jax-launch
+#   decode-probe decode-jax-launch bench-mla (MLA_ARGS: --quick / --sweep)
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
 # 30 s while one runs (the device runner returns at most 8 files; a run cut short still returns what was
@@ -67,6 +67,7 @@ for stage in "${stages[@]}"; do
     check) python3 -m flashbridge check --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | tail -60 ;;
     bench-norms) python3 benchmarks/bench_norms.py ${NORMS_ARGS:-} 2>&1 | tee "$OUT/bench_norms.log" | tail -80 ;;
     bench-decode) python3 benchmarks/bench_decode.py ${DECODE_ARGS---splits} 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
+    bench-mla) python3 benchmarks/bench_mla.py ${MLA_ARGS:-} 2>&1 | tee "$OUT/bench_mla.log" | tail -60 ;;
     # the torch-only B=1 S=16k probe beside the library's decode step (PROBE_ARGS=--attribution: pointer variants only)
     decode-probe) python3 benchmarks/decode_tma_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/decode_probe.log" | grep -v '^check' | tail -40 ;;
     bench-ce) python3 benchmarks/bench_cross_entropy.py ${CE_ARGS:-} 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;
