@@ -352,9 +352,9 @@ SWEEP = {  # case -> (kwargs of torch_decode, MLAConfig field dicts)
     "H16 B64 S32768": (dict(b=64, s=32768, heads=16), [{}, {"num_stages": 3}, {"num_stages": 7}, {"block_n": 32},
                                                         {"num_warps": 4}, {"block_n": 128, "num_stages": 3}]),
     "H16 B64 S32768 fp8": (dict(b=64, s=32768, heads=16, fp8=True),
-                           [{}, {"num_stages": 2}, {"num_stages": 6}, {"block_n": 64}, {"num_warps": 4}]),
-    "H128 B64 S4096 fp8": (dict(b=64, s=4096, fp8=True), [{}, {"block_m": 64, "block_n": 64, "num_stages": 2},
-                                                           {"block_m": 16}, {"block_n": 16, "num_stages": 6}]),
+                           [{}, {"separate_v": False}, {"num_stages": 3}, {"block_n": 64}, {"num_warps": 4}]),
+    "H128 B64 S4096 fp8": (dict(b=64, s=4096, fp8=True), [{}, {"separate_v": False}, {"block_m": 16},
+                                                           {"block_m": 64, "block_n": 64, "num_stages": 2}]),
     "sparse H128 B64 top-k 2048 of S32768": (dict(b=64, s=32768, topk=2048), [{}, {"block_n": 32}]),
 }
 

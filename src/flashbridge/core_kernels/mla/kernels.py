@@ -111,39 +111,43 @@ def sparse_keys(IDX_ROW, step, topk, length, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def latent_rows(KV, BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_pages, stride_kp, stride_ks,
+def latent_rows(BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_pages, stride_kp, stride_ks,
                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, GATHER: tl.constexpr, CHECK_KEYS: tl.constexpr):
-    """Pointers [N] to the first element of the latent rows of keys ``offs_k`` of sequence ``b``.
+    """Where the latent rows of keys ``offs_k`` of sequence ``b`` start: ``(base, rows)``, a scalar and an
+    [N] offset in elements (row n at ``base + rows[n]``).
 
     GATHER (top-k positions, or pages smaller than a block): each key through ``cache_slots`` (its own page,
-    64-bit offsets). Otherwise the keys ``n_start + offs_n`` are consecutive rows of one page (or of the
-    contiguous cache): one scalar base and 32-bit row offsets that do not change from block to block, so the
-    loop keeps 16 offsets per thread instead of 16 64-bit addresses (sm_90, H=128, 576 / 512, 8 warps: the
-    difference between spilling in the loop or not)."""
+    64-bit offsets; base 0). Otherwise the keys ``n_start + offs_n`` are consecutive rows of one page (or of
+    the contiguous cache): a 64-bit base and 32-bit row offsets that do not change from block to block, so
+    the loop keeps 16 offsets per thread instead of 16 64-bit addresses (sm_90, H=128, 576 / 512, 8 warps:
+    the difference between spilling in the loop or not)."""
     if GATHER:
         page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED, PAGE_SIZE,
                                  False, CHECK_KEYS)
-        row = KV + (page * stride_kp + slot * stride_ks)
+        base = tl.cast(b * 0, tl.int64)
+        rows = page * stride_kp + slot * stride_ks
     else:
         page, slot = cache_slots(BLOCK_TABLE, b, n_start, n_start, True, stride_tb, num_pages, PAGED, PAGE_SIZE,
                                  True, False)
-        row = (KV + (page * stride_kp + slot * stride_ks)) + offs_n * stride_ks
-    return row
+        base = page * stride_kp + slot * stride_ks
+        rows = offs_n * stride_ks
+    return base, rows
 
 
 # ------------------------------------------------------------------------------------------------ forward
 
 @triton.jit
 def mla_fwd_steps(
-    acc, m_i, l_i, q_v, q_r, KV, BLOCK_TABLE, IDX_ROW, b, step_lo, step_hi, tok, diag, length, num_pages, topk,
-    qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks,
+    acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, step_lo, step_hi, tok, diag, length, num_pages,
+    topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+    SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, SEPARATE_V: tl.constexpr,
 ):
     """Fold steps ``[step_lo, step_hi)`` into the running softmax. Dense: step = key block ``step``;
     without APPLY_MASK every key of every block is inside the sequence and visible from every row. SPARSE:
-    step = ``BLOCK_N`` entries of the row's top-k list at ``IDX_ROW`` (always masked)."""
+    step = ``BLOCK_N`` entries of the row's top-k list at ``IDX_ROW`` (always masked). SEPARATE_V: the value
+    tile is loaded again through ``KV_V`` (the same cache) for ``p @ V`` (see mla_fwd_kernel)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -155,8 +159,10 @@ def mla_fwd_steps(
             n_start = step * BLOCK_N
             offs_k = n_start + offs_n
             key_ok = offs_k < length
-        row = latent_rows(KV, BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_pages, stride_kp,
-                          stride_ks, PAGED, PAGE_SIZE, SPARSE or (PAGED and PAGE_SIZE % BLOCK_N != 0), APPLY_MASK)
+        base, rows = latent_rows(BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_pages, stride_kp,
+                                 stride_ks, PAGED, PAGE_SIZE, SPARSE or (PAGED and PAGE_SIZE % BLOCK_N != 0),
+                                 APPLY_MASK)
+        row = (KV + base) + rows
         kv_v, kv_r = load_latent(row, key_ok, offs_dv, offs_dr, DQK, DV, BLOCK_DV, BLOCK_DR, APPLY_MASK)
         kv_v = kv_v.to(q_v.dtype)  # the compute dtype (FP8 caches widen here, once for both dots)
         qk = latent_scores(q_v, q_r, kv_v, kv_r.to(q_r.dtype), rope_ratio, DQK > DV, DOT_PRECISION)
@@ -169,6 +175,10 @@ def mla_fwd_steps(
             if APPLY_MASK:
                 s2 = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL), s2, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_probs(m_i, l_i, s2, 1.0)
+        if SEPARATE_V:
+            v = load_tile(((KV_V + base) + rows)[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK,
+                          BLOCK_DV != DV)
+            kv_v = v.to(q_v.dtype)
         acc = fold_values(acc, p, alpha, kv_v, DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -183,7 +193,7 @@ def load_query(Q_row, row_ok, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.
 
 @triton.jit(do_not_specialize_on_alignment=FWD_INT_SCALARS)
 def mla_fwd_kernel(
-    Q, KV, SEQLENS, BLOCK_TABLE, INDICES, KV_SCALE,  # inputs (absent ones: placeholders)
+    Q, KV, KV_V, SEQLENS, BLOCK_TABLE, INDICES, KV_SCALE,  # inputs (absent ones: placeholders; KV_V is KV)
     seqlen_q, fixed_len, capacity, num_pages, topk, sm_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_tb, stride_ib, stride_is,
     stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,  # runtime scalars
@@ -192,7 +202,7 @@ def mla_fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, TOKEN_ROWS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
     HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, QO_ALIGN: tl.constexpr,
-    KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+    KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, SEPARATE_V: tl.constexpr,
 ):
     """Grid ``(row blocks, num_splits, batch)``; the row blocks of one (sequence, split) are adjacent in launch
     order, so the programs reading the same latent tiles run together (L2). Causal grids start with the last
@@ -204,7 +214,14 @@ def mla_fwd_kernel(
     keys are ``INDICES[b * stride_ib + i * stride_is + 0 .. topk - 1]``. Writes ``O[split, b, i, h, :]`` and
     ``LSE[split, b, i, h]`` through their strides (split strides 0 when the result is final). BLOCK_DV and
     BLOCK_DR (>= 16, unused when ``DQK == DV``) are the padded widths of the value columns and of the rest.
-    Strides are multiples of QO_ALIGN (q, out), KV_ALIGN (cache) and LSE_ALIGN (lse) elements."""
+    Strides are multiples of QO_ALIGN (q, out), KV_ALIGN (cache) and LSE_ALIGN (lse) elements.
+
+    SEPARATE_V (FP8 caches): ``KV_V`` is the cache again, and ``p @ V`` reads its value tile through it. A
+    tile that feeds both dots (q k^T through a transpose, and p @ V) after widening is loaded into
+    registers, not staged through shared memory by cp.async; loaded through a second pointer the value tile
+    is a load of its own with one dot after it, which Triton's pipeliner stages (sm_90, H=16, 32 keys: its
+    rows go through a shared-memory buffer, 189 -> 165 registers). Its second read of the rows comes from
+    L2. With 16-bit caches the one tile serves both dots from shared memory, and KV_V is unused."""
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
     stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, QO_ALIGN)
     stride_on = aligned(stride_on, QO_ALIGN)
@@ -249,9 +266,9 @@ def mla_fwd_kernel(
         s_lo = (split * n_steps) // n_splits
         s_hi = ((split + 1) * n_steps) // n_splits
         acc, m_i, l_i = mla_fwd_steps(
-            acc, m_i, l_i, q_v, q_r, KV, BLOCK_TABLE, IDX_ROW, b, s_lo, s_hi, tok, diag, length, num_pages, topk,
-            qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED,
-            PAGE_SIZE, True, CAUSAL, True, DOT_PRECISION, POSITIVE_SCALE)
+            acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, s_lo, s_hi, tok, diag, length, num_pages,
+            topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR,
+            PAGED, PAGE_SIZE, True, CAUSAL, True, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V)
     else:
         # key blocks visible from the rows' tokens, split evenly; [full_lo, full_hi) need no mask
         lo, full_lo, full_hi, hi = kv_key_range(tok_first, tok_last, diag, length, _NO_LEFT_EDGE, 0, BLOCK_N, CAUSAL)
@@ -266,9 +283,10 @@ def mla_fwd_kernel(
             seg_hi = tl.minimum(bounds[seg + 1], s_hi)
             if seg == 0 or seg_lo < seg_hi:
                 acc, m_i, l_i = mla_fwd_steps(
-                    acc, m_i, l_i, q_v, q_r, KV, BLOCK_TABLE, Q, b, seg_lo, seg_hi, tok, diag, length, num_pages,
-                    topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, DQK, DV, BLOCK_N, BLOCK_DV,
-                    BLOCK_DR, PAGED, PAGE_SIZE, seg == 1, CAUSAL, False, DOT_PRECISION, POSITIVE_SCALE)
+                    acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, Q, b, seg_lo, seg_hi, tok, diag, length,
+                    num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, DQK, DV, BLOCK_N,
+                    BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, seg == 1, CAUSAL, False, DOT_PRECISION, POSITIVE_SCALE,
+                    SEPARATE_V)
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALE:
         out = out * tl.load(KV_SCALE).to(tl.float32)

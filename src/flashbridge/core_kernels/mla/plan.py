@@ -45,6 +45,8 @@ class MLAConfig:
     * ``merge_block_elements`` / ``merge_block_states``: the split merge's tile (decode's merge kernel).
     * ``dq_*`` / ``dkv_*``: the backward kernels' tiles; ``dkv_splits``: programs sharing one key block's
       rows in the dKV kernel (their float32 partial sums are added in a fixed order).
+    * ``separate_v``: load the value tile a second time for ``p @ V`` (``SEPARATE_V`` in
+      ``mla/kernels.py``); None = for FP8 caches.
     """
 
     block_m: Optional[int] = None
@@ -63,11 +65,16 @@ class MLAConfig:
     dkv_num_warps: Optional[int] = None
     dkv_num_stages: Optional[int] = None
     dkv_splits: Optional[int] = None
+    separate_v: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None:
+                continue
+            if f.name == "separate_v":
+                if not isinstance(value, bool):
+                    raise ValueError(f"MLAConfig.separate_v: must be None, True or False, got {value!r}")
                 continue
             if "block_m" in f.name or "block_n" in f.name:
                 if value < 16 or value & (value - 1):
@@ -346,23 +353,25 @@ def fwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
     Fewer rows (H=16, memory-bound): 8 warps (mma.sync: 133 registers, no spills), 64 keys, the pipeline
     depth that gives two latent buffers (168 KB): 3 stages for a contiguous cache, 5 when each step first
     reads a page id or top-k positions (the pipeliner gives that load a stage of its own).
-    FP8 caches (16-bit queries widened to f16, the tile widened in registers; Triton does not stage it
-    through cp.async): 32 keys per step, 8 warps, 4 stages, at most 32 rows -- 64 rows on wgmma spilled
-    600 B and ptxas serialised every wgmma (a wait after each); 32 rows run mma.sync: 254 registers, no
-    spills (16 rows: 189). One program per SM in every case (registers or shared memory).
+    FP8 caches (16-bit queries widened to f16; ``p @ V`` loads its value tile through a second pointer, so
+    both tiles are staged through cp.async, see ``SEPARATE_V``): 32 keys per step, 8 warps, at most 32 rows,
+    two buffers per tile (3 stages contiguous, 5 gathered) -- 64 rows on wgmma spilled 600-700 B and ptxas
+    serialised every wgmma (a wait after each); 32 rows run mma.sync: 243 registers, no spills, 106 KB
+    (16 rows: 179 registers, 87 KB, 728 instructions per 32-key step). One program per SM in every case
+    (registers or shared memory).
     float32 queries (IEEE dots keep their operands in registers): 16 x 16 tiles, 8 warps, 2 stages."""
     rows = _rows_per_block(shape)
     bm = min(64, max(16, next_power_of_2(rows)))
+    gathered = shape.cache.paged or shape.sparse  # a page id or top-k positions read before each step's rows
     if target.interpret:
         tiles = Tiles(bm, 16, 4, 1, 4)
     elif shape.dtype == "float32":
         tiles = Tiles(16, 16, 8, 2)
     elif shape.cache.fp8:
-        tiles = Tiles(min(bm, 32), 32, 8, 4)
+        tiles = Tiles(min(bm, 32), 32, 8, 5 if gathered else 3)
     elif bm >= 64:
         tiles = Tiles(64, 64, 8, 2)
     else:
-        gathered = shape.cache.paged or shape.sparse
         tiles = Tiles(bm, 64, 8, 5 if gathered else 3)
     return Tiles(config.block_m or tiles.block_m, config.block_n or tiles.block_n,
                  config.num_warps or tiles.num_warps, config.num_stages or tiles.num_stages,
@@ -452,7 +461,8 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
     launch = Launch(
         kernel=f"{_K}:mla_fwd_kernel",
         grid=(row_blocks(shape, tiles.block_m), splits, shape.batch),
-        inputs=tuple(n if present[n] else "q" for n in present),
+        inputs=tuple(n if present[n] else "q" for n in present)[:2] + ("kv",)
+        + tuple(n if present[n] else "q" for n in present)[2:],
         scalars=scalars,
         outputs=outputs,
         constexprs=(("HEADS", shape.heads), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
@@ -463,7 +473,8 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
                     ("DOT_PRECISION", _dot_precision(shape.dtype)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("QO_ALIGN", pow2_divisor(*q_strides, *out_strides)), ("KV_ALIGN", pow2_divisor(*kv_strides)),
-                    ("LSE_ALIGN", pow2_divisor(*lse_strides))),
+                    ("LSE_ALIGN", pow2_divisor(*lse_strides)),
+                    ("SEPARATE_V", cache.fp8 if config.separate_v is None else config.separate_v)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
