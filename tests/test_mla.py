@@ -613,7 +613,7 @@ def test_decode_attention_routes_latent_views_to_the_mla_kernel(layout, paged, f
 
 
 @pytest.mark.parametrize("name", ["flashbridge.torch_api.mla", "flashbridge.jax_api.mla",
-                                  "flashbridge.jax_api.mla_flax"])
+                                  pytest.param("flashbridge.jax_api.mla_flax", marks=pytest.mark.slow)])
 def test_docstring_examples_run(name):
     import doctest
     import importlib
@@ -679,3 +679,44 @@ def test_kernels_compile_identically_and_fit_the_h200(index, monkeypatch):
         smem, usage = compile_launch_sm90(plan, launch, dtypes)
         assert smem <= 227 * 1024, f"{name} {launch.kernel}: {smem} B of shared memory"
         assert "SERIALIZED" not in usage, f"{name} {launch.kernel}: {usage}"
+
+
+# ------------------------------------------------------------------------------------- torch.library ops
+
+def test_torch_opcheck_and_compile():
+    """The three ops pass torch.library's checks (schema, fake tensors, autograd registration, AOT dispatch);
+    a function calling both public ops compiles with fullgraph and gives the eager bits; the eager fast path
+    (FusedOp) equals the dispatcher path, gradients included."""
+    from flashbridge.torch_api import _ops
+
+    q, kv, kw = _case("h3-sparse")
+    idx = kw["indices"]
+    torch.library.opcheck(torch.ops.flashbridge.mla_fwd.default, (q, kv, idx, 32, 0.3, False))
+    torch.library.opcheck(torch.ops.flashbridge.mla_fwd.default, (q, kv, None, 32, 0.3, True))
+    out, lse = torch.ops.flashbridge.mla_fwd(q, kv, idx, 32, 0.3, False)
+    torch.library.opcheck(torch.ops.flashbridge.mla_bwd.default,
+                          (torch.randn_like(out), q, kv, out, lse, torch.randn_like(lse), idx, 32, 0.3, False))
+    dq, dc, dkw = make_cache(3, lens=(7, 0, 30), page_size=8, topk=5)
+    torch.library.opcheck(torch.ops.flashbridge.mla_decode.default,
+                          (dq, dc, dkw["cache_seqlens"], dkw["block_table"], dkw["indices"], None, 32, 0.25, 2))
+
+    def both(q, kv, dq, dc, lens, table):
+        return tapi.mla_attention(q, kv, head_dim_v=32, causal=True), \
+            tapi.mla_decode(dq, dc, cache_seqlens=lens, block_table=table, head_dim_v=32, num_splits=2)
+
+    args = (q, kv, dq, dc, dkw["cache_seqlens"], dkw["block_table"])
+    got = torch.compile(both, fullgraph=True, backend="aot_eager")(*args)
+    for a, b in zip(got, both(*args)):
+        assert torch.equal(a, b)
+
+    def grads(fast):
+        old, _ops.FusedOp.eager_fast_path = _ops.FusedOp.eager_fast_path, fast
+        try:
+            qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+            out = tapi.mla_attention(qq, kk, head_dim_v=32, indices=idx)
+            return (out, *torch.autograd.grad(out.square().sum(), (qq, kk)))
+        finally:
+            _ops.FusedOp.eager_fast_path = old
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)

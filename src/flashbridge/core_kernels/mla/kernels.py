@@ -5,7 +5,7 @@ So a program's MMA rows are *query heads* (and query tokens): row ``r`` of the f
 is token ``r // HEADS``, head ``r % HEADS`` -- for H=128 a token's heads fill two 64-row blocks -- and every
 latent tile is loaded once for all of them. A key tile is read as its value part ``[N, DV]`` and the rest
 ``[N, DQK - DV]`` (DeepSeek: 512 + 64, the RoPE key): ``q k^T`` is a dot over the first plus a dot over the
-second, and ``p @ v`` reuses the first tile as V (no second load).
+second, and ``p @ v`` reuses the first tile as V (FP8 caches load it a second time, see ``SEPARATE_V``).
 
 * :func:`mla_fwd_kernel`: decode (a latent cache, contiguous or paged, FP8 or not, split-KV with the decode
   family's merge kernel) and prefill (``kv`` as a contiguous cache whose length is the key length) are one
@@ -120,7 +120,7 @@ def latent_rows(BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_
     64-bit offsets; base 0). Otherwise the keys ``n_start + offs_n`` are consecutive rows of one page (or of
     the contiguous cache): a 64-bit base and 32-bit row offsets that do not change from block to block, so
     the loop keeps 16 offsets per thread instead of 16 64-bit addresses (sm_90, H=128, 576 / 512, 8 warps:
-    the difference between spilling in the loop or not)."""
+    stack 416 -> 376 B)."""
     if GATHER:
         page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED, PAGE_SIZE,
                                  False, CHECK_KEYS)
@@ -164,7 +164,7 @@ def mla_fwd_steps(
                                  APPLY_MASK)
         row = (KV + base) + rows
         kv_v, kv_r = load_latent(row, key_ok, offs_dv, offs_dr, DQK, DV, BLOCK_DV, BLOCK_DR, APPLY_MASK)
-        kv_v = kv_v.to(q_v.dtype)  # the compute dtype (FP8 caches widen here, once for both dots)
+        kv_v = kv_v.to(q_v.dtype)  # the compute dtype (FP8 caches widen here; SEPARATE_V: for the scores only)
         qk = latent_scores(q_v, q_r, kv_v, kv_r.to(q_r.dtype), rope_ratio, DQK > DV, DOT_PRECISION)
         if POSITIVE_SCALE:  # the scale goes into the exponent (see block_probs in kernels_common)
             if APPLY_MASK:
