@@ -176,6 +176,9 @@ CASES = {
     "h16-sparse-causal": (1, 9, 63, 16, 40, 32, True, 20, "float32"),
     "h3-bf16-causal": (2, 17, 17, 3, 40, 32, True, 0, "bfloat16"),
     "h2-576-512-causal": (1, 3, 17, 2, 576, 512, True, 0, "bfloat16"),
+    "h128-sparse-two-row-blocks": (1, 3, 17, 128, 40, 32, True, 5, "float32"),
+    "h3-sq-above-sk-causal": (2, 9, 5, 3, 40, 32, True, 0, "float32"),
+    "h3-sq-above-sk-sparse": (2, 9, 5, 3, 40, 32, True, 3, "float32"),
 }
 
 
@@ -212,7 +215,8 @@ def test_torch_mla_attention_forward(name):
 
 
 @pytest.mark.parametrize("name", ["h3-40-32-causal-s63", "h16-40-32-sq5-sk17-causal", "h3-sparse",
-                                  "h16-sparse-causal", "h1-48-32"])
+                                  "h16-sparse-causal", "h1-48-32", "h128-sparse-two-row-blocks",
+                                  "h3-sq-above-sk-causal", "h3-sq-above-sk-sparse"])
 def test_torch_mla_attention_backward(name):
     q, kv, kw = _case(name)
     q, kv = q.requires_grad_(), kv.requires_grad_()
