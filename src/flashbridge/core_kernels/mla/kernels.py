@@ -147,7 +147,12 @@ def mla_fwd_steps(
     """Fold steps ``[step_lo, step_hi)`` into the running softmax. Dense: step = key block ``step``;
     without APPLY_MASK every key of every block is inside the sequence and visible from every row. SPARSE:
     step = ``BLOCK_N`` entries of the row's top-k list at ``IDX_ROW`` (always masked). SEPARATE_V: the value
-    tile is loaded again through ``KV_V`` (the same cache) for ``p @ V`` (see mla_fwd_kernel)."""
+    tile is loaded again through ``KV_V`` (the same cache) for ``p @ V`` (see mla_fwd_kernel).
+
+    Each step only needs its keys' positions (``offs_k``, ``key_ok``); a third source -- a block-sparse
+    mask's list of key blocks for the row block's query block, step s = sub-block ``s % (KV_BLOCK //
+    BLOCK_N)`` of list entry ``s // (KV_BLOCK // BLOCK_N)`` -- fits the same body, its partial blocks through
+    the mask's element predicate in ``key_mask``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
