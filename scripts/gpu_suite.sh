@@ -3,7 +3,7 @@
 # (docs/development.md describes every stage and the variables that shape them).
 #   scripts/gpu_suite.sh [stage ...]   stages: env tests memcheck check bench-norms tune-norms
 #   bench-attention-quick bench-attention attention-ab attention-bar bench-decode decode-probe bench-ce ce-jax
-#   host-overhead profile-attention profile-decode profile-decode-sass bench-fused-block
+#   host-overhead profile-attention profile-decode profile-decode-sass bench-fused-block bench-mla
 #   (default: env tests memcheck check bench-norms)
 # Results and logs are written to a work folder and packed into $OUT/results.tgz after every stage and every
 # 30 s while one runs, so a run cut short still returns what it wrote (the benchmarks save their JSON after
@@ -67,6 +67,7 @@ for stage in "${stages[@]}"; do
     # FUSED_ARGS: e.g. --quick, --tune
     bench-fused-block) python3 benchmarks/bench_fused_block.py ${FUSED_ARGS:-} 2>&1 | tee "$OUT/bench_fused_block.log" | tail -60 ;;
     bench-decode) python3 benchmarks/bench_decode.py ${DECODE_ARGS---splits} 2>&1 | tee "$OUT/bench_decode.log" | tail -60 ;;
+    bench-mla) python3 benchmarks/bench_mla.py ${MLA_ARGS:-} 2>&1 | tee "$OUT/bench_mla.log" | tail -60 ;;
     # the torch-only B=1 S=16k probe beside the library's decode step (PROBE_ARGS=--attribution: pointer variants only)
     decode-probe) python3 benchmarks/decode_tma_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/decode_probe.log" | grep -v '^check' | tail -40 ;;
     bench-ce) python3 benchmarks/bench_cross_entropy.py ${CE_ARGS:-} 2>&1 | tee "$OUT/bench_cross_entropy.log" | tail -40 ;;

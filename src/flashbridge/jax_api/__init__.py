@@ -1,16 +1,18 @@
 """JAX front-end: custom_vjp / custom_vmap ops and Flax NNX modules over flashbridge's kernels.
 
-The Flax modules (``RMSNorm``, ``LayerNorm``, ``MultiHeadAttention``, ``SwiGLUMLP``) are imported lazily, so the functional
-ops need no flax.
+The Flax modules (``RMSNorm``, ``LayerNorm``, ``MultiHeadAttention``, ``MultiHeadLatentAttention``,
+``SwiGLUMLP``) are imported lazily, so the functional ops need no flax.
 """
 from .attention import dot_product_attention, flash_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
+from .mla import mla_attention, mla_decode
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
 from .rotary import rotary_embedding, rotary_embedding_qk
 from .swiglu import swiglu
 
-_FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "SwiGLUMLP": ".flax", "MultiHeadAttention": ".attention_flax"}
+_FLAX_MODULES = {"RMSNorm": ".flax", "LayerNorm": ".flax", "MultiHeadAttention": ".attention_flax",
+                 "MultiHeadLatentAttention": ".mla_flax", "SwiGLUMLP": ".flax"}
 
 
 def __getattr__(name):
@@ -20,8 +22,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "append_kv_cache", "cascade_attention",
+__all__ = ["LayerNorm", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm", "append_kv_cache", "cascade_attention",
            "cross_entropy", "decode_attention", "dot_product_attention", "flash_attention",
            "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
-           "linear_cross_entropy_from_layer", "rms_norm", "rotary_embedding", "rotary_embedding_qk", "swiglu",
-           "SwiGLUMLP"]
+           "linear_cross_entropy_from_layer", "mla_attention", "mla_decode", "rms_norm",
+           "rotary_embedding", "rotary_embedding_qk", "swiglu", "SwiGLUMLP"]

@@ -272,11 +272,34 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
-    out, lse = _decode_attn(
-        q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
-        float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
-        float(options.softcap), splits)
+    latent = _latent_view(shape, options, q, k_cache, v_cache, k_scale, v_scale, kv_layout)
+    if latent is not None:  # MLA: one latent head, the values its first Dv dims
+        from .mla import _mla_decode
+
+        out, lse = _mla_decode(q, latent, cache_seqlens, block_table, None, k_scale, shape.head_dim_v,
+                               float(options.softmax_scale), splits)
+    else:
+        out, lse = _decode_attn(
+            q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
+            float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
+            float(options.softcap), splits)
     return (out, lse) if return_lse else out
+
+
+def _latent_view(shape, options, q, k_cache, v_cache, k_scale, v_scale, kv_layout) -> Optional[Tensor]:
+    """The ``(pages, rows, Dqk)`` view of ``k_cache`` when a decode call is MLA's absorbed form -- one KV
+    head, ``v_cache`` a prefix view of ``k_cache`` (the same memory, its first Dv dims), causal, no
+    window / ALiBi / softcap / sinks, one FP8 scale for both -- so that it runs on the MLA kernel (query
+    heads as MMA rows, each latent tile loaded once for all of them); else None. Eager calls only: a view's
+    memory cannot be compared while tracing."""
+    if (shape.heads_kv != 1 or shape.heads_q > 128 or not options.causal or options.window_left is not None
+            or options.softcap or options.has_alibi or options.has_sinks or k_scale is not v_scale
+            or torch.compiler.is_compiling()):
+        return None
+    if (v_cache.dtype != k_cache.dtype or v_cache.data_ptr() != k_cache.data_ptr() or k_cache.stride(-1) != 1
+            or v_cache.stride()[:-1] != k_cache.stride()[:-1] or v_cache.shape[-1] > k_cache.shape[-1]):
+        return None
+    return k_cache[:, :, 0] if kv_layout == "NHD" else k_cache[:, 0]
 
 
 def merge_attention_states(outs: Tensor, lses: Tensor):
