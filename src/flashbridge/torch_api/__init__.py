@@ -1,10 +1,18 @@
-"""PyTorch front-end: custom ops (torch.library) and nn.Module drop-ins over flashbridge's kernels."""
-from .attention import MultiheadAttention, flash_attention, scaled_dot_product_attention
-from .cross_entropy import LinearCrossEntropyLoss, cross_entropy, linear_cross_entropy
-from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
-from .modules import LayerNorm, RMSNorm
-from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
+"""PyTorch front-end: custom ops (torch.library) and nn.Module drop-ins over flashbridge's kernels.
+
+Needs PyTorch: ``pip install "flashbridge[torch]"``.
+"""
+from .._extras import require
+
+require("torch", "torch", "flashbridge.torch_api")
+
+from .attention import MultiheadAttention, flash_attention, scaled_dot_product_attention  # noqa: E402
+from .cross_entropy import LinearCrossEntropyLoss, cross_entropy, linear_cross_entropy  # noqa: E402
+from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states  # noqa: E402
+from .modules import LayerNorm, RMSNorm  # noqa: E402
+from .norms import layer_norm, layer_norm_dropout_residual, rms_norm  # noqa: E402
 
 __all__ = ["LayerNorm", "LinearCrossEntropyLoss", "MultiheadAttention", "RMSNorm", "append_kv_cache",
-           "cascade_attention", "cross_entropy", "decode_attention", "flash_attention", "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy", "rms_norm",
+           "cascade_attention", "cross_entropy", "decode_attention", "flash_attention", "layer_norm",
+           "layer_norm_dropout_residual", "linear_cross_entropy", "merge_attention_states", "rms_norm",
            "scaled_dot_product_attention"]
