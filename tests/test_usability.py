@@ -254,3 +254,276 @@ def test_dev_sh_usage(tmp_path):
     result = _dev(checkout, venv, "bogus")
     assert result.returncode == 2 and "usage: scripts/dev.sh check|test" in result.stderr
     assert not log.exists()  # nothing installed for a mistyped command
+
+
+# ------------------------------------------------------------------------------------ torch.func transforms
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    import flashbridge.torch_api as ft
+    return torch, ft
+
+
+def _tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _func_case(family: str):
+    """(fn(*params) -> output or outputs, params): small inputs; every param is differentiable."""
+    torch, ft = _torch()
+    g = torch.Generator().manual_seed(len(family))
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    labels = torch.tensor([0, 5, -100, 30, 2])
+    slopes = torch.rand(1, 2, generator=g)
+    return {
+        "rms_norm": (lambda x, w, res: ft.rms_norm(x, w, residual=res), [r(5, 16), r(16), r(5, 16)]),
+        "layer_norm": (lambda x, w, b: ft.layer_norm(x, w, b), [r(5, 16), r(16), r(16)]),
+        "layer_norm_dropout_residual": (
+            lambda x, w, b, res: ft.layer_norm_dropout_residual(x, w, b, res, dropout_p=0.25, seed=3),
+            [r(5, 16), r(16), r(16), r(5, 16)]),
+        "flash_attention_sinks": (
+            lambda q, k, v, s: ft.flash_attention(q, k, v, causal=True, sinks=s, return_lse=True),
+            [r(1, 3, 2, 16), r(1, 4, 1, 16), r(1, 4, 1, 16), r(2)]),
+        "flash_attention_alibi": (
+            lambda q, k, v: ft.flash_attention(q, k, v, alibi_slopes=slopes, softcap=3.0, window_size=(3, 1)),
+            [r(1, 3, 2, 16), r(1, 4, 1, 16), r(1, 4, 1, 16)]),
+        "cross_entropy": (lambda x: ft.cross_entropy(x, labels, label_smoothing=0.1, reduction="none"),
+                          [r(5, 33)]),
+        "linear_cross_entropy": (lambda h, w: ft.linear_cross_entropy(h, w, labels, chunk_size=2),
+                                 [r(5, 16), r(33, 16)]),
+    }[family]
+
+
+FUNC_FAMILIES = ["rms_norm", "layer_norm", "layer_norm_dropout_residual", "flash_attention_sinks",
+                 "flash_attention_alibi", "cross_entropy", "linear_cross_entropy"]
+
+
+def _loss(fn):
+    """A scalar of every float output, weighted so that no gradient is uniform."""
+    def loss(*params):
+        total = 0
+        for t in _tuple(fn(*params)):
+            weights = 1 + (t.new_ones(t.shape).flatten().cumsum(0) % 3).view(t.shape)
+            total = total + (t.float() * weights).sum()
+        return total
+    return loss
+
+
+def _autograd(fn, params, cotangents=None):
+    """Gradients of ``fn`` at ``params`` by plain eager autograd: of the weighted loss, or the vjp."""
+    torch, _ = _torch()
+    leaves = [p.clone().requires_grad_() for p in params]
+    if cotangents is None:
+        return torch.autograd.grad(_loss(fn)(*leaves), leaves)
+    return torch.autograd.grad(_tuple(fn(*leaves)), leaves, cotangents)
+
+
+def _assert_equal(got, want):
+    torch, _ = _torch()
+    got, want = _tuple(got), _tuple(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), f"max difference {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("family", FUNC_FAMILIES)
+def test_func_grad_and_vjp_match_autograd(family):
+    torch, _ = _torch()
+    fn, params = _func_case(family)
+    argnums = tuple(range(len(params)))
+    _assert_equal(torch.func.grad(_loss(fn), argnums=argnums)(*params), _autograd(fn, params))
+    out, vjp_fn = torch.func.vjp(fn, *params)
+    cotangents = tuple(torch.randn_like(t) for t in _tuple(out))
+    _assert_equal(vjp_fn(cotangents if isinstance(out, tuple) else cotangents[0]),
+                  _autograd(fn, params, cotangents))
+
+
+@pytest.mark.parametrize("family", FUNC_FAMILIES)
+def test_func_vmap_matches_a_loop(family):
+    """vmap over the first argument (the batching rules fold it into rows or the batch where they can) and
+    over all of them; per-sample gradients (vmap of grad) over all of them."""
+    torch, _ = _torch()
+    fn, params = _func_case(family)
+    batched = [torch.stack([p, torch.randn_like(p)]) for p in params]
+
+    def stacked(results):
+        return tuple(torch.stack(t) for t in zip(*map(_tuple, results)))
+
+    first = torch.func.vmap(fn, in_dims=(0,) + (None,) * (len(params) - 1))(batched[0], *params[1:])
+    _assert_equal(first, stacked(fn(x, *params[1:]) for x in batched[0]))
+    _assert_equal(torch.func.vmap(fn)(*batched), stacked(fn(*sample) for sample in zip(*batched)))
+    argnums = tuple(range(len(params)))
+    grads = torch.func.vmap(torch.func.grad(_loss(fn), argnums=argnums))(*batched)
+    _assert_equal(grads, stacked(_autograd(fn, list(sample)) for sample in zip(*batched)))
+
+
+def test_vmap_folds_into_one_launch(monkeypatch):
+    """The batching rules that fold run the op once for the whole vmapped batch (the result is the
+    loop's, bit for bit: test_func_vmap_matches_a_loop)."""
+    torch, ft = _torch()
+    calls = []
+    for family in ("attention", "cross_entropy", "decode", "norms"):
+        module = sys.modules[f"flashbridge.torch_api.{family}"]
+        real = module.execute
+        monkeypatch.setattr(module, "execute", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    q, k, v = (torch.randn(3, 1, 3, 2, 16) for _ in range(3))
+    cases = [
+        (lambda x: ft.rms_norm(x, torch.ones(16)), torch.randn(3, 4, 16)),
+        (lambda q: ft.flash_attention(q, k[0], v[0], causal=True), q),
+        (lambda x: ft.cross_entropy(x, torch.tensor([1, 2]), reduction="none"), torch.randn(3, 2, 9)),
+        (lambda o: ft.merge_attention_states(o, torch.zeros(2, 4)), torch.randn(3, 2, 4, 8)),
+    ]
+    for fn, x in cases:
+        calls.clear()
+        torch.func.vmap(fn)(x)
+        assert len(calls) == 1
+
+
+def test_jacrev_matches_autograd_rows():
+    torch, ft = _torch()
+    x, w = torch.randn(2, 4), torch.randn(4)
+    jac = torch.func.jacrev(lambda x: ft.layer_norm(x, w))(x)
+    rows = [_autograd(lambda x: ft.layer_norm(x, w), [x], (torch.eye(8)[i].view(2, 4),))[0] for i in range(8)]
+    _assert_equal(jac, torch.stack(rows).view(2, 4, 2, 4))
+
+
+def test_second_derivative_says_so():
+    torch, ft = _torch()
+    w = torch.randn(8)
+    with pytest.raises(RuntimeError, match="norm_bwd has no derivative"):
+        torch.func.grad(lambda x: torch.func.grad(lambda x: ft.rms_norm(x, w).square().sum())(x).sum())(
+            torch.randn(3, 8))
+
+
+def test_vmap_of_forward_only_ops_matches_a_loop():
+    torch, ft = _torch()
+    q, shared = torch.randn(2, 2, 1, 2, 16), torch.randn(5, 1, 16)
+    k, v = torch.randn(2, 9, 1, 16), torch.randn(2, 9, 1, 16)
+    lens, lses = torch.tensor([9, 4], dtype=torch.int32), torch.randn(3, 4, 5)
+    cases = [
+        (lambda q: ft.decode_attention(q, k, v, cache_seqlens=lens, softcap=2.0, return_lse=True), q),
+        (lambda q: ft.cascade_attention(q, shared, shared, k, v, cache_seqlens=lens, return_lse=True), q),
+        (lambda o: ft.merge_attention_states(o, lses), torch.randn(2, 3, 4, 5, 8)),
+    ]
+    for fn, x in cases:
+        want = [_tuple(fn(x[i])) for i in range(x.shape[0])]
+        _assert_equal(torch.func.vmap(fn)(x), tuple(torch.stack(t) for t in zip(*want)))
+
+
+def test_vmap_of_append_kv_cache_writes_each_elements_cache():
+    torch, ft = _torch()
+    caches = torch.randn(2, 2, 6, 2, 16), torch.randn(2, 2, 6, 2, 16)
+    new = torch.randn(2, 2, 1, 2, 16), torch.randn(2, 2, 1, 2, 16)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    want = [c.clone() for c in caches]
+    for i in range(2):
+        ft.append_kv_cache(want[0][i], want[1][i], new[0][i], new[1][i], cache_seqlens=lens)
+    got = [c.clone() for c in caches]
+
+    def append(k_cache, v_cache, k_new, v_new):
+        ft.append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens=lens)
+        return k_cache  # vmap wants a tensor out
+
+    torch.func.vmap(append)(*got, *new)
+    _assert_equal(tuple(got), tuple(want))
+    with pytest.raises(ValueError, match="k_cache: under vmap, a tensor that append_kv_cache writes in place"):
+        torch.func.vmap(append, in_dims=(None, None, 0, 0))(got[0][0], got[1][0], *new)
+
+
+# ------------------------------------------------------------------------ torch.compile, dynamic shapes
+
+def _compile_case(op: str, n: int):
+    """(fn, args, differentiable args) for one public op at size ``n``; float and int options are
+    arguments of ``fn``, which torch.compile(dynamic=True) traces symbolically."""
+    torch, ft = _torch()
+    g = torch.Generator().manual_seed(n)
+
+    def r(*shape, grad=False):
+        return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    i32 = torch.int32
+    if op == "rms_norm":
+        x, w, res = r(n, 16, grad=True), r(16, grad=True), r(n, 16, grad=True)
+        return (lambda x, w, res, eps: ft.rms_norm(x, w, eps=eps, residual=res)), (x, w, res, 1e-5), (x, w, res)
+    if op == "layer_norm":
+        x, w, b = r(n, 16, grad=True), r(16, grad=True), r(16, grad=True)
+        return (lambda x, w, b, eps: ft.layer_norm(x, w, b, eps=eps)), (x, w, b, 1e-5), (x, w, b)
+    if op == "layer_norm_dropout_residual":
+        x, w, b, res = r(n, 16, grad=True), r(16, grad=True), r(16, grad=True), r(n, 16, grad=True)
+        seed = torch.tensor([3], dtype=i32)
+        return ((lambda x, w, b, res, p, seed: ft.layer_norm_dropout_residual(x, w, b, res, dropout_p=p, seed=seed)),
+                (x, w, b, res, 0.25, seed), (x, w, b, res))
+    if op == "flash_attention":
+        q, k, v, s = r(1, n, 2, 16, grad=True), r(1, n + 1, 1, 16, grad=True), r(1, n + 1, 1, 16, grad=True), r(2, grad=True)
+        return ((lambda q, k, v, s, cap, scale, left: ft.flash_attention(
+            q, k, v, causal=True, softcap=cap, softmax_scale=scale, sinks=s, window_size=(left, -1), return_lse=True)),
+            (q, k, v, s, 5.0, 0.3, 2), (q, k, v, s))
+    if op == "flash_attention_varlen":
+        q, k, v = r(n, 1, 16, grad=True), r(n, 1, 16, grad=True), r(n, 1, 16, grad=True)
+        cu = torch.tensor([0, 2, n], dtype=i32)
+        return ((lambda q, k, v, cu, m: ft.flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                                            max_seqlen_k=m)), (q, k, v, cu, n - 2), (q, k, v))
+    if op == "scaled_dot_product_attention":
+        q, k, v = r(1, 2, n, 16, grad=True), r(1, 2, n, 16, grad=True), r(1, 2, n, 16, grad=True)
+        return ((lambda q, k, v, scale: ft.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)),
+                (q, k, v, 0.2), (q, k, v))
+    if op == "decode_attention":
+        q, k, v, lens = r(2, 1, 2, 16), r(2, n, 1, 16), r(2, n, 1, 16), torch.tensor([n, 3], dtype=i32)
+        return ((lambda q, k, v, lens, cap, scale: ft.decode_attention(
+            q, k, v, cache_seqlens=lens, softcap=cap, softmax_scale=scale, return_lse=True)),
+            (q, k, v, lens, 4.0, 0.3), ())
+    if op == "cascade_attention":
+        q, sk, sv, k, v = r(2, 1, 2, 16), r(n, 1, 16), r(n, 1, 16), r(2, 8, 1, 16), r(2, 8, 1, 16)
+        lens = torch.tensor([5, 3], dtype=i32)
+        return ((lambda q, sk, sv, k, v, lens, cap: ft.cascade_attention(q, sk, sv, k, v, cache_seqlens=lens, softcap=cap)),
+                (q, sk, sv, k, v, lens, 4.0), ())
+    if op == "merge_attention_states":
+        return ft.merge_attention_states, (r(3, 2, n, 16), r(3, 2, n)), ()
+    if op == "append_kv_cache":
+        def append(k, v, k_new, v_new, lens):
+            ft.append_kv_cache(k, v, k_new, v_new, cache_seqlens=lens)
+            return k + 0, v + 0
+        return (append, (torch.zeros(2, n + 4, 1, 16), torch.zeros(2, n + 4, 1, 16), r(2, 2, 1, 16), r(2, 2, 1, 16),
+                         torch.tensor([1, 2], dtype=i32)), ())
+    if op == "cross_entropy":
+        x, y = r(n, 33, grad=True), torch.randint(0, 33, (n,), generator=g)
+        return ((lambda x, y, ls, z, cap: ft.cross_entropy(x, y, label_smoothing=ls, z_loss=z, logit_softcap=cap)),
+                (x, y, 0.1, 1e-3, 3.0), (x,))
+    if op == "linear_cross_entropy":
+        h, w, b = r(n, 16, grad=True), r(37, 16, grad=True), r(37, grad=True)
+        y = torch.randint(0, 37, (n,), generator=g)
+        return ((lambda h, w, y, b, ls, cs: ft.linear_cross_entropy(h, w, y, bias=b, label_smoothing=ls, chunk_size=cs)),
+                (h, w, y, b, 0.1, 3), (h, w, b))
+    raise KeyError(op)
+
+
+COMPILE_OPS = ["rms_norm", "layer_norm", "layer_norm_dropout_residual", "flash_attention", "flash_attention_varlen",
+               "scaled_dot_product_attention", "decode_attention", "cascade_attention", "merge_attention_states",
+               "append_kv_cache", "cross_entropy", "linear_cross_entropy"]
+
+
+@pytest.mark.parametrize("op", COMPILE_OPS)
+def test_compile_dynamic_fullgraph(op):
+    """torch.compile(fullgraph=True, dynamic=True) of every public op, forward and backward: no graph
+    break, no recompile for a second size, the eager bits (aot_eager: the same kernels run)."""
+    torch, _ = _torch()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_compile_case(op, 5)[0], fullgraph=True, dynamic=True, backend=counter)
+    frames = None
+    for n in (5, 7):
+        fn, args, leaves = _compile_case(op, n)
+        eager_args = [a.clone() if isinstance(a, torch.Tensor) and not a.requires_grad else a for a in args]
+        got, want = _tuple(compiled(*args)), _tuple(fn(*eager_args))
+        _assert_equal(got, want)
+        if leaves:
+            loss_got = sum((t.float() * (1 + torch.arange(t.numel()).view(t.shape) % 3)).sum() for t in got)
+            loss_want = sum((t.float() * (1 + torch.arange(t.numel()).view(t.shape) % 3)).sum() for t in want)
+            _assert_equal(torch.autograd.grad(loss_got, leaves), torch.autograd.grad(loss_want, leaves))
+        frames = counter.frame_count if frames is None else frames
+    assert counter.frame_count == frames, "recompiled for a new size"
