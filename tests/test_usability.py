@@ -89,8 +89,8 @@ def test_front_end_without_its_framework_names_the_extra(framework):
             print(type(exc).__name__, exc)
     """, blocked=(framework,))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == (f"ImportError flashbridge.{framework}_api needs {framework}, which is not "
-                                     f'installed: pip install "flashbridge[{framework}]"')
+    assert result.stdout.strip() == (f"ModuleNotFoundError flashbridge.{framework}_api needs {framework}, which is "
+                                     f'not installed: pip install "flashbridge[{framework}]"')
 
 
 def test_jax_api_without_flax_or_jax_triton():
