@@ -457,7 +457,8 @@ def _compile_case(op: str, n: int):
         return ((lambda x, w, b, res, p, seed: ft.layer_norm_dropout_residual(x, w, b, res, dropout_p=p, seed=seed)),
                 (x, w, b, res, 0.25, seed), (x, w, b, res))
     if op == "flash_attention":
-        q, k, v, s = r(1, n, 2, 16, grad=True), r(1, n + 1, 1, 16, grad=True), r(1, n + 1, 1, 16, grad=True), r(2, grad=True)
+        q, s = r(1, n, 2, 16, grad=True), r(2, grad=True)
+        k, v = r(1, n + 1, 1, 16, grad=True), r(1, n + 1, 1, 16, grad=True)
         return ((lambda q, k, v, s, cap, scale, left: ft.flash_attention(
             q, k, v, causal=True, softcap=cap, softmax_scale=scale, sinks=s, window_size=(left, -1), return_lse=True)),
             (q, k, v, s, 5.0, 0.3, 2), (q, k, v, s))
@@ -478,7 +479,8 @@ def _compile_case(op: str, n: int):
     if op == "cascade_attention":
         q, sk, sv, k, v = r(2, 1, 2, 16), r(n, 1, 16), r(n, 1, 16), r(2, 8, 1, 16), r(2, 8, 1, 16)
         lens = torch.tensor([5, 3], dtype=i32)
-        return ((lambda q, sk, sv, k, v, lens, cap: ft.cascade_attention(q, sk, sv, k, v, cache_seqlens=lens, softcap=cap)),
+        return ((lambda q, sk, sv, k, v, lens, cap: ft.cascade_attention(q, sk, sv, k, v, cache_seqlens=lens,
+                                                                          softcap=cap)),
                 (q, sk, sv, k, v, lens, 4.0), ())
     if op == "merge_attention_states":
         return ft.merge_attention_states, (r(3, 2, n, 16), r(3, 2, n)), ()
@@ -495,7 +497,8 @@ def _compile_case(op: str, n: int):
     if op == "linear_cross_entropy":
         h, w, b = r(n, 16, grad=True), r(37, 16, grad=True), r(37, grad=True)
         y = torch.randint(0, 37, (n,), generator=g)
-        return ((lambda h, w, y, b, ls, cs: ft.linear_cross_entropy(h, w, y, bias=b, label_smoothing=ls, chunk_size=cs)),
+        return ((lambda h, w, y, b, ls, cs: ft.linear_cross_entropy(h, w, y, bias=b, label_smoothing=ls,
+                                                                     chunk_size=cs)),
                 (h, w, y, b, 0.1, 3), (h, w, b))
     raise KeyError(op)
 

@@ -519,8 +519,8 @@ def check_seqlen_bound(what: str, length: int) -> None:
     """Refuse a sequence (or cache) longer than MAX_SEQLEN tokens; ``what`` names the argument, with ``{}``
     where the value goes (formatted only on failure: under torch.compile the length may be symbolic)."""
     if length > MAX_SEQLEN:
-        raise ValueError(f"{what.format(length)} is above {MAX_SEQLEN}: the kernels compare positions within a sequence in "
-                         f"int32, with an unbounded window side standing for 2**30")
+        raise ValueError(f"{what.format(length)} is above {MAX_SEQLEN}: the kernels compare positions within a "
+                         "sequence in int32, with an unbounded window side standing for 2**30")
 
 
 def window_scalars(options) -> tuple[int, int]:
