@@ -530,3 +530,68 @@ def test_compile_dynamic_fullgraph(op):
             _assert_equal(torch.autograd.grad(loss_got, leaves), torch.autograd.grad(loss_want, leaves))
         frames = counter.frame_count if frames is None else frames
     assert counter.frame_count == frames, "recompiled for a new size"
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+def _gpu_cases(n: int):
+    """(name, fn, args, differentiable args) on CUDA at size ``n``: bfloat16 attention and norms, float
+    options as arguments (symbolic under dynamic=True)."""
+    torch, ft = _torch()
+    g = torch.Generator(device="cuda").manual_seed(n)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=dtype).requires_grad_(dtype.is_floating_point)
+
+    q, k, v = r(2, n, 8, 128), r(2, n + 64, 2, 128), r(2, n + 64, 2, 128)
+    x, w = r(4 * n, 1024), r(1024)
+    logits = r(n, 32000, dtype=torch.float32)
+    labels = torch.randint(0, 32000, (n,), generator=g, device="cuda")
+    return [
+        ("flash_attention", lambda q, k, v, cap, left: ft.flash_attention(q, k, v, causal=True, softcap=cap,
+                                                                           window_size=(left, -1)),
+         (q, k, v, 30.0, 256), (q, k, v)),
+        ("rms_norm", lambda x, w, eps: ft.rms_norm(x, w, eps=eps), (x, w, 1e-6), (x, w)),
+        ("cross_entropy", lambda x, y, cap: ft.cross_entropy(x, y, logit_softcap=cap, reduction="none"),
+         (logits, labels, 15.0), (logits,)),
+    ]
+
+
+@pytest.mark.gpu
+def test_gpu_compile_dynamic_inductor():
+    """Inductor, dynamic shapes, fullgraph: the eager bits forward and backward, no recompile for a second
+    size."""
+    torch, _ = _torch()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    for index, (name, fn, _, _) in enumerate(_gpu_cases(256)):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)
+        frames = None
+        for n in (256, 384):
+            _, _, args, leaves = _gpu_cases(n)[index]
+            got, want = compiled(*args), fn(*args)
+            assert torch.equal(got, want), name
+            cotangent = torch.randn_like(want)
+            _assert_equal(torch.autograd.grad(got, leaves, cotangent), torch.autograd.grad(want, leaves, cotangent))
+            frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames, f"{name}: recompiled for a new size"
+
+
+@pytest.mark.gpu
+def test_gpu_func_grad_and_vmap():
+    """torch.func on CUDA: grad equals eager autograd, vmap (folded into rows / the batch) equals a loop."""
+    torch, _ = _torch()
+    for name, fn, args, leaves in _gpu_cases(256):
+        params = [a.detach() for a in leaves]
+        rest = args[len(leaves):]
+
+        def f(*p):
+            return fn(*p, *rest)
+
+        _assert_equal(torch.func.grad(_loss(f), argnums=tuple(range(len(params))))(*params), _autograd(f, params))
+        batched = torch.stack([params[0], params[0].flip(0)])
+        want = torch.stack([f(b, *params[1:]) for b in batched])
+        got = torch.func.vmap(f, in_dims=(0,) + (None,) * (len(params) - 1))(batched, *params[1:])
+        assert torch.equal(got, want), name
