@@ -411,6 +411,21 @@ def test_vmap_of_forward_only_ops_matches_a_loop():
     for fn, x in cases:
         want = [_tuple(fn(x[i])) for i in range(x.shape[0])]
         _assert_equal(torch.func.vmap(fn)(x), tuple(torch.stack(t) for t in zip(*want)))
+    # vmapped lengths: each element reads its own
+    per_element = torch.tensor([[9, 4], [2, 7]], dtype=torch.int32)
+    want = torch.stack([ft.decode_attention(q[i], k, v, cache_seqlens=per_element[i]) for i in range(2)])
+    _assert_equal(torch.func.vmap(lambda q, lens: ft.decode_attention(q, k, v, cache_seqlens=lens))(q, per_element),
+                  want)
+
+
+def test_vmap_over_labels_checks_every_elements_labels():
+    torch, ft = _torch()
+    logits, labels = torch.randn(2, 3, 7), torch.tensor([[1, 6, -100], [0, 2, 3]])
+    want = torch.stack([ft.cross_entropy(logits[i], labels[i], reduction="none") for i in range(2)])
+    _assert_equal(torch.func.vmap(lambda x, y: ft.cross_entropy(x, y, reduction="none"))(logits, labels), want)
+    labels[1, 2] = 7
+    with pytest.raises(ValueError, match="labels"):
+        torch.func.vmap(lambda x, y: ft.cross_entropy(x, y))(logits, labels)
 
 
 def test_vmap_of_append_kv_cache_writes_each_elements_cache():

@@ -190,6 +190,14 @@ def vmapped_at(t: Optional[Tensor], dim: Optional[int], batch_size: int, at: int
     return t.movedim(dim, at)
 
 
+def underlying(t: Tensor) -> Tensor:
+    """``t`` without torch.func's wrappers: under vmap, the values of every vmapped element at once. Host
+    checks of values (a batched tensor has no data of its own) read these, or skip a wrapped tensor."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def fused_op(name: str, *, mutates_args=()) -> Callable[[Callable], FusedOp]:
     """Decorator: ``@fused_op("norm_fwd")`` defines ``flashbridge::norm_fwd`` from the function's
     annotations (as ``torch.library.custom_op`` does) and returns its :class:`FusedOp`."""

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_tensors
-from ._ops import fused_op, vmapped_at
+from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -243,9 +243,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     shape, options = check_attention_args(
         **{n: _info(t) for n, t in tensors.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
-    if shape.varlen and not torch.compiler.is_compiling():
+    if (shape.varlen and not torch.compiler.is_compiling()
+            and underlying(cu_seqlens_q) is cu_seqlens_q and underlying(cu_seqlens_k) is cu_seqlens_k):
         # Reading the offsets costs a device sync on CUDA (one for both: they usually are one tensor); under
-        # torch.compile they stay on the device and the kernels clamp every access to the packed tensors.
+        # torch.compile (or vmapped: no values of their own) they stay on the device and the kernels clamp
+        # every access to the packed tensors.
         if cu_seqlens_k is cu_seqlens_q:
             offsets_q = offsets_k = cu_seqlens_q.tolist()
         else:

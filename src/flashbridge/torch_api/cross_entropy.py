@@ -40,7 +40,7 @@ from ..core_kernels.cross_entropy.plan import (
     bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, choose_chunk_size,
     choose_slice_cols, chunk_bounds, plan_ce_fwd, plan_ce_fwd_grad, plan_ce_grad)
 from ._checks import check_tensors
-from ._ops import fused_op, plain_eager, vmapped_at
+from ._ops import fused_op, plain_eager, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -372,6 +372,7 @@ def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int, valida
     only when asked; unchecked rows get a NaN loss from the kernels. Never under torch.compile."""
     if validate is False or (validate is None and labels.device.type != "cpu") or torch.compiler.is_compiling():
         return
+    labels = underlying(labels)  # under vmap: every element's labels
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         raise ValueError(bad_label_message(int(bad.sum()), int(labels[bad][0]), vocab, ignore_index))

@@ -23,7 +23,7 @@ from ..core_kernels.decode.plan import (DecodeOptions, check_append_args, check_
                                         check_decode_args, check_merge_args, check_scales, plan_append,
                                         plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
-from ._ops import fused_op, vmapped_at
+from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -49,8 +49,9 @@ def _cache_strides(t: Tensor, kv_layout: str) -> tuple[int, int, int]:
 
 
 def _host_values(cache_seqlens: Tensor, block_table: Optional[Tensor]):
-    """The index tensors' values when reading them is free (CPU, eager), else None."""
-    if cache_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+    """The index tensors' values when reading them is free (CPU, eager, one call's values), else None."""
+    if (cache_seqlens.device.type != "cpu" or torch.compiler.is_compiling()
+            or any(t is not None and underlying(t) is not t for t in (cache_seqlens, block_table))):
         return None
     return cache_seqlens.tolist(), None if block_table is None else block_table.tolist()
 
