@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
-# The two everyday commands, each doing the set-up on first use (a virtual environment in .venv):
+# The two everyday commands, each doing the set-up on first use (a virtual environment in .venv, or in
+# $FLASHBRIDGE_VENV):
 #   scripts/dev.sh check [args]   python -m flashbridge check: every op, every framework, against float64
 #   scripts/dev.sh test  [args]   the test suite (GPU tests skip cleanly without a CUDA GPU)
+# The environment is installed once, and again only when pyproject.toml changes (a stamp in the
+# environment holds the checksum of the pyproject.toml it was installed from); the package itself is an
+# editable install, so edits to the sources need no reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${FLASHBRIDGE_VENV:-.venv}
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-py="$venv/bin/python"
-# torch first, pinned: where the machine offers a local CPU wheel of that release pip takes it, instead of
-# downloading several GB of CUDA libraries for a CPU-only check.
-"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "torch==2.13.0" || "$py" -m pip install -q torch
-"$py" -m pip install -q -e ".[all,test]"
 command=${1:-}
-[ $# -gt 0 ] && shift
+case "$command" in
+  check|test) shift ;;
+  *) echo "usage: scripts/dev.sh check|test [args]" >&2; exit 2 ;;
+esac
+venv=${FLASHBRIDGE_VENV:-.venv}
+py="$venv/bin/python"
+stamp="$venv/.flashbridge-installed"
+step() { echo "scripts/dev.sh: $*" >&2; }
+
+if [ ! -x "$py" ]; then
+  step "creating $venv"
+  python3 -m venv "$venv"
+fi
+want=$(cksum < pyproject.toml)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  # torch first, pinned: where the machine offers a local CPU wheel of that release pip takes it, instead
+  # of downloading several GB of CUDA libraries for a CPU-only check.
+  if ! "$py" -c "import torch" 2>/dev/null; then
+    step "installing torch 2.13.0 (a local CPU wheel where there is one; this can take minutes)"
+    "$py" -m pip install -q "torch==2.13.0" || "$py" -m pip install -q torch
+  fi
+  step "installing flashbridge[all,test] from this checkout (editable; this can take minutes)"
+  "$py" -m pip install -q -e ".[all,test]"
+  echo "$want" > "$stamp"
+fi
+
 case "$command" in
   check) exec "$py" -m flashbridge check "$@" ;;
   test) exec "$py" -m pytest -n "${PYTEST_WORKERS:-2}" "$@" ;;
-  *) echo "usage: scripts/dev.sh check|test [args]" >&2; exit 2 ;;
 esac

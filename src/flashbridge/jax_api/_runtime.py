@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._extras import require
 from ..core_kernels._poison import poisoning
 from ..core_kernels import INTERPRETER, HostArray, Plan, Target, get_kernel
 
@@ -56,7 +57,7 @@ def _jax_triton():
     # compile (torch's too) fails to locate its cache: put the variable and the knob back.
     launch = launch_mode()  # a bad value fails before anything is imported
     saved = os.environ.get("TRITON_CACHE_DIR")
-    import jax_triton
+    jax_triton = require("jax_triton", "jax", "flashbridge.jax_api on a GPU")
     import triton
 
     cache = saved or os.path.join(os.path.expanduser("~"), ".triton", "cache")

@@ -193,7 +193,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
                     window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Array] = None,
                     softcap: float = 0.0, sinks: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
                     cu_seqlens_k: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
-                    max_seqlen_k: Optional[int] = None, deterministic: bool = True, return_lse: bool = False):
+                    max_seqlen_k: Optional[int] = None, deterministic: bool = True,
+                    return_lse: bool = False) -> Array | tuple[Array, Array]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -243,7 +244,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
                           mask: Optional[Array] = None, *, scale: Optional[float] = None, is_causal: bool = False,
                           query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None, implementation=None,
-                          return_residual: bool = False):
+                          return_residual: bool = False) -> Array | tuple[Array, Array]:
     """Drop-in for :func:`jax.nn.dot_product_attention`: ``softmax(q k^T * scale) v`` in BTNH layout.
 
     Same conventions as jax.nn: query ``(B, T, N, H)`` (or unbatched ``(T, N, H)``), key/value

@@ -22,7 +22,7 @@ def _is_causal_mask(mask) -> bool:
 
 def flash_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                        dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                       is_causal=False, **unused):
+                       is_causal=False, **unused) -> jax.Array:
     """An ``attention_fn`` for Flax attention modules: ``flax.nnx.dot_product_attention``'s signature over
     flashbridge's :func:`dot_product_attention` (layout ``(batch, length, heads, head_dim)``).
 
@@ -61,14 +61,15 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         >>> y = mha(jnp.ones((2, 16, 64)), is_causal=True)
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         if kwargs.get("attention_fn") not in (None, flash_attention_fn):
             raise ValueError("attention_fn: flashbridge's MultiHeadAttention always uses flash_attention_fn")
         kwargs["attention_fn"] = flash_attention_fn
         kwargs.setdefault("decode", False)
         super().__init__(*args, **kwargs)
 
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, decode=None, **kwargs):
+    def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None, inputs_v: jax.Array | None = None, *,
+                 decode: bool | None = None, **kwargs) -> jax.Array:
         if decode or (decode is None and self.decode):
             raise ValueError("decode: the autoregressive cache is not supported by flashbridge's "
                              "MultiHeadAttention")

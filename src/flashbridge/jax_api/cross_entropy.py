@@ -378,7 +378,7 @@ def _validate_label_values(labels, vocab: int, ignore_index: int, validate: Opti
 
 def cross_entropy(logits: Array, labels: Array, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
-                  return_lse: bool = False, validate_labels: Optional[bool] = None):
+                  return_lse: bool = False, validate_labels: Optional[bool] = None) -> Array | tuple[Array, Array]:
     """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
 
     Args:
@@ -446,7 +446,8 @@ def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_
 def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: Optional[Array] = None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                         return_lse: bool = False, validate_labels: Optional[bool] = None):
+                         return_lse: bool = False, validate_labels: Optional[bool] = None
+                         ) -> Array | tuple[Array, Array]:
     """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     Args:
@@ -477,7 +478,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, labels: Array, *, bias: O
                       validate_labels=validate_labels)
 
 
-def linear_cross_entropy_from_layer(layer, hidden: Array, labels: Array, **options):
+def linear_cross_entropy_from_layer(layer, hidden: Array, labels: Array, **options) -> Array | tuple[Array, Array]:
     """:func:`linear_cross_entropy` with the weights of a Flax NNX output layer: an ``nnx.Linear`` head
     (kernel ``(H, V)`` used as is, no transposed copy, and its bias) or a tied ``nnx.Embed``
     (embedding ``(V, H)``). Differentiable with ``nnx.grad`` / ``nnx.value_and_grad``.

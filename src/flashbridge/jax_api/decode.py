@@ -64,7 +64,8 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
                      softmax_scale: Optional[float] = None, causal: bool = True,
                      window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Array] = None,
                      softcap: float = 0.0, sinks: Optional[Array] = None, k_scale: Optional[Array] = None,
-                     v_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+                     v_scale: Optional[Array] = None, num_splits: Optional[int] = None,
+                     return_lse: bool = False) -> Array | tuple[Array, Array]:
     """Attention of a few query tokens per sequence over a (paged) KV cache, split-KV (Flash-Decoding).
 
     Same arguments, layouts and semantics as :func:`flashbridge.torch_api.decode_attention`: q
@@ -109,7 +110,7 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     return (out, lse) if return_lse else out
 
 
-def merge_attention_states(outs: Array, lses: Array):
+def merge_attention_states(outs: Array, lses: Array) -> tuple[Array, Array]:
     """Exact merge of N attention states: ``lse = log sum_n exp(lses[n])``,
     ``out = sum_n exp(lses[n] - lse) outs[n]``. outs ``(N, ..., D)``, lses float32 ``(N, ...)``; returns
     ``(out (..., D), lse (...))``. See :func:`flashbridge.torch_api.merge_attention_states`.
@@ -139,7 +140,8 @@ def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array
                       cache_seqlens: Array, block_table: Optional[Array] = None, kv_layout: str = "NHD",
                       softmax_scale: Optional[float] = None, causal: bool = True, softcap: float = 0.0,
                       sinks: Optional[Array] = None, k_scale: Optional[Array] = None,
-                      v_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+                      v_scale: Optional[Array] = None, num_splits: Optional[int] = None,
+                      return_lse: bool = False) -> Array | tuple[Array, Array]:
     """Decode over ``concat(shared prefix, own cache)``, the shared prefix read once for the batch, merged
     exactly. ``shared_k`` / ``shared_v``: ``(S_shared, Hkv, D)`` (NHD) or ``(Hkv, S_shared, D)`` (HND) in the
     cache's dtype. See :func:`flashbridge.torch_api.cascade_attention`.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.linear import default_kernel_init
@@ -39,7 +40,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Optional[Any] = None,
                  param_dtype: Any = jnp.float32, use_scale: bool = True, scale_init=nnx.initializers.ones,
-                 reduction_axes=-1, feature_axes=-1, axis_name=None, rngs: nnx.Rngs):
+                 reduction_axes=-1, feature_axes=-1, axis_name=None, rngs: nnx.Rngs) -> None:
         _check_axes(reduction_axes, feature_axes, axis_name)
         self.num_features = num_features
         self.epsilon = epsilon
@@ -47,7 +48,7 @@ class RMSNorm(nnx.Module):
         self.use_scale = use_scale
         self.scale = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype)) if use_scale else None
 
-    def __call__(self, x, residual=None):
+    def __call__(self, x: jax.Array, residual: Optional[jax.Array] = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         params = [self.scale[...]] if self.scale is not None else []
         dtype = _out_dtype(self.dtype, x, *params)
         x = x.astype(dtype)
@@ -71,7 +72,7 @@ class LayerNorm(nnx.Module):
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Optional[Any] = None,
                  param_dtype: Any = jnp.float32, use_bias: bool = True, use_scale: bool = True,
                  bias_init=nnx.initializers.zeros, scale_init=nnx.initializers.ones, reduction_axes=-1,
-                 feature_axes=-1, axis_name=None, rngs: nnx.Rngs):
+                 feature_axes=-1, axis_name=None, rngs: nnx.Rngs) -> None:
         _check_axes(reduction_axes, feature_axes, axis_name)
         self.num_features = num_features
         self.epsilon = epsilon
@@ -79,7 +80,7 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype)) if use_scale else None
         self.bias = nnx.Param(bias_init(rngs.params(), (num_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x, residual=None):
+    def __call__(self, x: jax.Array, residual: Optional[jax.Array] = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
         dtype = _out_dtype(self.dtype, x, *[p for p in (scale, bias) if p is not None])

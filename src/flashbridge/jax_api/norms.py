@@ -165,7 +165,8 @@ def _norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropou
     return y if residual is None else (y, h)
 
 
-def rms_norm(x: Array, weight: Optional[Array] = None, *, eps: float = 1e-6, residual: Optional[Array] = None):
+def rms_norm(x: Array, weight: Optional[Array] = None, *, eps: float = 1e-6,
+             residual: Optional[Array] = None) -> Array | tuple[Array, Array]:
     """RMSNorm over the last axis: ``y = h / sqrt(mean(h**2) + eps) * weight`` with ``h = x (+ residual)``.
 
     Args:
@@ -185,7 +186,7 @@ def rms_norm(x: Array, weight: Optional[Array] = None, *, eps: float = 1e-6, res
 
 
 def layer_norm(x: Array, weight: Optional[Array] = None, bias: Optional[Array] = None, *, eps: float = 1e-5,
-               residual: Optional[Array] = None):
+               residual: Optional[Array] = None) -> Array | tuple[Array, Array]:
     """LayerNorm over the last axis: ``y = (h - mean) / sqrt(var + eps) * weight + bias``, ``h = x (+ residual)``.
 
     Statistics in float32, one pass over the row (parallel Welford merge).
@@ -198,7 +199,7 @@ def layer_norm(x: Array, weight: Optional[Array] = None, bias: Optional[Array] =
 
 
 def layer_norm_dropout_residual(x: Array, weight: Optional[Array], bias: Optional[Array], residual: Array, *,
-                                dropout_p: float = 0.0, seed=0, eps: float = 1e-5):
+                                dropout_p: float = 0.0, seed: int | Array = 0, eps: float = 1e-5) -> Array:
     """``y = dropout(layer_norm(x) * weight + bias) + residual`` in one pass.
 
     The dropout mask is Philox keyed by ``seed`` (a Python int or an integer array of one element, which

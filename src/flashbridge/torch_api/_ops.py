@@ -12,9 +12,17 @@ when nothing needs the dispatcher: not compiling or tracing, no dispatch mode ac
 transform, only plain tensors. Then it calls the implementation (no input needs a gradient) or one generic
 ``torch.autograd.Function`` around it, exactly as ``torch.library``'s own autograd kernel does.
 ``tests/test_torch_dispatch.py`` asserts both paths give the same bits for an op of every family.
+
+``torch.func`` transforms (grad, vjp, jacrev, vmap) need more than the dispatcher: the autograd function
+``torch.library`` generates for a custom op has no ``setup_context`` staticmethod, which functorch requires,
+so under a transform the op runs inside an ``autograd.Function`` of its own (:meth:`FusedOp._transform_function`,
+``generate_vmap_rule=True``) made from the same ``setup_context`` / ``backward``. ``vmap`` reaches each op's
+batching rule: a rule that folds the vmapped dimension into a batch or row dimension where the op allows it
+(:meth:`FusedOp.register_vmap`), else one call per vmapped element.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Callable, Optional
 
@@ -23,12 +31,18 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# True while a transform's backward runs: a vjp function called after its torch.func.vjp returned has
+# saved tensors that are functorch wrappers of a finished transform, of type torch.Tensor; only the
+# dispatcher unwraps them.
+_in_transform_backward: contextvars.ContextVar[bool] = contextvars.ContextVar("in_transform_backward",
+                                                                              default=False)
 
 
 def plain_eager(args) -> bool:
     """True when calling the implementation directly is indistinguishable from calling the op."""
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()):
+            or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
+            or _in_transform_backward.get()):
         return False
     return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor))
 
@@ -73,8 +87,13 @@ class FusedOp:
         self.name = name
         self.impl = impl
         self.custom_op = torch.library.custom_op(f"flashbridge::{name}", impl, mutates_args=mutates_args)
+        self.mutates_args = tuple(mutates_args)
         self.backward: Optional[Callable] = None
         self.setup_context: Optional[Callable] = None
+        self.fold: Optional[Callable] = None
+        self.custom_op.register_vmap(self._vmap)
+        # an op that writes its inputs in place is not differentiable and runs through the dispatcher
+        self.transform_function = None if mutates_args else self._transform_function()
         functools.update_wrapper(self, impl)
 
     def register_fake(self, fake: Callable) -> Callable:
@@ -85,6 +104,66 @@ class FusedOp:
         self.custom_op.register_autograd(backward, setup_context=setup_context)
         self.backward, self.setup_context = backward, setup_context
 
+    def register_vmap(self, fold: Callable) -> Callable:
+        """A batching rule ``fold(batch_size, in_dims, *args) -> (outputs, out_dims) | None`` that runs the
+        op once with the vmapped dimension folded into a batch or row dimension; None where it cannot (e.g.
+        a vmapped weight whose gradient sums over rows), and then the op runs once per vmapped element."""
+        self.fold = fold
+        return fold
+
+    def _vmap(self, info, in_dims, *args):
+        # Runs below the vmap level: self.overload reaches the next dispatch key (autograd, then the kernel).
+        if self.fold is not None:
+            folded = self.fold(info.batch_size, in_dims, *args)
+            if folded is not None:
+                return folded
+        return self._vmap_loop(info.batch_size, in_dims, args)
+
+    def _vmap_loop(self, batch_size: int, in_dims, args):
+        """The op once per vmapped element, results stacked along dim 0 (an in-place op writes each
+        element's slice of the mutated tensors, which must then be batched themselves)."""
+        names = [a.name for a in self.overload._schema.arguments]
+        for name in self.mutates_args:
+            if in_dims[names.index(name)] is None:
+                raise ValueError(f"{name}: under vmap, a tensor that {self.name} writes in place must be "
+                                 "vmapped too (each element of the batch writes its own slice)")
+        results = [self.overload(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+                   for i in range(batch_size)]
+        if results[0] is None:
+            return None, None
+        if isinstance(results[0], Tensor):
+            return torch.stack(results), 0
+        return tuple(torch.stack(r) for r in zip(*results)), (0,) * len(results[0])
+
+    def _transform_function(self) -> type[torch.autograd.Function]:
+        """The op as an ``autograd.Function`` functorch accepts: forward through the dispatcher (so vmap
+        reaches the batching rule), then the setup_context and backward given to :meth:`register_autograd`.
+        An op without them (a backward, a forward-only op) gets a backward that says so: torch.func.grad
+        records every op (it differentiates with ``create_graph=True``), but only a second derivative of a
+        flashbridge op would run it."""
+        op = self
+
+        def setup_context(ctx, inputs, output):
+            if op.setup_context is not None:
+                op.setup_context(ctx, inputs, output)
+
+        def backward(ctx, *grads):
+            if op.backward is None:
+                raise RuntimeError(f"flashbridge::{op.name} has no derivative (flashbridge's ops are "
+                                   "differentiable once: no second derivatives)")
+            token = _in_transform_backward.set(True)
+            try:
+                return op.backward(ctx, *grads)
+            finally:
+                _in_transform_backward.reset(token)
+
+        return type(f"{self.name}_function", (torch.autograd.Function,), {
+            "forward": staticmethod(lambda *args: op.overload(*args)),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "generate_vmap_rule": True,
+        })
+
     @property
     def overload(self) -> torch._ops.OpOverload:
         """``torch.ops.flashbridge.<name>.default``."""
@@ -92,11 +171,31 @@ class FusedOp:
 
     def __call__(self, *args):
         if not (FusedOp.eager_fast_path and plain_eager(args)):
+            if self.transform_function is not None and torch._C._are_functorch_transforms_active():
+                return self.transform_function.apply(*args)
             return self.overload(*args)
         if (self.backward is not None and torch.is_grad_enabled()
                 and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             return _EagerAutograd.apply(*args, self)
         return self.impl(*args)
+
+
+def vmapped_at(t: Optional[Tensor], dim: Optional[int], batch_size: int, at: int = 0) -> Optional[Tensor]:
+    """For batching rules: ``t`` with the vmapped dimension at position ``at`` -- moved there, or
+    broadcast there (a view) when ``t`` is not vmapped (``dim`` None). None stays None."""
+    if t is None:
+        return None
+    if dim is None:
+        return t.unsqueeze(at).expand(*t.shape[:at], batch_size, *t.shape[at:])
+    return t.movedim(dim, at)
+
+
+def underlying(t: Tensor) -> Tensor:
+    """``t`` without torch.func's wrappers: under vmap, the values of every vmapped element at once. Host
+    checks of values (a batched tensor has no data of its own) read these, or skip a wrapped tensor."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def fused_op(name: str, *, mutates_args=()) -> Callable[[Callable], FusedOp]:

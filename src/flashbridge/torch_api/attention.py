@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_tensors
-from ._ops import fused_op
+from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -86,6 +86,38 @@ def _(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out, lse
 
 
+def _fold_batch(batch: int, args: dict) -> Optional[dict]:
+    """Batching rule helper: ``args`` maps names to (tensor, vmapped dim); returns each batch-first tensor
+    as ``(vmapped * B, ...)``, the vmapped dimension folded into the batch, or None where the op cannot
+    fold: packed sequences, or vmapped sinks (one set per call; their gradient sums over the batch).
+    ALiBi slopes of one element, ``(Hq,)``, become ``(B, Hq)`` rows; shared ones stay as they are."""
+    if args["cu_seqlens_q"][0] is not None or args["sinks"][1] is not None:
+        return None
+    q, q_dim = args["q"]
+    n_batch = q.shape[0] if q_dim is None else q.movedim(q_dim, 0).shape[1]
+    folded = {}
+    for name, (t, d) in args.items():
+        if t is None or name in ("sinks", "cu_seqlens_q", "cu_seqlens_k") or (name == "alibi_slopes" and d is None
+                                                                               and t.dim() == 1):
+            folded[name] = t
+            continue
+        t = vmapped_at(t, d, batch)
+        if name == "alibi_slopes" and t.dim() == 2:
+            t = t.unsqueeze(1).expand(batch, n_batch, t.shape[-1])
+        folded[name] = t.reshape(-1, *t.shape[2:])
+    return folded
+
+
+@_flash_attn_fwd.register_vmap
+def _(batch, in_dims, q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *options):
+    names = ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q")
+    f = _fold_batch(batch, dict(zip(names, zip((q, k, v, alibi_slopes, sinks, cu_seqlens_q), in_dims))))
+    if f is None:
+        return None
+    out, lse = _flash_attn_fwd.overload(f["q"], f["k"], f["v"], f["alibi_slopes"], sinks, None, None, *options)
+    return (out.unflatten(0, (batch, -1)), lse.unflatten(0, (batch, -1))), (0, 0)
+
+
 @fused_op("flash_attn_bwd")
 def _flash_attn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
@@ -116,6 +148,20 @@ def _(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqle
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+@_flash_attn_bwd.register_vmap
+def _(batch, in_dims, dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *options):
+    names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "sinks", "cu_seqlens_q")
+    f = _fold_batch(batch, dict(zip(names, zip((dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q),
+                                               in_dims))))
+    if f is None or sinks is not None:
+        return None  # the sinks gradient of a vmapped call: one sum over the batch per element
+    dq, dk, dv, dsinks = _flash_attn_bwd.overload(
+        f["dout"], f["q"], f["k"], f["v"], f["out"], f["lse"], f["dlse"], f["alibi_slopes"], sinks, None, None,
+        *options)
+    return (dq.unflatten(0, (batch, -1)), dk.unflatten(0, (batch, -1)), dv.unflatten(0, (batch, -1)),
+            dsinks), (0, 0, 0, None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -154,7 +200,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                    deterministic: bool = True, return_lse: bool = False):
+                    deterministic: bool = True, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -197,9 +243,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     shape, options = check_attention_args(
         **{n: _info(t) for n, t in tensors.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
-    if shape.varlen and not torch.compiler.is_compiling():
+    if (shape.varlen and not torch.compiler.is_compiling()
+            and underlying(cu_seqlens_q) is cu_seqlens_q and underlying(cu_seqlens_k) is cu_seqlens_k):
         # Reading the offsets costs a device sync on CUDA (one for both: they usually are one tensor); under
-        # torch.compile they stay on the device and the kernels clamp every access to the packed tensors.
+        # torch.compile (or vmapped: no values of their own) they stay on the device and the kernels clamp
+        # every access to the packed tensors.
         if cu_seqlens_k is cu_seqlens_q:
             offsets_q = offsets_k = cu_seqlens_q.tolist()
         else:
@@ -300,7 +348,7 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
-                 vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None):
+                 vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv / add_zero_attn: not supported by flashbridge's MultiheadAttention")
@@ -360,7 +408,7 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None,
-                average_attn_weights: bool = True, is_causal: bool = False):
+                average_attn_weights: bool = True, is_causal: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         if key_padding_mask is not None:
             raise ValueError("key_padding_mask: not supported; pack the sequences and call "
                              "flashbridge.torch_api.flash_attention with cu_seqlens instead")

@@ -40,7 +40,7 @@ from ..core_kernels.cross_entropy.plan import (
     LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd,
     plan_ce_grad, plan_linear_cross_entropy)
 from ._checks import check_tensors
-from ._ops import fused_op, plain_eager
+from ._ops import fused_op, plain_eager, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -67,6 +67,17 @@ def _(logits, labels, ignore_index, label_smoothing, z_loss, logit_softcap):
     return tuple(logits.new_empty((n_rows,), dtype=torch.float32) for _ in range(3))
 
 
+def _rows(batch: int, tensors, in_dims) -> list[Tensor]:
+    """Batching rule helper: row-wise tensors with the vmapped dimension folded into the rows."""
+    return [vmapped_at(t, d, batch).flatten(0, 1) for t, d in zip(tensors, in_dims)]
+
+
+@_ce_fwd.register_vmap
+def _(batch, in_dims, logits, labels, *options):
+    rows = _ce_fwd.overload(*_rows(batch, (logits, labels), in_dims), *options)
+    return tuple(t.unflatten(0, (batch, -1)) for t in rows), (0, 0, 0)
+
+
 @fused_op("cross_entropy_bwd")
 def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, lse_lo: Tensor, dloss: Tensor, ignore_index: int,
             label_smoothing: float, z_loss: float, logit_softcap: float) -> Tensor:
@@ -83,6 +94,12 @@ def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, lse_lo: Tensor, dloss: 
 @_ce_bwd.register_fake
 def _(logits, labels, lse, lse_lo, dloss, ignore_index, label_smoothing, z_loss, logit_softcap):
     return torch.empty_like(logits)
+
+
+@_ce_bwd.register_vmap
+def _(batch, in_dims, logits, labels, lse, lse_lo, dloss, *options):
+    grad = _ce_bwd.overload(*_rows(batch, (logits, labels, lse, lse_lo, dloss), in_dims), *options)
+    return grad.unflatten(0, (batch, -1)), 0
 
 
 def _ce_setup_context(ctx, inputs, output):
@@ -300,6 +317,7 @@ def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int, valida
     only when asked; unchecked rows get a NaN loss from the kernels. Never under torch.compile."""
     if validate is False or (validate is None and labels.device.type != "cpu") or torch.compiler.is_compiling():
         return
+    labels = underlying(labels)  # under vmap: every element's labels
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         raise ValueError(bad_label_message(int(bad.sum()), int(labels[bad][0]), vocab, ignore_index))
@@ -321,7 +339,7 @@ def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
-                  return_lse: bool = False, validate_labels: Optional[bool] = None):
+                  return_lse: bool = False, validate_labels: Optional[bool] = None) -> Tensor | tuple[Tensor, Tensor]:
     """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
 
     One read of the logits forward (online softmax over the vocabulary, in fp32), one read and one write
@@ -371,7 +389,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                         return_lse: bool = False, validate_labels: Optional[bool] = None):
+                         return_lse: bool = False, validate_labels: Optional[bool] = None
+                         ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     The tokens are processed in chunks (see the module docstring for the design): the peak extra memory
@@ -434,14 +453,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                 return_lse: bool = False, validate_labels: Optional[bool] = None):
+                 return_lse: bool = False, validate_labels: Optional[bool] = None) -> None:
         super().__init__()
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.logit_softcap, self.reduction, self.chunk_size, self.return_lse = (
             logit_softcap, reduction, chunk_size, return_lse)
         self.validate_labels = validate_labels
 
-    def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None):
+    def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
         return linear_cross_entropy(
             hidden, weight, labels, bias=bias, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, logit_softcap=self.logit_softcap,

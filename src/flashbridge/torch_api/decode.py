@@ -24,7 +24,7 @@ from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_appen
                                         check_cascade_args, check_decode_args, check_merge_args, check_scales,
                                         plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
-from ._ops import fused_op
+from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -50,8 +50,9 @@ def _cache_strides(t: Tensor, kv_layout: str) -> tuple[int, int, int]:
 
 
 def _host_values(cache_seqlens: Tensor, block_table: Optional[Tensor]):
-    """The index tensors' values when reading them is free (CPU, eager), else None."""
-    if cache_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+    """The index tensors' values when reading them is free (CPU, eager, one call's values), else None."""
+    if (cache_seqlens.device.type != "cpu" or torch.compiler.is_compiling()
+            or any(t is not None and underlying(t) is not t for t in (cache_seqlens, block_table))):
         return None
     return cache_seqlens.tolist(), None if block_table is None else block_table.tolist()
 
@@ -146,6 +147,14 @@ def _(outs, lses):
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
 
 
+@_merge_attn_states.register_vmap
+def _(batch, in_dims, outs, lses):
+    # the vmapped dimension becomes the first row dimension, after the N states
+    out, lse = _merge_attn_states.overload(vmapped_at(outs, in_dims[0], batch, 1),
+                                           vmapped_at(lses, in_dims[1], batch, 1))
+    return (out, lse), (0, 0)
+
+
 @fused_op("cascade_attn")
 def _cascade_attn(
     q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -217,7 +226,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
                      softmax_scale: Optional[float] = None, causal: bool = True,
                      window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Tensor] = None,
                      softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                     v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+                     v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None,
+                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of a few query tokens per sequence over a KV cache (Flash-Decoding, split-KV):
     ``out[b, i] = softmax(mods(softmax_scale * q[b, i] K_b^T)) V_b`` over the first ``cache_seqlens[b]``
     rows of sequence b's cache.
@@ -302,7 +312,7 @@ def _latent_view(shape, options, q, k_cache, v_cache, k_scale, v_scale, kv_layou
     return k_cache[:, :, 0] if kv_layout == "NHD" else k_cache[:, 0]
 
 
-def merge_attention_states(outs: Tensor, lses: Tensor):
+def merge_attention_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     """Exact merge of N attention states over disjoint key sets:
     ``lse = log sum_n exp(lses[n])``, ``out = sum_n exp(lses[n] - lse) outs[n]``.
 
@@ -329,7 +339,8 @@ def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Te
                       cache_seqlens: Tensor, block_table: Optional[Tensor] = None, kv_layout: str = "NHD",
                       softmax_scale: Optional[float] = None, causal: bool = True, softcap: float = 0.0,
                       sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                      v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+                      v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None,
+                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Decode over ``concat(shared prefix, own cache)`` with the shared prefix read once for the batch
     (FlashInfer-style cascade): the prefix's (out, lse) for all ``B * Sq`` query tokens at once, each
     request's own cache as in :func:`decode_attention`, then an exact LSE merge (sinks added once).

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
-                 device=None, dtype=None):
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape)
         self.eps = eps
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         if self.weight is not None:
             nn.init.ones_(self.weight)
 
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         shape = x.shape
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         weight = None if self.weight is None else self.weight.reshape(-1)
@@ -84,7 +84,7 @@ class LayerNorm(nn.Module):
     """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, device=None, dtype=None):
+                 bias: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape)
         self.eps = eps
@@ -105,7 +105,7 @@ class LayerNorm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         shape = x.shape
         weight = None if self.weight is None else self.weight.reshape(-1)
         bias = None if self.bias is None else self.bias.reshape(-1)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
-from ._ops import fused_op
+from ._ops import fused_op, vmapped_at
 from ._runtime import dtype_name, execute, target_for
 from ._checks import check_tensors, seed_tensor
 
@@ -41,6 +41,19 @@ def _(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p):
     h = x.new_empty(x.shape, dtype=residual.dtype) if residual is not None else x.new_empty((0,))
     mean = x.new_empty((0,) if is_rms else (n_rows,), dtype=torch.float32)
     return x.new_empty(x.shape), h, mean, x.new_empty((n_rows,), dtype=torch.float32)
+
+
+@_norm_fwd.register_vmap
+def _(batch, in_dims, x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p):
+    # The vmapped dimension becomes one more row dimension. Vmapped parameters, and dropout (whose mask
+    # follows an element's flat index: folding would change the masks), run once per element instead.
+    if any(d is not None for d in in_dims[1:3] + in_dims[5:]) or dropout_p > 0:
+        return None
+    x, residual, post_residual = (vmapped_at(t, d, batch) for t, d in zip(
+        (x, residual, post_residual), (in_dims[0], in_dims[3], in_dims[4])))
+    y, h, mean, rstd = _norm_fwd.overload(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p)
+    mean, mean_dim = (mean, None) if is_rms else (mean.view(batch, -1), 0)
+    return (y, h, mean, rstd.view(batch, -1)), (0, 0 if residual is not None else None, mean_dim, 0)
 
 
 @fused_op("norm_bwd")
@@ -108,7 +121,7 @@ def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, 
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, *, eps: float = 1e-6,
-             residual: Optional[Tensor] = None):
+             residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm over the last dimension: ``y = h / sqrt(mean(h**2) + eps) * weight`` with ``h = x (+ residual)``.
 
     Args:
@@ -133,7 +146,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, *, eps: float = 1e-6,
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
-               eps: float = 1e-5, residual: Optional[Tensor] = None):
+               eps: float = 1e-5, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
     """LayerNorm over the last dimension: ``y = (h - mean) / sqrt(var + eps) * weight + bias``, ``h = x (+ residual)``.
 
     Statistics are computed in float32 in one pass over the row (parallel Welford merge).
@@ -154,7 +167,8 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
 
 
 def layer_norm_dropout_residual(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                                residual: Tensor, *, dropout_p: float = 0.0, seed=0, eps: float = 1e-5):
+                                residual: Tensor, *, dropout_p: float = 0.0, seed: int | Tensor = 0,
+                                eps: float = 1e-5) -> Tensor:
     """``y = dropout(layer_norm(x) * weight + bias) + residual`` in one pass.
 
     The dropout mask comes from a counter-based RNG (Philox) keyed by ``seed`` and the element's flat

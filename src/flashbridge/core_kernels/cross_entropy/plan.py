@@ -93,9 +93,10 @@ def _check_options(ignore_index, label_smoothing, z_loss, logit_softcap, reducti
             raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
     if not 0.0 <= float(label_smoothing) < 1.0:
         raise ValueError(f"label_smoothing: must be in [0, 1), got {label_smoothing}")
-    if not (float(z_loss) >= 0.0 and math.isfinite(z_loss)):
+    # comparisons rather than math.isfinite: torch.compile traces a float argument symbolically
+    if not 0.0 <= float(z_loss) < math.inf:
         raise ValueError(f"z_loss: must be a finite number >= 0 (0 turns it off), got {z_loss}")
-    if not (float(logit_softcap) >= 0.0 and math.isfinite(logit_softcap)):
+    if not 0.0 <= float(logit_softcap) < math.inf:
         raise ValueError(f"logit_softcap: must be a finite number >= 0 (0 turns it off), got {logit_softcap}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")

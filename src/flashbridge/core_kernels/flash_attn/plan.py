@@ -210,7 +210,8 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
         scale = float(softmax_scale)
-        if not math.isfinite(scale):
+        # comparisons rather than math.isfinite: torch.compile traces a float argument symbolically
+        if not -math.inf < scale < math.inf:
             raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
     try:
         left, right = window_size
@@ -221,7 +222,7 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
         raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap: expected a Python float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0):
+    if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
     return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
 
@@ -295,8 +296,7 @@ def check_attention_args(
                           False)
 
     for name, length in (("q", shape.seqlen_q), ("k", shape.seqlen_k)):
-        check_seqlen_bound(f"max_seqlen_{name}: {length}" if varlen else f"{name}: sequence length {length}",
-                           length)
+        check_seqlen_bound(f"max_seqlen_{name}: {{}}" if varlen else f"{name}: sequence length {{}}", length)
     scale, window_left, window_right, softcap = check_score_options(
         head_dim_qk=qs[-1], causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
 
@@ -444,10 +444,11 @@ def _lse_strides(shape: AttnShape) -> tuple[int, int]:
 
 
 def check_seqlen_bound(what: str, length: int) -> None:
-    """Refuse a sequence (or cache) longer than MAX_SEQLEN tokens; ``what`` names the argument and value."""
+    """Refuse a sequence (or cache) longer than MAX_SEQLEN tokens; ``what`` names the argument, with ``{}``
+    where the value goes (formatted only on failure: under torch.compile the length may be symbolic)."""
     if length > MAX_SEQLEN:
-        raise ValueError(f"{what} is above {MAX_SEQLEN}: the kernels compare positions within a sequence in "
-                         f"int32, with an unbounded window side standing for 2**30")
+        raise ValueError(f"{what.format(length)} is above {MAX_SEQLEN}: the kernels compare positions within a "
+                         "sequence in int32, with an unbounded window side standing for 2**30")
 
 
 def window_scalars(options) -> tuple[int, int]:
