@@ -7,6 +7,7 @@ from .attention import dot_product_attention, flash_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
+from .ring import ring_attention, sequence_shard, sequence_unshard
 from .rotary import rotary_embedding, rotary_embedding_qk
 from .swiglu import swiglu
 
@@ -25,3 +26,4 @@ __all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "append_kv_cache", "cas
            "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
            "linear_cross_entropy_from_layer", "rms_norm", "rotary_embedding", "rotary_embedding_qk", "swiglu",
            "SwiGLUMLP"]
+__all__ += ["ring_attention", "sequence_shard", "sequence_unshard"]

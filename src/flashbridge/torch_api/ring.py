@@ -306,11 +306,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     Returns:
         ``out`` ``(B, S_local, Hq, Dv)`` in q's dtype, or ``(out, lse)``.
 
-    Example (in each of n processes, after ``torch.distributed.init_process_group``)::
+    Example (in each of n processes, after ``torch.distributed.init_process_group``; q, k, v global)::
 
-        >>> rank, n = dist.get_rank(), dist.get_world_size()
-        >>> q, k, v = (sequence_shard(t, rank, n) for t in (q_full, k_full, v_full))
-        >>> out = ring_attention(q, k, v, causal=True)      # this rank's shard of the output
+        rank, n = dist.get_rank(), dist.get_world_size()
+        q_r, k_r, v_r = (sequence_shard(t, rank, n) for t in (q, k, v))
+        out_r = ring_attention(q_r, k_r, v_r, causal=True)  # this rank's shard of flash_attention(q, k, v)
     """
     check_tensors({"q": q, "k": k, "v": v}, required=("q", "k", "v"))
     if not isinstance(return_lse, bool):
