@@ -312,6 +312,17 @@ def _bad_inputs_in_group(rank):
         ring_attention(z, z, z, causal=True)
     with pytest.raises(ValueError, match="same shapes and options"):
         ring_attention(y, y, y, causal=rank == 0)
+    # a group this process is not a member of
+    import torch.distributed as dist
+
+    solo = dist.new_group([0])
+    if rank == 0:  # a ring of one: plain flash_attention
+        from flashbridge.torch_api import flash_attention
+        torch.testing.assert_close(ring_attention(y, y, y, group=solo, layout="contiguous"),
+                                   flash_attention(y, y, y), rtol=0, atol=0)
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            ring_attention(y, y, y, group=solo)
 
 
 def run_gloo(cases, world, tmp_path, *, bad_inputs=False):

@@ -328,11 +328,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
         raise ValueError("group: torch.distributed is not initialized; call torch.distributed.init_process_group "
                          "before ring_attention")
     group = group if group is not None else dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError("group: this process is not a member of the group")
     if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
         raise ValueError(f"q: the group's backend is NCCL, which needs CUDA tensors; got tensors on {q.device}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if rank < 0:
-        raise ValueError("group: this process is not a member of the group")
     left, right = options.window_left, options.window_right
     if world > 1:
         _check_ranks_agree(q, k, v, {
