@@ -137,7 +137,7 @@ def test_shard_unshard_round_trip_jax(layout, dim):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 16, 3)), jnp.float32)
     shards = [jax_ring.sequence_shard(x, r, world, layout=layout, dim=dim) for r in range(world)]
     for r, s in enumerate(shards):  # torch and JAX agree
-        t = torch_ring.sequence_shard(torch.from_numpy(np.asarray(x)), r, world, layout=layout, dim=dim)
+        t = torch_ring.sequence_shard(torch.from_numpy(np.array(x)), r, world, layout=layout, dim=dim)
         np.testing.assert_array_equal(np.asarray(s), t.numpy())
     back = jax_ring.sequence_unshard(jnp.concatenate(shards, axis=dim), world, layout=layout, dim=dim)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
@@ -415,7 +415,7 @@ def run_jax_case(case: Case, devices):
 
     out, lse, *grads = forward_backward(layout(q), layout(k), layout(v), layout(dout), layout(dlse, 2))
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
-    return [torch.from_numpy(np.asarray(sequence_unshard(a, n, layout=case.layout, dim=dim).astype(jnp.float32)))
+    return [torch.from_numpy(np.array(sequence_unshard(a, n, layout=case.layout, dim=dim).astype(jnp.float32)))
             for a, dim in zip((out, lse, *grads), (1, 2, 1, 1, 1))]
 
 
