@@ -17,7 +17,7 @@ Per row (framework, n GPUs, S per GPU), every figure the slowest GPU's:
 
 Timing: a fixed number of calls (chosen from the FLOPs, the same on every rank) after one warm-up call, one
 synchronisation at the end; torch takes the maximum over ranks. The torch ring's per-call check that all
-ranks agree on shapes (one small all_gather read on the host) is part of its time.
+ranks agree on shapes (one small all_gather of host values over a gloo group) is part of its time.
 """
 from __future__ import annotations
 

@@ -258,14 +258,30 @@ class _RingAttention(torch.autograd.Function):
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
+_HOST_GROUPS: dict = {}
+
+
+def _host_group(group):
+    """A gloo group over the same ranks as ``group`` (``group`` itself when it is gloo): metadata exchanged
+    there stays on the host, so reading it does not wait for the device's queue (an NCCL all_gather read
+    on the host would stall the host until every kernel queued before it had run)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:  # created on the group's first call, by all its ranks in the same order
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
+
 def _check_ranks_agree(q: Tensor, k: Tensor, v: Tensor, fields: dict, group) -> None:
     """All ranks of the group call with the same shapes and options (a mismatch would make the transfers
-    hang or read garbage): one small all_gather, read on the host."""
+    hang or read garbage): one small all_gather of host values."""
     names = ["q", "k", "v", *fields]
     values = [*q.shape, *k.shape, *v.shape, *fields.values()]
-    mine = torch.tensor(values, dtype=torch.float64, device=q.device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    host = _host_group(group)
+    mine = torch.tensor(values, dtype=torch.float64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(host))]
+    dist.all_gather(gathered, mine, group=host)
     rows = [[float(x) for x in t.tolist()] for t in gathered]
     if all(r == rows[0] for r in rows):
         return
@@ -300,8 +316,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
 
     Each rank sends its K / V (and, in the backward, float32 dK / dV) to rank r+1 and receives from rank
     r-1, n-1 times (fewer when a sliding window ends the ring early), overlapped with the kernels. Each call
-    first checks, with one small all_gather read on the host, that all ranks passed the same shapes and
-    options.
+    first checks that all ranks passed the same shapes and options, with one small all_gather of host
+    values (over a gloo group on the same ranks, created at the first call, when the group is NCCL).
 
     Returns:
         ``out`` ``(B, S_local, Hq, Dv)`` in q's dtype, or ``(out, lse)``.
