@@ -265,7 +265,7 @@ def _host_group(group):
     """A gloo group over the same ranks as ``group`` (``group`` itself when it is gloo): metadata exchanged
     there stays on the host, so reading it does not wait for the device's queue (an NCCL all_gather read
     on the host would stall the host until every kernel queued before it had run)."""
-    if dist.get_backend(group) == "gloo":
+    if str(dist.get_backend(group)) == "gloo":
         return group
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in _HOST_GROUPS:  # created on the group's first call, by all its ranks in the same order
@@ -346,8 +346,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     group = group if group is not None else dist.group.WORLD
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
         raise ValueError("group: this process is not a member of the group")
-    if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
+    backend = str(dist.get_backend(group))
+    if backend == "nccl" and q.device.type != "cuda":
         raise ValueError(f"q: the group's backend is NCCL, which needs CUDA tensors; got tensors on {q.device}")
+    if backend == "gloo" and q.device.type != "cpu":
+        raise ValueError(f"q: the group's backend is gloo, which sends CPU tensors; got tensors on {q.device} "
+                         "(use an NCCL group for CUDA tensors)")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     left, right = options.window_left, options.window_right
     if world > 1:
