@@ -287,7 +287,7 @@ def _check_ranks_agree(q: Tensor, k: Tensor, v: Tensor, fields: dict, group) -> 
         return
 
     def describe(r):
-        shapes = f"q {tuple(int(x) for x in r[0:4])}, k {tuple(int(x) for x in r[4:8])}, v {tuple(int(x) for x in r[8:12])}"
+        shapes = ", ".join(f"{n} {tuple(int(x) for x in r[4 * i:4 * i + 4])}" for i, n in enumerate("qkv"))
         opts = ", ".join(f"{n}={r[12 + i]:g}" for i, n in enumerate(names[3:]))
         return f"{shapes}, {opts}"
 
