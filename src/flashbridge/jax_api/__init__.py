@@ -13,6 +13,7 @@ from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_ent
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states  # noqa: E402
 from .mla import mla_attention, mla_decode  # noqa: E402
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm  # noqa: E402
+from .ring import ring_attention, sequence_shard, sequence_unshard  # noqa: E402
 from .rotary import rotary_embedding, rotary_embedding_qk  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
 
@@ -32,4 +33,4 @@ __all__ = ["LayerNorm", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNo
            "append_kv_cache", "cascade_attention", "cross_entropy", "decode_attention", "dot_product_attention",
            "flash_attention", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
            "linear_cross_entropy_from_layer", "merge_attention_states", "mla_attention", "mla_decode",
-           "rms_norm", "rotary_embedding", "rotary_embedding_qk", "swiglu"]
+           "ring_attention", "rms_norm", "rotary_embedding", "rotary_embedding_qk", "sequence_shard", "sequence_unshard", "swiglu"]

@@ -12,11 +12,12 @@ from .decode import append_kv_cache, cascade_attention, decode_attention, merge_
 from .mla import MultiHeadLatentAttention, mla_attention, mla_decode  # noqa: E402
 from .modules import LayerNorm, RMSNorm, SwiGLUMLP  # noqa: E402
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm  # noqa: E402
+from .ring import ring_attention, sequence_shard, sequence_unshard  # noqa: E402
 from .rotary import rotary_embedding, rotary_embedding_qk  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
 
 __all__ = ["LayerNorm", "LinearCrossEntropyLoss", "MultiHeadLatentAttention", "MultiheadAttention", "RMSNorm",
            "SwiGLUMLP", "append_kv_cache", "cascade_attention", "cross_entropy", "decode_attention",
            "flash_attention", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
-           "merge_attention_states", "mla_attention", "mla_decode", "rms_norm", "rotary_embedding",
-           "rotary_embedding_qk", "scaled_dot_product_attention", "swiglu"]
+           "merge_attention_states", "mla_attention", "mla_decode", "ring_attention", "rms_norm", "rotary_embedding",
+           "rotary_embedding_qk", "sequence_shard", "sequence_unshard", "scaled_dot_product_attention", "swiglu"]

@@ -775,6 +775,22 @@ def plan_merge(n_states: int, rows: int, head_dim: int, dtype: str, *, target: T
                 launches=(launch,), results=("out", "lse"))
 
 
+def plan_merge_into(rows: int, head_dim: int, acc_dtype: str, *, target: Target,
+                    config: Optional[DecodeConfig] = None) -> Plan:
+    """Merge one partial state into an accumulated one (ring attention's per-step update). Plan inputs:
+    acc_out ``(rows, D)`` (``acc_dtype``), acc_lse ``(rows,)``, part_out ``(rows, D)`` (any float dtype),
+    part_lse ``(rows,)``, all contiguous. Results: out ``(rows, D)`` in ``acc_dtype`` and lse ``(rows,)``.
+
+    ``out`` may take over acc_out's buffer (each element is read before it is written, by the same
+    program); ``lse`` may not (a row's lse is read by every program that holds part of the row)."""
+    launch = _merge_launch(a=("acc_out", "acc_lse"), b=("part_out", "part_lse"), sinks=None, n_a=1, n_b=1,
+                           n_rows=rows, seqlen_q=1, heads=1, head_dim_v=head_dim, lse_strides=(1, 0, 0),
+                           target=target, config=config)
+    return Plan(inputs=("acc_out", "acc_lse", "part_out", "part_lse"),
+                buffers=(Spec("out", (rows, head_dim), acc_dtype), Spec("lse", (rows,), "float32")),
+                launches=(launch,), results=("out", "lse"))
+
+
 def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *, target: Target,
                  num_splits: Optional[int] = None, strides: Optional[dict[str, tuple[int, int, int]]] = None,
                  config: Optional[DecodeConfig] = None) -> Plan:
