@@ -15,6 +15,7 @@ from typing import Optional
 
 from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
                      pow2_divisor)
+from ..block_sparse import plan as bsp
 
 MAX_HEAD_DIM = 256
 _FWD = "flash_attn.kernels_fwd"
@@ -594,29 +595,47 @@ def _tail_blocks(config: AttentionConfig, shape: AttnShape, options: AttnOptions
     return bool(options.causal or options.has_local or shape.varlen or loop_len % block)
 
 
+def _sparse_options(options: AttnOptions, sparse: Optional[bsp.SparseLayout]) -> AttnOptions:
+    """A block-sparse call's options: the mask's band is the window the kernels' element test uses (and a
+    causal band orders programs longest first, as causal attention does)."""
+    if sparse is None:
+        return options
+    return dataclasses.replace(options, causal=sparse.causal, window_left=sparse.window_left,
+                               window_right=sparse.window_right)
+
+
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
-    """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
+                       config: AttentionConfig = DEFAULT_CONFIG, sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+    """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k], then with ``sparse`` (a
+    BlockMask's layout, ``core_kernels/block_sparse/plan.py``) its arrays by their BlockMask names.
 
     ``strides`` maps "q" / "k" / "v" to (batch, row, head) element strides (default: contiguous).
     Results: out (q's dtype, ``shape.out_shape``) and lse (float32, ``shape.lse_shape``).
     """
+    options = _sparse_options(options, sparse)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
     present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
-               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
-    fwd_entry = "fwd_masked" if options.causal or options.has_local else "fwd"
+               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
+               **bsp.present_arrays(sparse, bsp.FWD_ARRAYS)}
+    fwd_entry = "fwd_masked" if options.causal or options.has_local or sparse else "fwd"
     bm, bn, warps, stages = _tile(fwd_entry, shape, target, config)
+    masked_bn = _masked_block_n(fwd_entry, shape, target, config, bn)
+    if sparse is not None:  # tiles that divide the mask's blocks
+        bm, bn = bsp.sparse_tile(bm, sparse.q_block), bsp.sparse_tile(bn, sparse.kv_block)
+        masked_bn = min(masked_bn, bn)
     lse_b, lse_h = _lse_strides(shape)
     scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
-               ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)))
+               ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)),
+               *bsp.mask_scalars(sparse, backward=False))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
         grid=(cdiv(shape.seqlen_q, bm), shape.heads_q, shape.batch),
-        inputs=tuple(n if here else "q" for n, here in present.items()),
+        inputs=tuple(n if present[n] else "q" for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q",
+                                                         "cu_seqlens_k", *bsp.FWD_ARRAYS)),
         scalars=scalars,
         outputs=("out", "lse"),
         constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
@@ -626,7 +645,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("HEAD_GROUP", _head_group(config, options, target)),
-                    ("MASKED_BLOCK_N", _masked_block_n(fwd_entry, shape, target, config, bn))),
+                    ("MASKED_BLOCK_N", masked_bn), *bsp.mask_constexprs(sparse, backward=False)),
         num_warps=warps,
         num_stages=stages,
     )
@@ -638,21 +657,24 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
 def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target, has_dlse: bool = False,
                        sinks_dtype: Optional[str] = None,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: AttentionConfig = DEFAULT_CONFIG) -> Plan:
-    """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
+                       config: AttentionConfig = DEFAULT_CONFIG, sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+    """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k],
+    then with ``sparse`` (a BlockMask's layout) its arrays by their BlockMask names.
 
     ``out`` and ``lse`` are the forward's results (contiguous); ``dlse`` a gradient arriving at lse.
     ``strides`` maps "q" / "k" / "v" / "dout" to (batch, row, head) element strides (default: contiguous).
     Results: dq, dk, dv (contiguous, in the inputs' dtype), then with sinks dsinks (``sinks_dtype``,
     ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
     """
+    options = _sparse_options(options, sparse)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()),
                        ("dout", shape.out_shape))}
     present = {"dout": True, "q": True, "k": True, "v": True, "out": True, "lse": True, "dlse": has_dlse,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
-               "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
+               "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
+               **bsp.present_arrays(sparse, bsp.BWD_ARRAYS)}
 
     def name(n):
         return n if present[n] else "q"  # placeholder pointer for an absent input
@@ -660,6 +682,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     col_split = _dkdv_col_split(config, shape, options, target)
     kv_m, kv_n, kv_warps, kv_stages = _tile(_dkdv_entry(shape, options, target, col_split), shape, target, config)
     q_m, q_n, q_warps, q_stages = _tile("dq", shape, target, config)
+    if sparse is not None:  # tiles that divide the mask's blocks
+        kv_m, q_m = bsp.sparse_tile(kv_m, sparse.q_block), bsp.sparse_tile(q_m, sparse.q_block)
+        kv_n, q_n = bsp.sparse_tile(kv_n, sparse.kv_block), bsp.sparse_tile(q_n, sparse.kv_block)
     lse_b, lse_h = _lse_strides(shape)
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
@@ -670,10 +695,11 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     q_tail = _tail_blocks(config, shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
-                    ("stride_ab", _alibi_stride(shape, options)))
+                    ("stride_ab", _alibi_stride(shape, options)), *bsp.mask_scalars(sparse, backward=True))
     dims = (("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v))
     main_inputs = ("q", "k", "v", "dout", "lse2", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
-                   name("cu_seqlens_k"))
+                   name("cu_seqlens_k"), *bsp.mask_inputs(sparse, bsp.BWD_ARRAYS))
+    mask_flags = bsp.mask_constexprs(sparse, backward=True)
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
     pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
@@ -706,7 +732,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
-                        ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail)),
+                        ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail),
+                        *mask_flags),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
@@ -719,7 +746,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group),
-                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail)),
+                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail), *mask_flags),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
@@ -728,7 +755,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dq_scalars,
                 outputs=("dq",),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail)),
+                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail),
+                            *mask_flags),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
