@@ -155,6 +155,15 @@ class BlockMask:
         return (f"BlockMask(shape={(b, h, sq, sk)}, block_size={self.block_size}{stats}, "
                 f"elements={self.terms.describe()})")
 
+    def device_arrays(self, key, convert) -> tuple:
+        """:attr:`arrays` converted by ``convert`` (None stays None) once per ``key`` -- a front-end and a
+        device -- and kept on the mask: the host-to-device copy happens once per mask, not once per call."""
+        got = self._cache.get(("arrays", key))
+        if got is None:
+            got = tuple(None if a is None else convert(a) for a in self.arrays)
+            self._cache[("arrays", key)] = got
+        return got
+
     # ------------------------------------------------------------------------------------------ views
 
     def status(self) -> np.ndarray:
