@@ -4,6 +4,7 @@ The Flax modules (``RMSNorm``, ``LayerNorm``, ``MultiHeadAttention``) are import
 ops need no flax.
 """
 from .attention import dot_product_attention, flash_attention
+from .block_sparse import mask_to_device
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states
 from .norms import layer_norm, layer_norm_dropout_residual, rms_norm
@@ -20,5 +21,5 @@ def __getattr__(name):
 
 __all__ = ["LayerNorm", "MultiHeadAttention", "RMSNorm", "append_kv_cache", "cascade_attention",
            "cross_entropy", "decode_attention", "dot_product_attention", "flash_attention",
-           "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
+           "mask_to_device", "merge_attention_states", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
            "linear_cross_entropy_from_layer", "rms_norm"]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import masks as _masks
-from ..core_kernels.block_sparse.plan import SparseLayout, check_layout, layout_of
+from ..core_kernels.block_sparse.plan import SparseLayout, check_block_mask, layout_of
 from ..core_kernels.flash_attn.plan import AttnOptions, check_attention_args, plan_attention_bwd, plan_attention_fwd
 from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
@@ -151,20 +151,6 @@ _sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------- public
-
-def check_block_mask(block_mask, shape, options: AttnOptions) -> SparseLayout:
-    """The mask's layout after checking it against the call (a TypeError / ValueError naming
-    ``block_mask``); shared with the JAX front-end."""
-    if not isinstance(block_mask, _masks.BlockMask):
-        raise TypeError(f"block_mask: expected a flashbridge.masks.BlockMask, got {type(block_mask).__name__}")
-    if options.causal or options.has_local:
-        raise ValueError("block_mask: causal / window_size do not combine with a block mask; build the mask you "
-                         "mean with flashbridge.masks (e.g. masks.causal(...) & other)")
-    layout = layout_of(block_mask)
-    check_layout(layout, batch=shape.batch, heads_q=shape.heads_q, seqlen_q=shape.seqlen_q,
-                 seqlen_k=shape.seqlen_k, varlen=shape.varlen)
-    return layout
-
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, shape, options: AttnOptions,
                            alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:

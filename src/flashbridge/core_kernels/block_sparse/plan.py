@@ -94,6 +94,23 @@ def check_layout(layout: SparseLayout, *, batch: int, heads_q: int, seqlen_q: in
         raise ValueError(f"block_mask: token arrays for {layout.tokens_batch} sequences, the call has {batch}")
 
 
+def check_block_mask(block_mask, shape, options) -> SparseLayout:
+    """The layout of a ``flash_attention(..., block_mask=...)`` call's mask after checking it against the
+    call's ``AttnShape`` / ``AttnOptions`` (a TypeError / ValueError naming ``block_mask``); both front-ends
+    call it before any launch."""
+    from ...masks import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a flashbridge.masks.BlockMask, got {type(block_mask).__name__}")
+    if options.causal or options.has_local:
+        raise ValueError("block_mask: causal / window_size do not combine with a block mask; build the mask you "
+                         "mean with flashbridge.masks (e.g. masks.causal(...) & other)")
+    layout = layout_of(block_mask)
+    check_layout(layout, batch=shape.batch, heads_q=shape.heads_q, seqlen_q=shape.seqlen_q,
+                 seqlen_k=shape.seqlen_k, varlen=shape.varlen)
+    return layout
+
+
 def sparse_tile(tile: int, block: int) -> int:
     """The largest power of two <= ``tile`` that divides ``block`` (a multiple of 16, so >= 16)."""
     while block % tile:
