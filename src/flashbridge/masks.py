@@ -307,14 +307,19 @@ def _lists(grid: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _build(status: np.ndarray, *, seq_len_q: int, seq_len_k: int, q_block: int, kv_block: int, terms: MaskTerms,
-           bits: Optional[np.ndarray] = None, tokens_q=None, tokens_k=None) -> BlockMask:
+           bits: Optional[np.ndarray] = None, tokens_q=None, tokens_k=None, full_width: bool = False) -> BlockMask:
     """A BlockMask from its block status grid ``(B|1, H|1, nQ, nK)`` (0 / 1 partial / 2 full). ``bits``:
-    bool ``(n, q_block, kv_block)``, the element values of the partial blocks in ``np.nonzero`` order."""
+    bool ``(n, q_block, kv_block)``, the element values of the partial blocks in ``np.nonzero`` order.
+    ``full_width``: lists as wide as the grid (nK / nQ), whatever the counts, so that every such mask of one
+    size has the same array shapes."""
     status = np.ascontiguousarray(status, np.int8)
     partial, full = status == PARTIAL, status == FULL
-    width_kv = max(1, int((partial.sum(-1)).max(initial=0)), int(full.sum(-1).max(initial=0)))
     partial_t, full_t = partial.swapaxes(-1, -2), full.swapaxes(-1, -2)
-    width_q = max(1, int(partial_t.sum(-1).max(initial=0)), int(full_t.sum(-1).max(initial=0)))
+    if full_width:
+        width_q, width_kv = status.shape[-2:]
+    else:
+        width_kv = max(1, int((partial.sum(-1)).max(initial=0)), int(full.sum(-1).max(initial=0)))
+        width_q = max(1, int(partial_t.sum(-1).max(initial=0)), int(full_t.sum(-1).max(initial=0)))
     arrays = {}
     arrays["kv_num_blocks"], arrays["kv_indices"] = _lists(partial, width_kv)
     arrays["full_kv_num_blocks"], arrays["full_kv_indices"] = _lists(full, width_kv)
@@ -465,25 +470,27 @@ def document(segment_lengths, *, causal: bool = True, block_size=128) -> BlockMa
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+
+    def ints(row):
+        row = np.asarray(row)
+        if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer) or (row < 0).any():
+            raise ValueError("segment_lengths: expected a sequence of ints >= 0 (or one such sequence per batch "
+                             f"entry), got {segment_lengths!r}")
+        return row.astype(np.int64)
+
     try:
-        lengths = np.asarray(segment_lengths)
-    except Exception:
-        lengths = None
-    if lengths is None or lengths.dtype == object or lengths.ndim not in (1, 2) or lengths.size == 0 \
-            or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError("segment_lengths: expected a sequence of ints (or one equally long sequence per batch "
-                         f"entry), got {segment_lengths!r}")
-    lengths = np.atleast_2d(lengths).astype(np.int64)
-    if (lengths < 0).any():
-        raise ValueError(f"segment_lengths: lengths must be >= 0, got {segment_lengths!r}")
-    totals = lengths.sum(axis=1)
+        nested = len(segment_lengths) > 0 and all(np.ndim(r) == 1 for r in segment_lengths)
+        rows = [ints(r) for r in segment_lengths] if nested else [ints(segment_lengths)]
+    except TypeError:
+        raise ValueError(f"segment_lengths: expected a sequence of ints, got {segment_lengths!r}") from None
+    totals = np.array([r.sum() for r in rows])
     if totals.min() < 1 or (totals != totals[0]).any():
         raise ValueError(f"segment_lengths: every batch entry must cover the same number (>= 1) of tokens, got "
                          f"totals {totals.tolist()}")
     seq_len = int(totals[0])
     q_block, kv_block = _block_sizes(block_size)
     grids, tokens = [], []
-    for row in lengths:
+    for row in rows:
         ends = np.cumsum(row)
         doc = np.repeat(np.arange(len(row), dtype=np.int64), row)
         starts = ends - row
@@ -577,7 +584,8 @@ def bigbird(seq_len: int, *, window_blocks: int, num_global_blocks: int, num_ran
 def from_blocks(blocks, *, seq_len_q: int, seq_len_k: int, block_size=128) -> BlockMask:
     """A block-granular mask (e.g. learned top-k blocks): ``blocks`` bool ``(nQ, nK)``, ``(H, nQ, nK)`` or
     ``(B, H, nQ, nK)`` with ``nQ = ceil(Sq / q_block)``, ``nK = ceil(Sk / kv_block)``; a visited block is
-    seen whole (within the sequences).
+    seen whole (within the sequences). Its lists are as wide as the grid (nK per query block, nQ per key
+    block), so every such mask of one size has the same shapes: one jitted JAX function serves them all.
 
     Example::
 
@@ -597,7 +605,7 @@ def from_blocks(blocks, *, seq_len_q: int, seq_len_k: int, block_size=128) -> Bl
     whole = rows_whole[:, None] & cols_whole[None, :]
     status = np.where(grid, np.where(whole, FULL, PARTIAL), NONE).astype(np.int8)
     return _build(status, seq_len_q=seq_len_q, seq_len_k=seq_len_k, q_block=q_block, kv_block=kv_block,
-                  terms=MaskTerms())
+                  terms=MaskTerms(), full_width=True)
 
 
 def _padded_blocks(dense: np.ndarray, q_block: int, kv_block: int) -> np.ndarray:

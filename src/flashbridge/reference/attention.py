@@ -101,10 +101,12 @@ def _slopes_for(alibi_slopes, b):
 
 
 def _mask_for(mask, b):
-    """The dense extra mask of sequence b: ``mask`` (B|1, Hq|1, Sq, Sk) -> (Hq|1, Sq, Sk), or None."""
+    """The dense extra mask of sequence b: ``mask`` (B|1, Hq|1, Sq, Sk) (or fewer leading dims) ->
+    (Hq|1, Sq, Sk), or None."""
     if mask is None:
         return None
     mask = np.asarray(mask, dtype=bool)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     return mask[min(b, mask.shape[0] - 1)]
 
 
