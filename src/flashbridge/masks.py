@@ -22,6 +22,8 @@ Layout (FlexAttention's BlockMask, with full and partial lists padded to one com
     kv_indices, full_kv_indices         int32 (B|1, H|1, nQ, max_kv)  their indices, ascending
     q_num_blocks, full_q_num_blocks     int32 (B|1, H|1, nK)          the transposed lists
     q_indices, full_q_indices           int32 (B|1, H|1, nK, max_q)
+    q_order, kv_order                   int32 (B|1, H|1, nQ) / (B|1, H|1, nK): query (key) blocks by decreasing
+                                        number of visited blocks, the order the kernels start them in
     bits                                int32 (n_bits, q_block * kv_block // 32) or None; element (r, c) of a
                                         block is bit (r * kv_block + c) % 32 of word (r * kv_block + c) // 32
     kv_bits_index, q_bits_index         int32, shaped as kv_indices / q_indices: each partial entry's row of bits
@@ -81,7 +83,8 @@ class MaskTerms:
 
 
 _ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-           "full_q_num_blocks", "full_q_indices", "kv_bits_index", "q_bits_index", "bits", "tokens_q", "tokens_k")
+           "full_q_num_blocks", "full_q_indices", "q_order", "kv_order", "kv_bits_index", "q_bits_index", "bits",
+           "tokens_q", "tokens_k")
 
 
 class BlockMask:
@@ -306,6 +309,16 @@ def _lists(grid: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return num.astype(np.int32).reshape(lead), idx.reshape(*lead, width)
 
 
+def _longest_first(work: np.ndarray, *, later_first: bool) -> np.ndarray:
+    """Block indices ``(..., n)`` by decreasing ``work`` (visited blocks), ties by decreasing (``later_first``)
+    or increasing index: the order the kernels start their programs in, so that the longest ones do not run
+    on alone at the end (a BigBird global row visits every block). Causal masks keep the dense kernels'
+    order: the last query block and the first key block first."""
+    n = work.shape[-1]
+    index = np.arange(n) if later_first else n - 1 - np.arange(n)
+    return np.argsort(-(work.astype(np.int64) * n + index), axis=-1, kind="stable").astype(np.int32)
+
+
 def _build(status: np.ndarray, *, seq_len_q: int, seq_len_k: int, q_block: int, kv_block: int, terms: MaskTerms,
            bits: Optional[np.ndarray] = None, tokens_q=None, tokens_k=None, full_width: bool = False) -> BlockMask:
     """A BlockMask from its block status grid ``(B|1, H|1, nQ, nK)`` (0 / 1 partial / 2 full). ``bits``:
@@ -325,6 +338,8 @@ def _build(status: np.ndarray, *, seq_len_q: int, seq_len_k: int, q_block: int, 
     arrays["full_kv_num_blocks"], arrays["full_kv_indices"] = _lists(full, width_kv)
     arrays["q_num_blocks"], arrays["q_indices"] = _lists(partial_t, width_q)
     arrays["full_q_num_blocks"], arrays["full_q_indices"] = _lists(full_t, width_q)
+    arrays["q_order"] = _longest_first(arrays["kv_num_blocks"] + arrays["full_kv_num_blocks"], later_first=True)
+    arrays["kv_order"] = _longest_first(arrays["q_num_blocks"] + arrays["full_q_num_blocks"], later_first=False)
     if terms.bits:
         ids = np.full(status.shape, -1, np.int32)
         ids[partial] = np.arange(int(partial.sum()), dtype=np.int32)

@@ -24,7 +24,8 @@ from ._runtime import dtype_name, execute, match_varying
 
 _NAMES = _masks.BlockMask.array_names
 _LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-          "full_q_num_blocks", "full_q_indices", "kv_bits_index", "q_bits_index")  # (B|1, H|1, ...)
+          "full_q_num_blocks", "full_q_indices", "q_order", "kv_order", "kv_bits_index",
+          "q_bits_index")  # (B|1, H|1, ...)
 
 
 def _flatten(mask: _masks.BlockMask):

@@ -6,6 +6,9 @@ a mask's static description into what their launches need: the arrays to pass (b
 the runtime scalars that address one (batch, head, block) row of them, the constexprs of the element test,
 and tiles that divide the mask's blocks.
 
+Program order: the kernels start query (key) blocks in the mask's ``q_order`` (``kv_order``), longest first,
+each mask block's tile-sized parts in turn, so their grids span whole mask blocks (``sparse_blocks``).
+
 Tiles and mask blocks: every kernel tile side must divide the mask block it walks (a listed block is then
 an exact number of kernel steps, and a kernel query block lies in one mask query block), so the plan takes
 the largest power of two <= the default tile that divides the mask's block: the defaults (128-token masks,
@@ -17,10 +20,10 @@ import dataclasses
 from typing import Optional
 
 # the BlockMask arrays each kernel reads, in the kernels' argument order
-FWD_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "kv_bits_index", "bits",
-              "tokens_q", "tokens_k")
-BWD_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "kv_bits_index",
-              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "q_bits_index", "bits",
+FWD_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_order", "kv_bits_index",
+              "bits", "tokens_q", "tokens_k")
+BWD_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_order", "kv_bits_index",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "kv_order", "q_bits_index", "bits",
               "tokens_q", "tokens_k")
 _BITS_ARRAYS = ("kv_bits_index", "q_bits_index", "bits")
 _TOKEN_ARRAYS = ("tokens_q", "tokens_k")
@@ -116,6 +119,25 @@ def sparse_tile(tile: int, block: int) -> int:
     while block % tile:
         tile //= 2
     return tile
+
+
+def head_group(configured: Optional[int], layout: SparseLayout, interpret: bool) -> int:
+    """The kernels' HEAD_GROUP for a block-sparse mask (see ``block_schedule`` in kernels_common): the
+    configured value, else 1 in the interpreter, 4 for a causal band (as the dense causal kernels, timed on
+    the H200), and 16 otherwise: with ranks in the mask's longest-first order, rank 0 of 16 (head, sequence)
+    pairs starts before rank 1 of any, so the longest programs of every head (a BigBird global row visits
+    every key block) start first instead of running on alone at the end of the grid."""
+    if configured is not None:
+        return configured
+    if interpret:
+        return 1
+    return 4 if layout.causal else 16
+
+
+def sparse_blocks(seq_len: int, block: int, tile: int) -> int:
+    """Programs along a grid axis that walks ``seq_len`` in ``tile`` steps inside mask blocks of ``block``:
+    whole mask blocks (programs past the sequence return at once)."""
+    return -(-seq_len // block) * (block // tile)
 
 
 def mask_inputs(layout: Optional[SparseLayout], names: tuple[str, ...], placeholder: str = "q") -> tuple[str, ...]:

@@ -29,7 +29,8 @@ import triton.language as tl
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_mask_visible, block_schedule,
                              grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile, lse_log2, mask_bits,
                              mask_tokens, q_block_range, query_block, query_block_at, recompute_p, score_grad,
-                             score_params, seq_range, store_rows, unravel_grid)
+                             score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
+                             unravel_grid)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -404,8 +405,8 @@ def _dkdv_program(
 @triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS,
-    TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
+    Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -427,6 +428,9 @@ def attn_bwd_dkdv_kernel(
     if COL_SPLIT > 1:
         part = pid_n % COL_SPLIT
         pid_n = pid_n // COL_SPLIT
+    if BLOCK_SPARSE:  # the mask's key blocks, longest first (the order of the group's first query head)
+        pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h, BLOCK_N,
+                                 MASK_KB)
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
@@ -594,8 +598,8 @@ def _dq_program(
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS,
-    TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
+    Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -609,8 +613,14 @@ def attn_bwd_dq_kernel(
     MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
     MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
 ):
-    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if BLOCK_SPARSE:  # the mask's query blocks, longest first
+        rank, h, b = block_schedule(HEAD_GROUP)
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = sparse_query_block_at(
+            rank, h, b, tl.num_programs(0), Q_ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+            total_q, total_k, GROUP, BLOCK_M, MASK_QB, IS_VARLEN)
+    else:
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+            CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
     _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
@@ -626,8 +636,8 @@ def attn_bwd_dq_kernel(
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
 def attn_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS,
-    TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
+    Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
@@ -648,12 +658,18 @@ def attn_bwd_kernel(
     Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
     (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
     longest work starts earliest and the shorter dQ programs fill in behind it."""
-    kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+    if BLOCK_SPARSE:  # the grids span whole mask blocks (see sparse_query_block_at / sparse_key_block)
+        kv_blocks = tl.cdiv(seqlen_k, MASK_KB) * (MASK_KB // KV_BLOCK_N)
+    else:
+        kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
     if pid < n_kv:
         p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
         pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
+        if BLOCK_SPARSE:
+            pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h,
+                                     KV_BLOCK_N, MASK_KB)
         q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
@@ -668,12 +684,20 @@ def attn_bwd_kernel(
                           HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, 1, KV_TAIL_BLOCKS, BLOCK_SPARSE,
                           MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q)
     else:
-        q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+        if BLOCK_SPARSE:
+            q_blocks = tl.cdiv(seqlen_q, MASK_QB) * (MASK_QB // Q_BLOCK_M)
+        else:
+            q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
         heads_q = heads_kv * GROUP
         p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
         rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
-        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
-            rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
+        if BLOCK_SPARSE:
+            h, b, kh, q_start, len_q, k_start, len_k, m_start = sparse_query_block_at(
+                rank, h, b, q_blocks, Q_ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+                total_q, total_k, GROUP, Q_BLOCK_M, MASK_QB, IS_VARLEN)
+        else:
+            h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
+                rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
         if m_start < len_q:
             _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,

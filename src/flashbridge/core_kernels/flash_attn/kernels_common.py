@@ -100,6 +100,28 @@ def query_block_at(rank, h, b, n_ranks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q,
 
 
 @triton.jit
+def sparse_query_block_at(rank, h, b, n_ranks, ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+                          total_q, total_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MASK_QB: tl.constexpr,
+                          IS_VARLEN: tl.constexpr):
+    """:func:`query_block_at` for a block-sparse mask: rank r takes the ``r // SPLIT``-th query block of the
+    mask's longest-first order ``ORDER`` (flashbridge.masks ``q_order``) and its ``r % SPLIT``-th part of
+    BLOCK_M rows (SPLIT = MASK_QB // BLOCK_M; the grid spans whole mask blocks)."""
+    SPLIT: tl.constexpr = MASK_QB // BLOCK_M
+    qb = tl.load(ORDER + b * mask_stride_b + h * mask_stride_h + rank // SPLIT)
+    pid_m = qb * SPLIT + rank % SPLIT
+    return query_block_at(n_ranks - 1 - pid_m, h, b, n_ranks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k,
+                          GROUP, BLOCK_M, IS_VARLEN)
+
+
+@triton.jit
+def sparse_key_block(rank, ORDER_ROW, BLOCK_N: tl.constexpr, MASK_KB: tl.constexpr):
+    """The key block (BLOCK_N units) that rank ``rank`` of a key-major grid takes under a block-sparse mask:
+    the mask's longest-first ``kv_order`` row ``ORDER_ROW``, each mask block's BLOCK_N-key parts in turn."""
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    return tl.load(ORDER_ROW + rank // SPLIT) * SPLIT + rank % SPLIT
+
+
+@triton.jit
 def kv_key_range(q_first, q_last, diag, seqlen_k, window_left, window_right,
                  BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
     """Key blocks (in units of BLOCK_N) seen by the query indices ``q_first..q_last`` (inclusive; query
@@ -280,8 +302,10 @@ def mask_or_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS
     """The element mask of a masked block: ``elem_ok`` when the caller computed one (the block-sparse
     kernels' :func:`block_mask_visible`, which includes the bounds), else :func:`visible`."""
     if elem_ok is not None:
-        return elem_ok
-    return visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
+        ok = elem_ok
+    else:
+        ok = visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
+    return ok
 
 
 @triton.jit
@@ -527,11 +551,11 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
 @triton.jit
 def mask_tokens(TOK, idx, ok, NEEDED: tl.constexpr):
     """The token words (flashbridge.masks: bit 0 global, bits 1.. document id) at positions ``idx`` of the
-    sequence's row ``TOK`` (``ok``: the valid positions; others read 0), or None when the mask has no token
-    term."""
+    sequence's row ``TOK`` (``ok``: the valid positions; others read 0). Without a token term (not NEEDED)
+    zeros that nothing reads: a compiled jit function cannot return None."""
     if NEEDED:
         return tl.load(TOK + idx, mask=ok, other=0)
-    return None
+    return idx * 0
 
 
 @triton.jit

@@ -16,8 +16,9 @@ instead -- the full ones without mask arithmetic, then the partial ones through 
 import triton
 import triton.language as tl
 
-from .kernels_common import (aligned, aligned_strides, alibi_slope2, fwd_kv_list, fwd_kv_range, kv_block_range,
-                             load_tile, mask_tokens, query_block, score_params, softmax_finalize, softmax_init)
+from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, fwd_kv_list, fwd_kv_range,
+                             kv_block_range, load_tile, mask_tokens, query_block, score_params, softmax_finalize,
+                             softmax_init, sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
@@ -31,7 +32,7 @@ FWD_INT_SCALARS = (
 @triton.jit(do_not_specialize_on_alignment=FWD_INT_SCALARS)
 def attn_fwd_kernel(
     Q, K, V, SLOPES, SINKS, CU_Q, CU_K,  # inputs (unused ones are placeholders, see the HAS_* flags)
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE)
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
@@ -52,8 +53,14 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if BLOCK_SPARSE:  # the mask's query blocks, longest first
+        rank, h, b = block_schedule(HEAD_GROUP)
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = sparse_query_block_at(
+            rank, h, b, tl.num_programs(0), Q_ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+            total_q, total_k, GROUP, BLOCK_M, MASK_QB, IS_VARLEN)
+    else:
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+            CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
 

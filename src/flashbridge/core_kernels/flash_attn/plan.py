@@ -626,6 +626,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
     if sparse is not None:  # tiles that divide the mask's blocks
         bm, bn = bsp.sparse_tile(bm, sparse.q_block), bsp.sparse_tile(bn, sparse.kv_block)
         masked_bn = min(masked_bn, bn)
+    q_programs = cdiv(shape.seqlen_q, bm) if sparse is None else bsp.sparse_blocks(shape.seqlen_q, sparse.q_block, bm)
     lse_b, lse_h = _lse_strides(shape)
     scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
@@ -633,7 +634,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                *bsp.mask_scalars(sparse, backward=False))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
-        grid=(cdiv(shape.seqlen_q, bm), shape.heads_q, shape.batch),
+        grid=(q_programs, shape.heads_q, shape.batch),
         inputs=tuple(n if present[n] else "q" for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q",
                                                          "cu_seqlens_k", *bsp.FWD_ARRAYS)),
         scalars=scalars,
@@ -644,7 +645,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     *_flags(shape, options), *_align(scalars),
                     ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
-                    ("HEAD_GROUP", _head_group(config, options, target)),
+                    ("HEAD_GROUP", _head_group(config, options, target) if sparse is None
+                     else bsp.head_group(config.head_group, sparse, target.interpret)),
                     ("MASKED_BLOCK_N", masked_bn), *bsp.mask_constexprs(sparse, backward=False)),
         num_warps=warps,
         num_stages=stages,
@@ -689,7 +691,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
     flags = _flags(shape, options)
-    head_group = _head_group(config, options, target)
+    head_group = (_head_group(config, options, target) if sparse is None
+                  else bsp.head_group(config.head_group, sparse, target.interpret))
     early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
     kv_tail = _tail_blocks(config, shape, options, shape.seqlen_q, kv_m)  # dK/dV walks query blocks
     q_tail = _tail_blocks(config, shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
@@ -716,8 +719,13 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
         constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
                     ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
         num_warps=4 if target.interpret else 8, num_stages=1)
-    kv_grid = (cdiv(shape.seqlen_k, kv_n) * col_split, shape.heads_kv, shape.batch)
-    q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
+    if sparse is None:
+        kv_programs, q_programs = cdiv(shape.seqlen_k, kv_n), cdiv(shape.seqlen_q, q_m)
+    else:  # whole mask blocks (the kernels take them in the mask's order)
+        kv_programs = bsp.sparse_blocks(shape.seqlen_k, sparse.kv_block, kv_n)
+        q_programs = bsp.sparse_blocks(shape.seqlen_q, sparse.q_block, q_m)
+    kv_grid = (kv_programs * col_split, shape.heads_kv, shape.batch)
+    q_grid = (q_programs, shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's unsplit tiles: 4 and 8) the dQ path
     # would run at the dK/dV count and spill (sm_90: 1.6 KB per thread); and it runs one dK/dV program per
     # key block (no column split)
