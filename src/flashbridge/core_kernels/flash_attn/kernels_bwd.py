@@ -30,7 +30,7 @@ from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, bloc
                              grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile, lse_log2, mask_bits,
                              mask_tokens, q_block_range, query_block, query_block_at, recompute_p, score_grad,
                              score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
-                             unravel_grid)
+                             unravel_grid, list_block, list_length)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -250,7 +250,7 @@ def _dkdv_q_list(
         h = h0 + g
         slot = j // SPLIT
         sub = j - slot * SPLIT
-        blk = tl.load(BLOCKS + slot) * SPLIT + sub  # query block in BLOCK_M units
+        blk = list_block(tl.load(BLOCKS + slot), len_q, MASK_QB) * SPLIT + sub  # query block in BLOCK_M units
         elem_ok = None
         if APPLY_MASK:
             offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -298,14 +298,14 @@ def _dkdv_sparse(
         row = tl.cast(b * mask_t_stride_b + h0 * mask_t_stride_h + kb, tl.int64)  # head stride 0 when shared
         lists = row * mask_t_max
         dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0,
-                              tl.load(FULL_Q_NUM + row), FULL_Q_IDX + lists, Q_BITS_IDX + lists, BITS, TOK_Q + tok, tk,
+                              list_length(FULL_Q_NUM, row, mask_t_max), FULL_Q_IDX + lists, Q_BITS_IDX + lists, BITS, TOK_Q + tok, tk,
                               offs_n, n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh,
                               stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
                               window_left, window_right, HEADS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB,
                               MASK_KB, False, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
                               HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
         dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0,
-                              tl.load(Q_NUM + row), Q_IDX + lists, Q_BITS_IDX + lists, BITS, TOK_Q + tok, tk, offs_n,
+                              list_length(Q_NUM, row, mask_t_max), Q_IDX + lists, Q_BITS_IDX + lists, BITS, TOK_Q + tok, tk, offs_n,
                               n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
                               stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
                               window_right, HEADS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True,
@@ -429,8 +429,8 @@ def attn_bwd_dkdv_kernel(
         part = pid_n % COL_SPLIT
         pid_n = pid_n // COL_SPLIT
     if BLOCK_SPARSE:  # the mask's key blocks, longest first (the order of the group's first query head)
-        pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h, BLOCK_N,
-                                 MASK_KB)
+        pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h, seqlen_k,
+                                 BLOCK_N, MASK_KB)
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
@@ -501,7 +501,7 @@ def _dq_kv_list(
     for it in range(0, n_blocks * SPLIT):
         slot = it // SPLIT
         offs_c = (it - slot * SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)  # keys within the mask block
-        n_start = tl.load(BLOCKS + slot) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
+        n_start = list_block(tl.load(BLOCKS + slot), len_k, MASK_KB) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
         elem_ok = None
         if APPLY_MASK:
             elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, len_k, diag,
@@ -564,12 +564,13 @@ def _dq_program(
         tok = tl.cast(b, tl.int64) * tok_stride_b
         tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
         m_local = offs_m - qb * MASK_QB
-        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, tl.load(FULL_KV_NUM + row), FULL_KV_IDX + lists,
+        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
+                         FULL_KV_IDX + lists,
                          KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
                          stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
                          BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
                          HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, tl.load(KV_NUM + row), KV_IDX + lists,
+        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
                          KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
                          stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
                          BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
@@ -669,7 +670,7 @@ def attn_bwd_kernel(
         pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
         if BLOCK_SPARSE:
             pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h,
-                                     KV_BLOCK_N, MASK_KB)
+                                     seqlen_k, KV_BLOCK_N, MASK_KB)
         q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N

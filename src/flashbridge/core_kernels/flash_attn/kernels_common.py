@@ -107,18 +107,31 @@ def sparse_query_block_at(rank, h, b, n_ranks, ORDER, mask_stride_b, mask_stride
     mask's longest-first order ``ORDER`` (flashbridge.masks ``q_order``) and its ``r % SPLIT``-th part of
     BLOCK_M rows (SPLIT = MASK_QB // BLOCK_M; the grid spans whole mask blocks)."""
     SPLIT: tl.constexpr = MASK_QB // BLOCK_M
-    qb = tl.load(ORDER + b * mask_stride_b + h * mask_stride_h + rank // SPLIT)
+    qb = list_block(tl.load(ORDER + b * mask_stride_b + h * mask_stride_h + rank // SPLIT), seqlen_q, MASK_QB)
     pid_m = qb * SPLIT + rank % SPLIT
     return query_block_at(n_ranks - 1 - pid_m, h, b, n_ranks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k,
                           GROUP, BLOCK_M, IS_VARLEN)
 
 
 @triton.jit
-def sparse_key_block(rank, ORDER_ROW, BLOCK_N: tl.constexpr, MASK_KB: tl.constexpr):
+def sparse_key_block(rank, ORDER_ROW, seqlen_k, BLOCK_N: tl.constexpr, MASK_KB: tl.constexpr):
     """The key block (BLOCK_N units) that rank ``rank`` of a key-major grid takes under a block-sparse mask:
     the mask's longest-first ``kv_order`` row ``ORDER_ROW``, each mask block's BLOCK_N-key parts in turn."""
     SPLIT: tl.constexpr = MASK_KB // BLOCK_N
-    return tl.load(ORDER_ROW + rank // SPLIT) * SPLIT + rank % SPLIT
+    return list_block(tl.load(ORDER_ROW + rank // SPLIT), seqlen_k, MASK_KB) * SPLIT + rank % SPLIT
+
+
+@triton.jit
+def list_block(index, seq_len, BLOCK: tl.constexpr):
+    """A block index read from a mask's arrays, clamped to the sequence's blocks: the builders write valid
+    indices; the clamp keeps any other arrays from addressing memory outside q / k / v."""
+    return tl.minimum(tl.maximum(index, 0), tl.cdiv(seq_len, BLOCK) - 1)
+
+
+@triton.jit
+def list_length(NUM, row, width):
+    """The length of list ``row`` (``NUM[row]``), clamped to the lists' width (see :func:`list_block`)."""
+    return tl.minimum(tl.maximum(tl.load(NUM + row), 0), width)
 
 
 @triton.jit
@@ -589,7 +602,7 @@ def _fwd_list_step(
     SPLIT: tl.constexpr = MASK_KB // BLOCK_N
     slot = it // SPLIT
     offs_c = (it - slot * SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] key index within the mask block
-    n_start = tl.load(BLOCKS + slot) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
+    n_start = list_block(tl.load(BLOCKS + slot), seqlen_k, MASK_KB) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
     elem_ok = None
     if APPLY_MASK:
         elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, seqlen_k, diag,

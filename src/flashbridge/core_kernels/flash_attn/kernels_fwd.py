@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, fwd_kv_list, fwd_kv_range,
-                             kv_block_range, load_tile, mask_tokens, query_block, score_params, softmax_finalize,
-                             softmax_init, sparse_query_block_at)
+                             kv_block_range, list_length, load_tile, mask_tokens, query_block, score_params,
+                             softmax_finalize, softmax_init, sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
@@ -93,13 +93,13 @@ def attn_fwd_kernel(
         tok = tl.cast(b, tl.int64) * tok_stride_b
         tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
         m_local = offs_m - qb * MASK_QB
-        acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, tl.load(FULL_KV_NUM + row),
+        acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
                                     FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local,
                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
                                     window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
                                     MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
                                     HAS_ALIBI, DOT_PRECISION, 0, POSITIVE_SCALE)
-        acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, tl.load(KV_NUM + row), KV_IDX + lists,
+        acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
                                     KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv,
                                     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
                                     window_right, DQK, DV, MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB,
