@@ -144,6 +144,20 @@ def test_from_dense_and_combinations_are_exact(sq, sk, block_size, seed, density
     assert (c & blocks).terms == c.terms  # an AND with a block-granular mask keeps the analytic test
 
 
+def test_top_k_block_lists_of_the_mla_seed():
+    """The MLA seed's block lists (S=4096, 64 queries per program, 64 keys per step): 64 key blocks per query
+    block dense, 32 after top-k; the lists are head-dim agnostic and as wide as the grid for any top-k."""
+    dense = masks.from_blocks(np.ones((64, 64), bool), seq_len_q=4096, seq_len_k=4096, block_size=64)
+    assert (dense.full_kv_num_blocks == 64).all() and (dense.kv_num_blocks == 0).all()
+    top = np.random.default_rng(0).random((64, 64)).argsort(1)[:, :32]
+    blocks = np.zeros((64, 64), bool)
+    np.put_along_axis(blocks, top, True, 1)
+    m = masks.from_blocks(blocks, seq_len_q=4096, seq_len_k=4096, block_size=64)
+    assert (m.full_kv_num_blocks == 32).all() and m.kv_indices.shape == (1, 1, 64, 64)
+    np.testing.assert_array_equal(np.sort(m.full_kv_indices[0, 0, :, :32], 1), np.sort(top, 1))
+    assert m.density == 0.5 and m.q_indices.shape == dense.q_indices.shape
+
+
 def test_mask_properties_and_pictures():
     m = masks.causal(1000, block_size=128)
     assert m.shape == (1, 1, 1000, 1000) and m.block_size == (128, 128) and m.num_blocks == (8, 8)
@@ -213,7 +227,7 @@ def make_qkv(seed, b, sq, sk, hq, hkv, d, dtype=torch.float32, dv=None):
 
 
 def check_attention(m, *, b=1, hq=2, hkv=1, d=16, dv=None, dtype=torch.float32, seed=0, softcap=0.0,
-                    with_sinks=False, with_alibi=False, jax_parity=False):
+                    with_sinks=False, with_alibi=False, scale=None, jax_parity=False):
     """Forward, lse and every gradient (q, k, v, sinks) against the float64 reference with m.to_dense();
     with ``jax_parity`` the JAX front-end must give the same bits."""
     sq, sk = m.seq_len_q, m.seq_len_k
@@ -222,20 +236,22 @@ def check_attention(m, *, b=1, hq=2, hkv=1, d=16, dv=None, dtype=torch.float32, 
     sinks = torch.randn(hq, generator=g) if with_sinks else None
     alibi = torch.rand(hq, generator=g) * 0.3 + 0.05 if with_alibi else None
     dense = m.to_dense()
-    kw = dict(softcap=softcap, sinks=sinks, alibi_slopes=alibi)
+    kw = dict(softcap=softcap, sinks=sinks, alibi_slopes=alibi, softmax_scale=scale)
     leaves = [t.requires_grad_() for t in (q, k, v)] + ([sinks.requires_grad_()] if with_sinks else [])
     out, lse = torch_api.flash_attention(q, k, v, block_mask=m, return_lse=True, **kw)
     dout = torch.randn(out.shape, generator=g).to(dtype)
     grads = torch.autograd.grad(out, leaves, dout)
-    ro, rl = ref.flash_attention(*(np64(t) for t in (q, k, v)), mask=dense, softcap=softcap,
+    ro, rl = ref.flash_attention(*(np64(t) for t in (q, k, v)), mask=dense, softcap=softcap, softmax_scale=scale,
                                  sinks=None if sinks is None else np64(sinks),
                                  alibi_slopes=None if alibi is None else np64(alibi))
     rgrads = ref.flash_attention_bwd(np64(dout), *(np64(t) for t in (q, k, v)), mask=dense, softcap=softcap,
+                                     softmax_scale=scale,
                                      sinks=None if sinks is None else np64(sinks),
                                      alibi_slopes=None if alibi is None else np64(alibi))
     qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
     sn = sinks.detach().clone().requires_grad_() if with_sinks else None
-    no = naive_masked_attention(qn, kn, vn, np.ascontiguousarray(dense), softcap=softcap, sinks=sn, alibi=alibi)
+    no = naive_masked_attention(qn, kn, vn, np.ascontiguousarray(dense), scale=scale, softcap=softcap, sinks=sn,
+                                alibi=alibi)
     ngrads = torch.autograd.grad(no, [qn, kn, vn] + ([sn] if with_sinks else []), dout)
     assert_close(out, ro, no, name="out")
     np.testing.assert_allclose(np.where(np.isinf(rl), 0, np64(lse) - np.where(np.isinf(rl), 0, rl)), 0, atol=2e-4)
@@ -253,7 +269,7 @@ def _jax_parity(m, q, k, v, dout, kw, out, lse, grads):
 
     args = [torch_to_jax(t) for t in (q, k, v)]
     jkw = {n: torch_to_jax(t) for n, t in kw.items() if isinstance(t, torch.Tensor)}
-    jkw["softcap"] = kw["softcap"]
+    jkw["softcap"], jkw["softmax_scale"] = kw["softcap"], kw["softmax_scale"]
     sinks = jkw.pop("sinks", None)
 
     def f(q, k, v, sinks, mask):
@@ -277,9 +293,9 @@ CASES = {
                                 dict(with_sinks=True, softcap=4.0, jax_parity=True)),
     "document_per_batch": (lambda: masks.document([[20, 0, 30, 13], [40, 23]], block_size=32),
                            dict(b=2, jax_parity=True)),
-    "longformer_alibi": (lambda: masks.longformer(63, 5, [0, 40], block_size=32), dict(with_alibi=True)),
+    "longformer_alibi": (lambda: masks.longformer(63, 5, [0, 40], block_size=32), dict(with_alibi=True, scale=0.4)),
     "bigbird": (lambda: masks.bigbird(50, window_blocks=0, num_global_blocks=1, num_random_blocks=1, seed=1,
-                                      block_size=16), dict(d=32, dv=16)),
+                                      block_size=16), dict(d=32, dv=16, scale=-0.25)),
     "from_blocks_per_head": (lambda: masks.from_blocks(np.random.default_rng(2).random((2, 3, 2)) < 0.6,
                                                        seq_len_q=40, seq_len_k=17, block_size=16), dict()),
     "from_dense_per_batch_head": (lambda: masks.from_dense(np.random.default_rng(3).random((2, 2, 40, 40)) < 0.3,
