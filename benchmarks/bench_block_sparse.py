@@ -268,13 +268,17 @@ def ptxas_report():
     info = ((1, 4096, 16, 128), "bfloat16")
     dtypes_of = {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16", "dout": "bfloat16", "out": "bfloat16",
                  "lse": "float32", **{n: "int32" for n in BWD_ARRAYS}}
-    cases = [("dense causal", None, True), ("dense full", None, False),
-             ("causal", masks.causal(4096), False), ("streaming", masks.streaming(4096, 4, 1024), False),
-             ("document", masks.document(document_lengths(4096)), False),
-             ("bigbird", masks.bigbird(4096, **BIGBIRD, seed=0), False),
-             ("from_dense", masks.from_dense(np.tril(np.ones((4096, 4096), bool)), block_size=128), False)]
-    for label, mask, causal in cases:
-        shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
+    per_head = np.random.default_rng(0).random((16, 4096 // 128, 4096 // 128)) < 0.2
+    cases = [("dense causal", None, True, 16), ("dense full", None, False, 16),
+             ("causal", masks.causal(4096), False, 16), ("streaming", masks.streaming(4096, 4, 1024), False, 16),
+             ("document", masks.document(document_lengths(4096)), False, 16),
+             ("bigbird", masks.bigbird(4096, **BIGBIRD, seed=0), False, 16),
+             ("from_dense", masks.from_dense(np.tril(np.ones((4096, 4096), bool)), block_size=128), False, 16),
+             # per-head lists in GQA groups: the dK/dV loop's head search (an outer head loop serialised it)
+             ("per-head GQA", masks.from_blocks(per_head, seq_len_q=4096, seq_len_k=4096), False, 4)]
+    for label, mask, causal, heads_kv in cases:
+        kv_info = ((1, 4096, heads_kv, 128), "bfloat16")
+        shape, options = check_attention_args(q=info, k=kv_info, v=kv_info, causal=causal)
         sparse = None if mask is None else layout_of(mask)
         for plan in (plan_attention_fwd(shape, options, target=target, sparse=sparse),
                      plan_attention_bwd(shape, options, target=target, sparse=sparse)):

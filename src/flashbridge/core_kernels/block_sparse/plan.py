@@ -167,16 +167,18 @@ def mask_scalars(layout: Optional[SparseLayout], *, backward: bool) -> tuple[tup
     return (*fwd, *bwd, *tok) if backward else (*fwd, *tok)
 
 
-def mask_constexprs(layout: Optional[SparseLayout], *, backward: bool) -> tuple[tuple[str, object], ...]:
+def mask_constexprs(layout: Optional[SparseLayout], *, backward: bool, group: int = 1) -> tuple[tuple[str, object], ...]:
     """BLOCK_SPARSE and the element test's constexprs (see ``block_mask_visible`` in kernels_common); the
-    backward also gets MASK_PER_HEAD (the dK/dV loop walks each query head's lists) and MASK_RAGGED_Q (the
-    last query block reaches past the sequence: partial query blocks then load with row checks)."""
+    backward also gets MASK_PER_HEAD (the dK/dV loop walks each query head's lists), MASK_RAGGED_Q (the
+    last query block reaches past the sequence: partial query blocks then load with row checks) and
+    MASK_GROUP_P2 (the GQA ``group`` rounded up to a power of two: the per-head lists' running sums)."""
     if layout is None:
         out = (("BLOCK_SPARSE", False), ("MASK_QB", 16), ("MASK_KB", 16), ("MASK_GLOBAL", 0), ("MASK_DOC", False),
                ("MASK_BITS", False))
-        return (*out, ("MASK_PER_HEAD", False), ("MASK_RAGGED_Q", False)) if backward else out
+        return (*out, ("MASK_PER_HEAD", False), ("MASK_RAGGED_Q", False), ("MASK_GROUP_P2", 1)) if backward else out
     out = (("BLOCK_SPARSE", True), ("MASK_QB", layout.q_block), ("MASK_KB", layout.kv_block),
            ("MASK_GLOBAL", layout.global_tokens), ("MASK_DOC", layout.document), ("MASK_BITS", layout.bits))
     if backward:
-        out += (("MASK_PER_HEAD", layout.heads > 1), ("MASK_RAGGED_Q", layout.seq_len_q % layout.q_block != 0))
+        out += (("MASK_PER_HEAD", layout.heads > 1), ("MASK_RAGGED_Q", layout.seq_len_q % layout.q_block != 0),
+                ("MASK_GROUP_P2", 1 << max(group - 1, 0).bit_length()))
     return out

@@ -223,41 +223,57 @@ def _dkdv_q_range(
 
 @triton.jit
 def _dkdv_q_list(
-    dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_Q,
-    tk, offs_n, n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh,
-    stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, HEADS: tl.constexpr,
-    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr,
-    HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
-    COL_SPLIT: tl.constexpr,
+    dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, NUM, IDX, BIT_IDX, row0, row_step, width,
+    BITS, TOK_Q, tk, offs_n, n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
+    stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right,
+    HEADS: tl.constexpr, HEADS_P2: tl.constexpr, PER_HEAD: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_QB: tl.constexpr,
+    MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
 ):
     """The block-sparse counterpart of :func:`_dkdv_q_range`: accumulate dK, dV of one key block over the
-    ``n_blocks`` query blocks (of MASK_QB queries) listed at ``BLOCKS`` -- a row of a BlockMask's transposed
-    lists -- each in MASK_QB // BLOCK_M steps, for the HEADS query heads ``h0, h0 + 1, ...`` that share the
-    list (a GQA group under a head-shared mask), in one flat loop, head-major, as _dkdv_q_range does.
-    APPLY_MASK (a partial list): the mask's element test on S^T [N, M] (``tk`` [N, 1] the keys' token words,
-    ``n_local`` [N] the keys within their mask block, ``BIT_ROWS`` the list's rows of ``BITS``)."""
+    query blocks (of MASK_QB queries) listed in rows ``row0 + g * row_step`` of a BlockMask's transposed lists
+    (``NUM`` / ``IDX`` / ``BIT_IDX``, ``width`` wide) for the HEADS query heads ``h0 + g`` of a GQA group, each
+    block in MASK_QB // BLOCK_M steps: one flat loop over (head, step) pairs, head-major, as _dkdv_q_range
+    walks its group (an outer loop over the heads made ptxas spill, or serialise the wgmmas of the one-launch
+    backward: sm_90, D=128, GQA 8/2). A head-shared mask (row_step 0) gives every head the same list; a
+    per-head one (PER_HEAD) lists of their own lengths, whose running sums [HEADS_P2] locate each step's head.
+    APPLY_MASK (partial lists): the mask's element test on S^T [N, M] (``tk`` [N, 1] the keys' token words,
+    ``n_local`` [N] the keys within their mask block)."""
     SPLIT: tl.constexpr = MASK_QB // BLOCK_M
-    n_steps = n_blocks * SPLIT
-    for it in range(0, HEADS * n_steps):
-        if HEADS > 1:
+    if PER_HEAD and HEADS > 1:
+        offs_g = tl.arange(0, HEADS_P2)
+        n_g = tl.load(NUM + row0 + offs_g * row_step, mask=offs_g < HEADS, other=0)
+        n_g = tl.minimum(tl.maximum(n_g, 0), width) * SPLIT  # [HEADS_P2] steps per head
+        ends = tl.cumsum(n_g, 0)
+        total = tl.sum(n_g, 0)
+        n_steps = total
+    else:
+        n_steps = list_length(NUM, row0, width) * SPLIT
+        total = HEADS * n_steps
+    for it in range(0, total):
+        if PER_HEAD and HEADS > 1:
+            g = tl.sum((ends <= it).to(tl.int32), 0)
+            j = it - tl.sum(tl.where(offs_g == g, ends - n_g, 0), 0)
+        elif HEADS > 1:
             g = it // n_steps
             j = it - g * n_steps
         else:
             g = 0
             j = it
         h = h0 + g
+        lists = (row0 + g * row_step) * width
         slot = j // SPLIT
         sub = j - slot * SPLIT
-        blk = list_block(tl.load(BLOCKS + slot), len_q, MASK_QB) * SPLIT + sub  # query block in BLOCK_M units
+        blk = list_block(tl.load(IDX + lists + slot), len_q, MASK_QB) * SPLIT + sub  # query block, BLOCK_M units
         elem_ok = None
         if APPLY_MASK:
             offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             tq = mask_tokens(TOK_Q, offs_m[None, :], (offs_m < len_q)[None, :], MASK_GLOBAL or MASK_DOC)
             bits_ok = None
             if MASK_BITS:
-                words = BITS + tl.cast(tl.load(BIT_ROWS + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
+                words = BITS + tl.cast(tl.load(BIT_IDX + lists + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
                 bits_ok = mask_bits(words, (sub * BLOCK_M + tl.arange(0, BLOCK_M))[None, :], n_local[:, None],
                                     MASK_KB)
             elem_ok = block_mask_visible(offs_m[None, :], offs_n[:, None], len_k, diag, window_left, window_right,
@@ -281,36 +297,33 @@ def _dkdv_sparse(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
-    COL_SPLIT: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
 ):
     """dK, dV of the key block at ``n_start`` (BLOCK_N divides MASK_KB) over the query blocks of the mask's
-    transposed lists: full ones without mask arithmetic or row checks (full blocks lie inside both
-    sequences), then partial ones (row checks only when the last query block is ragged). A head-shared mask
-    walks each list once for the whole GQA group; a per-head mask walks each query head's own lists."""
+    transposed lists, for every query head of kv head ``kh``'s group: full blocks without mask arithmetic or
+    row checks (full blocks lie inside both sequences), then partial ones (row checks only when the last
+    query block is ragged)."""
     kb = n_start // MASK_KB
     n_local = offs_n - kb * MASK_KB
     tok = tl.cast(b, tl.int64) * tok_stride_b
     tk = mask_tokens(TOK_K + tok, offs_n[:, None], key_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [N, 1]
-    HEADS: tl.constexpr = 1 if MASK_PER_HEAD else GROUP  # query heads per walk of a list
-    for g in range(0, GROUP // HEADS):
-        h0 = kh * GROUP + g
-        row = tl.cast(b * mask_t_stride_b + h0 * mask_t_stride_h + kb, tl.int64)  # head stride 0 when shared
-        lists = row * mask_t_max
-        dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0,
-                              list_length(FULL_Q_NUM, row, mask_t_max), FULL_Q_IDX + lists, Q_BITS_IDX + lists, BITS, TOK_Q + tok, tk,
-                              offs_n, n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh,
-                              stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k,
-                              window_left, window_right, HEADS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB,
-                              MASK_KB, False, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-                              HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
-        dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0,
-                              list_length(Q_NUM, row, mask_t_max), Q_IDX + lists, Q_BITS_IDX + lists, BITS, TOK_Q + tok, tk, offs_n,
-                              n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
-                              stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
-                              window_right, HEADS, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True,
-                              MASK_RAGGED_Q, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION, EARLY_DP, COL_SPLIT)
+    h0 = kh * GROUP
+    row0 = tl.cast(b * mask_t_stride_b + h0 * mask_t_stride_h + kb, tl.int64)  # head stride 0 when shared
+    dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, FULL_Q_NUM,
+                          FULL_Q_IDX, Q_BITS_IDX, row0, mask_t_stride_h, mask_t_max, BITS, TOK_Q + tok, tk, offs_n,
+                          n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
+                          stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
+                          window_right, GROUP, MASK_GROUP_P2, MASK_PER_HEAD, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                          MASK_QB, MASK_KB, False, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+                          HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
+    dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, Q_NUM, Q_IDX,
+                          Q_BITS_IDX, row0, mask_t_stride_h, mask_t_max, BITS, TOK_Q + tok, tk, offs_n, n_local,
+                          offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh,
+                          stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP,
+                          MASK_GROUP_P2, MASK_PER_HEAD, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True,
+                          MASK_RAGGED_Q, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
+                          DOT_PRECISION, EARLY_DP, COL_SPLIT)
     return dk, dv
 
 
@@ -328,7 +341,7 @@ def _dkdv_program(
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr,
-    MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr, MASK_GROUP_P2: tl.constexpr,
 ):
     """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``: all their
     columns, or with COL_SPLIT = 2 the half ``part`` (0 or 1) of them (see :func:`_dkdv_step`)."""
@@ -371,8 +384,8 @@ def _dkdv_program(
                               mask_t_max, tok_stride_b, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
                               stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK,
                               DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC,
-                              MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                              EARLY_DP, COL_SPLIT)
+                              MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q, MASK_GROUP_P2, HAS_SOFTCAP, HAS_ALIBI,
+                              DOT_PRECISION, EARLY_DP, COL_SPLIT)
     else:
         # Three segments: [lo, a_hi) masked scores whose rows all lie inside the sequence (the causal diagonal:
         # no row checks on the loads, 955 -> 629 sm_90 instructions per step at D=128), [a_hi, b_hi) fully
@@ -419,7 +432,7 @@ def attn_bwd_dkdv_kernel(
     STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr,
     MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
-    MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr, MASK_GROUP_P2: tl.constexpr,
 ):
     # grid axis 0: key blocks x COL_SPLIT column parts, a block's parts adjacent (they share its K / V and
     # every Q / dO tile in L2); key block 0 sees the most causal queries: it starts first
@@ -444,7 +457,7 @@ def attn_bwd_dkdv_kernel(
                   mask_t_stride_h, mask_t_max, tok_stride_b, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                   HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, COL_SPLIT,
                   TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD,
-                  MASK_RAGGED_Q)
+                  MASK_RAGGED_Q, MASK_GROUP_P2)
 
 
 @triton.jit
@@ -612,7 +625,7 @@ def attn_bwd_dq_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr,
     MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
-    MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr, MASK_GROUP_P2: tl.constexpr,
 ):
     if BLOCK_SPARSE:  # the mask's query blocks, longest first
         rank, h, b = block_schedule(HEAD_GROUP)
@@ -652,7 +665,7 @@ def attn_bwd_kernel(
     DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     HEAD_GROUP: tl.constexpr, KV_TAIL_BLOCKS: tl.constexpr, Q_TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr,
     MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
-    MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr, MASK_GROUP_P2: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
@@ -683,7 +696,8 @@ def attn_bwd_kernel(
                           Q_BITS_IDX, BITS, TOK_Q, TOK_K, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
                           GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
                           HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, 1, KV_TAIL_BLOCKS, BLOCK_SPARSE,
-                          MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q)
+                          MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q,
+                          MASK_GROUP_P2)
     else:
         if BLOCK_SPARSE:
             q_blocks = tl.cdiv(seqlen_q, MASK_QB) * (MASK_QB // Q_BLOCK_M)

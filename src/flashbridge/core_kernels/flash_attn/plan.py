@@ -702,7 +702,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     dims = (("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v))
     main_inputs = ("q", "k", "v", "dout", "lse2", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
                    name("cu_seqlens_k"), *bsp.mask_inputs(sparse, bsp.BWD_ARRAYS))
-    mask_flags = bsp.mask_constexprs(sparse, backward=True)
+    mask_flags = bsp.mask_constexprs(sparse, backward=True, group=shape.group)
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
     pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
