@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import traceback
 
-from _common import compile_launch_sm90, environment, print_table, save, save_figure, time_jax, time_torch
+from _common import compile_launch_sm90, environment, print_table, save, save_figure, time_jax
 
 import numpy as np
 

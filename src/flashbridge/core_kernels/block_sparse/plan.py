@@ -167,7 +167,8 @@ def mask_scalars(layout: Optional[SparseLayout], *, backward: bool) -> tuple[tup
     return (*fwd, *bwd, *tok) if backward else (*fwd, *tok)
 
 
-def mask_constexprs(layout: Optional[SparseLayout], *, backward: bool, group: int = 1) -> tuple[tuple[str, object], ...]:
+def mask_constexprs(layout: Optional[SparseLayout], *, backward: bool,
+                    group: int = 1) -> tuple[tuple[str, object], ...]:
     """BLOCK_SPARSE and the element test's constexprs (see ``block_mask_visible`` in kernels_common); the
     backward also gets MASK_PER_HEAD (the dK/dV loop walks each query head's lists), MASK_RAGGED_Q (the
     last query block reaches past the sequence: partial query blocks then load with row checks) and
