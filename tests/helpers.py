@@ -46,3 +46,33 @@ def score_mod_inputs(g, b: int, hq: int, *, alibi=None, sinks=False, slope_range
     if sinks:
         kw["sinks"] = torch.randn(hq, generator=g)
     return kw
+
+
+def naive_masked_attention(q, k, v, mask, *, scale=None, softcap=0.0, sinks=None, alibi=None):
+    """Attention computed plainly in the inputs' dtype with a dense bool mask ``(B|1, H|1, Sq, Sk)``
+    (differentiable; torch, any device): the block-sparse suites' yardstick (float64 on a GPU stands in for
+    the NumPy reference at sizes where it would be slow). q ``(B, Sq, Hq, D)``, k / v ``(B, Sk, Hkv, D)``; rows
+    that see nothing give 0."""
+    import math
+
+    import torch
+
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        sq, sk = q.shape[1], k.shape[1]
+        dist = (torch.arange(sq, device=q.device)[:, None] + sk - sq - torch.arange(sk, device=q.device)[None, :]).abs()
+        s = s - (alibi.to(q.device)[:, None, None] * dist).to(s.dtype)
+    s = s.masked_fill(~torch.as_tensor(mask, device=q.device), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)], dim=-1)
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    p = e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv)

@@ -9,6 +9,7 @@ from .._extras import require
 require("jax", "jax", "flashbridge.jax_api")
 
 from .attention import dot_product_attention, flash_attention  # noqa: E402
+from .block_sparse import mask_to_device  # noqa: E402
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer  # noqa: E402
 from .decode import append_kv_cache, cascade_attention, decode_attention, merge_attention_states  # noqa: E402
 from .mla import mla_attention, mla_decode  # noqa: E402
@@ -32,5 +33,5 @@ def __getattr__(name: str):
 __all__ = ["LayerNorm", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm", "SwiGLUMLP",
            "append_kv_cache", "cascade_attention", "cross_entropy", "decode_attention", "dot_product_attention",
            "flash_attention", "layer_norm", "layer_norm_dropout_residual", "linear_cross_entropy",
-           "linear_cross_entropy_from_layer", "merge_attention_states", "mla_attention", "mla_decode",
+           "linear_cross_entropy_from_layer", "mask_to_device", "merge_attention_states", "mla_attention", "mla_decode",
            "ring_attention", "rms_norm", "rotary_embedding", "rotary_embedding_qk", "sequence_shard", "sequence_unshard", "swiglu"]

@@ -193,8 +193,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
                     window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Array] = None,
                     softcap: float = 0.0, sinks: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
                     cu_seqlens_k: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
-                    max_seqlen_k: Optional[int] = None, deterministic: bool = True,
-                    return_lse: bool = False) -> Array | tuple[Array, Array]:
+                    max_seqlen_k: Optional[int] = None, deterministic: bool = True, return_lse: bool = False,
+                    block_mask=None) -> Array | tuple[Array, Array]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -215,6 +215,9 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
             (under jit) cannot be, and the kernels then only guarantee in-bounds memory accesses.
         deterministic: accepted for compatibility; the backward is always deterministic.
         return_lse: also return the float32 LSE ``(B, Hq, Sq)`` (packed ``(Hq, total_q)``), differentiable.
+        block_mask: a :class:`flashbridge.masks.BlockMask` (a pytree: pass it through jit / vmap / shard_map
+            like an array argument): only the key blocks it lists are visited; rows that see nothing output 0
+            and lse -inf. Not with causal / window_size (build them into the mask) or packed inputs.
 
     Returns:
         ``out`` in q's dtype, shaped like q with v's head dim; or ``(out, lse)``.
@@ -235,6 +238,10 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
         offsets_q, offsets_k = jax.device_get((cu_seqlens_q, cu_seqlens_k))  # one transfer for both
         check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
+    if block_mask is not None:
+        from .block_sparse import block_sparse_attention
+        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks)
+        return (out, lse) if return_lse else out
     static = _Static(options, max_seqlen_q, max_seqlen_k)
     out, lse = _attention(*match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
     return (out, lse) if return_lse else out

@@ -41,8 +41,9 @@ def visible_mask(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window_s
     return ok
 
 
-def _scores(q, k, *, scale, softcap, slopes, causal, window_size):
-    """Scores of one sequence: q (Sq, Hq, D), k (Sk, Hq, D) -> s (Hq, Sq, Sk), tanh term (or None), mask."""
+def _scores(q, k, *, scale, softcap, slopes, causal, window_size, extra_mask=None):
+    """Scores of one sequence: q (Sq, Hq, D), k (Sk, Hq, D) -> s (Hq, Sq, Sk), tanh term (or None), mask;
+    ``extra_mask`` (bool, broadcastable to (Hq, Sq, Sk)) hides more keys (a block-sparse mask, dense)."""
     sq, sk = q.shape[0], k.shape[0]
     s = scale * np.einsum("qhd,khd->hqk", q, k)
     t = None
@@ -52,8 +53,10 @@ def _scores(q, k, *, scale, softcap, slopes, causal, window_size):
     if slopes is not None:
         dist = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
         s = s - slopes[:, None, None] * dist[None]
-    mask = visible_mask(sq, sk, causal=causal, window_size=window_size)
-    s = np.where(mask[None], s, -np.inf)
+    mask = visible_mask(sq, sk, causal=causal, window_size=window_size)[None]
+    if extra_mask is not None:
+        mask = mask & extra_mask
+    s = np.where(mask, s, -np.inf)
     return s, t, mask
 
 
@@ -97,6 +100,16 @@ def _slopes_for(alibi_slopes, b):
     return a if a.ndim == 1 else a[b]
 
 
+def _mask_for(mask, b):
+    """The dense extra mask of sequence b: ``mask`` (B|1, Hq|1, Sq, Sk) (or fewer leading dims) ->
+    (Hq|1, Sq, Sk), or None."""
+    if mask is None:
+        return None
+    mask = np.asarray(mask, dtype=bool)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    return mask[min(b, mask.shape[0] - 1)]
+
+
 def _lse_index(b, sl, varlen):
     # lse is (B, Hq, Sq) dense, (Hq, total_q) packed
     return (slice(None), sl[0]) if varlen else (b, slice(None), slice(None))
@@ -104,11 +117,12 @@ def _lse_index(b, sl, varlen):
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
                     softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                    max_seqlen_k=None):
+                    max_seqlen_k=None, mask=None):
     """out = softmax(mods(softmax_scale * q k^T)) v in float64. Returns ``(out, lse)``.
 
     Shapes as the public op: out ``(B, Sq, Hq, Dv)`` and lse ``(B, Hq, Sq)``, or packed ``(total_q, Hq, Dv)``
-    and ``(Hq, total_q)``. ``max_seqlen_*`` are accepted for signature parity and ignored.
+    and ``(Hq, total_q)``. ``max_seqlen_*`` are accepted for signature parity and ignored. ``mask``: bool
+    ``(B|1, Hq|1, Sq, Sk)``, query i sees key j only where True (dense inputs; a BlockMask's ``to_dense()``).
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     varlen = cu_seqlens_q is not None
@@ -121,7 +135,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
         qq, kk, vv = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group)
         s, _, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
-                          causal=causal, window_size=window_size)
+                          causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
         row_lse = _lse(s, sinks)  # (H, Sq)
         p = _probs(s, row_lse)
         out[qs] = np.einsum("hqk,khd->qhd", p, vv)
@@ -131,7 +145,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
 def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                         alibi_slopes=None, softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                        max_seqlen_q=None, max_seqlen_k=None, dlse=None):
+                        max_seqlen_q=None, max_seqlen_k=None, dlse=None, mask=None):
     """Gradients of :func:`flash_attention` given ``dout`` (shape of out) and optionally ``dlse`` (shape of
     lse). Returns ``(dq, dk, dv, dsinks)``; dsinks is None without sinks. GQA gradients are summed over each
     group of query heads sharing a kv head.
@@ -151,7 +165,7 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
     for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
         qq, kk, vv, do = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group), dout[qs]
         s, t, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
-                          causal=causal, window_size=window_size)
+                          causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
         row_lse = _lse(s, sinks)
         p = _probs(s, row_lse)  # (H, Sq, Sk)
         o = np.einsum("hqk,khd->hqd", p, vv)

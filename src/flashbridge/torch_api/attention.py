@@ -200,7 +200,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                    deterministic: bool = True, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                    deterministic: bool = True, return_lse: bool = False, block_mask=None) -> Tensor | tuple[Tensor, Tensor]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -224,6 +224,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             the flag is accepted for flash-attn compatibility.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)`` (packed: ``(Hq, total_q)``),
             natural log; gradients flowing into it are supported.
+        block_mask: a :class:`flashbridge.masks.BlockMask` for ``(Sq, Sk)`` (per batch / query head or shared):
+            only the key blocks it lists are visited (block-sparse attention); rows that see nothing output 0
+            and lse -inf. Combines with softcap, ALiBi, sinks, GQA; not with causal / window_size (build that
+            into the mask) or packed inputs.
 
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` (packed ``(total_q, Hq, Dv)``) in q's dtype, or ``(out, lse)``.
@@ -254,8 +258,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
             offsets_q, offsets_k = both[:cu_seqlens_q.numel()], both[cu_seqlens_q.numel():]
         check_cu_seqlens_values(offsets_q, offsets_k, shape)
-    out, lse = _attention(q, k, v, options, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k)
+    if block_mask is not None:
+        from .block_sparse import block_sparse_attention
+        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks)
+    else:
+        out, lse = _attention(q, k, v, options, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
 
 

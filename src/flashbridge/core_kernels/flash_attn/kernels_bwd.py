@@ -19,23 +19,30 @@ The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s 
 Both main kernels walk their loop axis in three segments as the forward does (masked, full, masked); in the
 dK/dV kernel the first masked segment holds only query blocks inside the sequence, whose loads need no row
 checks (the causal diagonal), and the last one any block that may reach past the sequence's end.
+BLOCK_SPARSE (a flashbridge.masks.BlockMask): the dQ loop walks the mask's query-major lists as the forward
+does, the dK/dV loop its transposed (key-major) lists; full blocks first, then partial ones through the
+mask's element test.
 """
 import triton
 import triton.language as tl
 
-from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_schedule, grid_schedule,
-                             kv_block_range, load_rows, load_tile, lse_log2, q_block_range, query_block, query_block_at,
-                             recompute_p, score_grad, score_params, seq_range, store_rows, unravel_grid)
+from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_mask_visible, block_schedule,
+                             grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile, lse_log2, mask_bits,
+                             mask_tokens, q_block_range, query_block, query_block_at, recompute_p, score_grad,
+                             score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
+                             unravel_grid, list_block, list_length)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
 _LSE_STRIDES = ("stride_lb", "stride_lh")
 PREPROCESS_INT_SCALARS = ("seqlen_q", "total_q", "stride_ob", "stride_os", "stride_oh", "stride_dob", "stride_dos",
                           "stride_doh", *_LSE_STRIDES)
+_MASK_SCALARS = ("mask_stride_b", "mask_stride_h", "mask_max", "mask_t_stride_b", "mask_t_stride_h", "mask_t_max",
+                 "tok_stride_b")
 _MAIN_INT_SCALARS = (
     "seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
-    "stride_vh", "stride_dob", "stride_dos", "stride_doh", *_LSE_STRIDES, "stride_ab")
+    "stride_vh", "stride_dob", "stride_dos", "stride_doh", *_LSE_STRIDES, "stride_ab", *_MASK_SCALARS)
 DKDV_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs",
                     "stride_dvh")
 DQ_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh")
@@ -129,12 +136,13 @@ def _dkdv_step(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
-    COL_SPLIT: tl.constexpr,
+    COL_SPLIT: tl.constexpr, elem_ok=None,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
-    transpose of p. APPLY_MASK: the scores take the mask; CHECK_ROWS: the block may reach past the
-    sequence's last query (its loads are masked; APPLY_MASK is then set too).
+    transpose of p. APPLY_MASK: the scores take the mask (``elem_ok`` [N, M] for block-sparse masks, else
+    :func:`visible`); CHECK_ROWS: the block may reach past the sequence's last query (its loads are masked;
+    APPLY_MASK is then set too).
 
     COL_SPLIT = 2 (``AttentionConfig.dkdv_col_split``): ``dk`` / ``dv`` are this program's half of the
     columns (``offs_dqk`` / ``offs_dv``; ``k`` / ``v`` the same half of the key block), and the scores and
@@ -163,7 +171,7 @@ def _dkdv_step(
         dp_t = _dot_t_parts(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
     p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
-                           HAS_ALIBI)  # [N, M]
+                           HAS_ALIBI, elem_ok)  # [N, M]
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     if not DP_FIRST:
         dp_t = _dot_t_parts(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
@@ -214,16 +222,126 @@ def _dkdv_q_range(
 
 
 @triton.jit
+def _dkdv_q_list(
+    dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, NUM, IDX, BIT_IDX, row0, row_step, width,
+    BITS, TOK_Q, tk, offs_n, n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
+    stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right,
+    HEADS: tl.constexpr, HEADS_P2: tl.constexpr, PER_HEAD: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASK_QB: tl.constexpr,
+    MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
+):
+    """The block-sparse counterpart of :func:`_dkdv_q_range`: accumulate dK, dV of one key block over the
+    query blocks (of MASK_QB queries) listed in rows ``row0 + g * row_step`` of a BlockMask's transposed lists
+    (``NUM`` / ``IDX`` / ``BIT_IDX``, ``width`` wide) for the HEADS query heads ``h0 + g`` of a GQA group, each
+    block in MASK_QB // BLOCK_M steps: one flat loop over (head, step) pairs, head-major, as _dkdv_q_range
+    walks its group (an outer loop over the heads made ptxas spill, or serialise the wgmmas of the one-launch
+    backward: sm_90, D=128, GQA 8/2). A head-shared mask (row_step 0) gives every head the same list; a
+    per-head one (PER_HEAD) lists of their own lengths, whose running sums [HEADS_P2] locate each step's head.
+    APPLY_MASK (partial lists): the mask's element test on S^T [N, M] (``tk`` [N, 1] the keys' token words,
+    ``n_local`` [N] the keys within their mask block)."""
+    SPLIT: tl.constexpr = MASK_QB // BLOCK_M
+    if PER_HEAD and HEADS > 1:
+        offs_g = tl.arange(0, HEADS_P2)
+        n_g = tl.load(NUM + row0 + offs_g * row_step, mask=offs_g < HEADS, other=0)
+        n_g = tl.minimum(tl.maximum(n_g, 0), width) * SPLIT  # [HEADS_P2] steps per head
+        ends = tl.cumsum(n_g, 0)
+        total = tl.sum(n_g, 0)
+        n_steps = total
+    else:
+        n_steps = list_length(NUM, row0, width) * SPLIT
+        total = HEADS * n_steps
+    for it in range(0, total):
+        if PER_HEAD and HEADS > 1:
+            g = tl.sum((ends <= it).to(tl.int32), 0)
+            j = it - tl.sum(tl.where(offs_g == g, ends - n_g, 0), 0)
+        elif HEADS > 1:
+            g = it // n_steps
+            j = it - g * n_steps
+        else:
+            g = 0
+            j = it
+        h = h0 + g
+        lists = (row0 + g * row_step) * width
+        slot = j // SPLIT
+        sub = j - slot * SPLIT
+        blk = list_block(tl.load(IDX + lists + slot), len_q, MASK_QB) * SPLIT + sub  # query block, BLOCK_M units
+        elem_ok = None
+        if APPLY_MASK:
+            offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            tq = mask_tokens(TOK_Q, offs_m[None, :], (offs_m < len_q)[None, :], MASK_GLOBAL or MASK_DOC)
+            bits_ok = None
+            if MASK_BITS:
+                words = BITS + tl.cast(tl.load(BIT_IDX + lists + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
+                bits_ok = mask_bits(words, (sub * BLOCK_M + tl.arange(0, BLOCK_M))[None, :], n_local[:, None],
+                                    MASK_KB)
+            elem_ok = block_mask_visible(offs_m[None, :], offs_n[:, None], len_k, diag, window_left, window_right,
+                                         HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok)  # [N, M]
+        slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
+        l_off = tl.cast(h, tl.int64) * stride_lh
+        dk, dv = _dkdv_step(dk, dv, k, v, k_o, v_o, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L2_seq + l_off,
+                            D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs,
+                            stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK,
+                            DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP,
+                            HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, elem_ok)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_sparse(
+    dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, kh, b, n_start, offs_n, key_ok, offs_dqk,
+    offs_dv, offs_dqk_o, offs_dv_o, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS, TOK_Q, TOK_K,
+    mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b, stride_qs, stride_qh, stride_dos, stride_doh,
+    stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr,
+    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
+):
+    """dK, dV of the key block at ``n_start`` (BLOCK_N divides MASK_KB) over the query blocks of the mask's
+    transposed lists, for every query head of kv head ``kh``'s group: full blocks without mask arithmetic or
+    row checks (full blocks lie inside both sequences), then partial ones (row checks only when the last
+    query block is ragged)."""
+    kb = n_start // MASK_KB
+    n_local = offs_n - kb * MASK_KB
+    tok = tl.cast(b, tl.int64) * tok_stride_b
+    tk = mask_tokens(TOK_K + tok, offs_n[:, None], key_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [N, 1]
+    h0 = kh * GROUP
+    row0 = tl.cast(b * mask_t_stride_b + h0 * mask_t_stride_h + kb, tl.int64)  # head stride 0 when shared
+    dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, FULL_Q_NUM,
+                          FULL_Q_IDX, Q_BITS_IDX, row0, mask_t_stride_h, mask_t_max, BITS, TOK_Q + tok, tk, offs_n,
+                          n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
+                          stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
+                          window_right, GROUP, MASK_GROUP_P2, MASK_PER_HEAD, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
+                          MASK_QB, MASK_KB, False, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+                          HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
+    dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, Q_NUM, Q_IDX,
+                          Q_BITS_IDX, row0, mask_t_stride_h, mask_t_max, BITS, TOK_Q + tok, tk, offs_n, n_local,
+                          offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh,
+                          stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP,
+                          MASK_GROUP_P2, MASK_PER_HEAD, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True,
+                          MASK_RAGGED_Q, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
+                          DOT_PRECISION, EARLY_DP, COL_SPLIT)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_program(
     kh, b, q_start, len_q, k_start, len_k, n_start, part, Q, K, V, DO, LSE2, DELTA, SLOPES,
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT,
+    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS, TOK_Q, TOK_K, mask_t_stride_b, mask_t_stride_h,
+    mask_t_max, tok_stride_b,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr,
+    MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr, MASK_GROUP_P2: tl.constexpr,
 ):
     """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``: all their
     columns, or with COL_SPLIT = 2 the half ``part`` (0 or 1) of them (see :func:`_dkdv_step`)."""
@@ -252,33 +370,43 @@ def _dkdv_program(
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     diag = len_k - len_q
     lo, full_lo, full_hi, hi = q_block_range(n_start, len_q, len_k, window_left, window_right,
-                                             BLOCK_M, BLOCK_N, HAS_LOCAL)
+                                             BLOCK_M, BLOCK_N, HAS_LOCAL)  # dense: the query blocks to walk
     dk = tl.zeros([BLOCK_N, BLOCK_DQK // COL_SPLIT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV // COL_SPLIT], dtype=tl.float32)
     # The query heads of this kv head's group, in a fixed order: the GQA sum happens in registers.
     Q_seq = Q + tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start, tl.int64) * stride_qs
     DO_seq = DO + tl.cast(b, tl.int64) * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
     l_seq = tl.cast(b, tl.int64) * stride_lb + q_start
-    # Three segments: [lo, a_hi) masked scores whose rows all lie inside the sequence (the causal diagonal:
-    # no row checks on the loads, a third fewer instructions per step), [a_hi, b_hi) fully visible,
-    # [b_hi, hi) masked scores with row checks (window edges, the ragged last query block). A partly
-    # visible block past the last whole one (full_lo > len_q // BLOCK_M) moves to the third segment.
-    # Without a window no block precedes the visible ones (lo == full_lo), and the plain bounds keep the
-    # unmasked step smaller.
-    if HAS_LOCAL:
-        a_hi = tl.minimum(full_lo, len_q // BLOCK_M)
-        b_hi = tl.where(full_lo == a_hi, full_hi, a_hi)
+    if BLOCK_SPARSE:
+        dk, dv = _dkdv_sparse(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b,
+                              n_start, offs_n, key_ok, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, Q_NUM, Q_IDX,
+                              FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS, TOK_Q, TOK_K, mask_t_stride_b, mask_t_stride_h,
+                              mask_t_max, tok_stride_b, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh,
+                              stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK,
+                              DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC,
+                              MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q, MASK_GROUP_P2, HAS_SOFTCAP, HAS_ALIBI,
+                              DOT_PRECISION, EARLY_DP, COL_SPLIT)
     else:
-        a_hi = full_lo
-        b_hi = full_hi
-    bounds = (lo, a_hi, b_hi, hi)
-    for seg in tl.static_range(3 if TAIL_BLOCKS else 2):  # TAIL_BLOCKS False: the plan proved the last one empty
-        dk, dv = _dkdv_q_range(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh, b,
-                               bounds[seg], bounds[seg + 1], offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
-                               stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale, cap2,
-                               diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV, BLOCK_M, BLOCK_DQK,
-                               BLOCK_DV, seg != 1, seg == 2, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                               EARLY_DP, COL_SPLIT)
+        # Three segments: [lo, a_hi) masked scores whose rows all lie inside the sequence (the causal diagonal:
+        # no row checks on the loads, a third fewer instructions per step), [a_hi, b_hi) fully visible,
+        # [b_hi, hi) masked scores with row checks (window edges, the ragged last query block). A partly
+        # visible block past the last whole one (full_lo > len_q // BLOCK_M) moves to the third segment.
+        # Without a window no block precedes the visible ones (lo == full_lo), and the plain bounds keep the
+        # unmasked step smaller.
+        if HAS_LOCAL:
+            a_hi = tl.minimum(full_lo, len_q // BLOCK_M)
+            b_hi = tl.where(full_lo == a_hi, full_hi, a_hi)
+        else:
+            a_hi = full_lo
+            b_hi = full_hi
+        bounds = (lo, a_hi, b_hi, hi)
+        for seg in tl.static_range(3 if TAIL_BLOCKS else 2):  # TAIL_BLOCKS False: the plan proved the last one empty
+            dk, dv = _dkdv_q_range(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh,
+                                   b, bounds[seg], bounds[seg + 1], offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
+                                   stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale,
+                                   cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV, BLOCK_M,
+                                   BLOCK_DQK, BLOCK_DV, seg != 1, seg == 2, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                                   DOT_PRECISION, EARLY_DP, COL_SPLIT)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
@@ -290,9 +418,12 @@ def _dkdv_program(
 @triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
+    Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,  # runtime scalars
     DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -300,6 +431,9 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
     STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
+    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr,
 ):
     # grid axis 0: key blocks x COL_SPLIT column parts, a block's parts adjacent (they share its K / V and
     # every Q / dO tile in L2); key block 0 sees the most causal queries: it starts first
@@ -308,6 +442,9 @@ def attn_bwd_dkdv_kernel(
     if COL_SPLIT > 1:
         part = pid_n % COL_SPLIT
         pid_n = pid_n // COL_SPLIT
+    if BLOCK_SPARSE:  # the mask's key blocks, longest first (the order of the group's first query head)
+        pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h, seqlen_k,
+                                 BLOCK_N, MASK_KB)
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
@@ -317,8 +454,34 @@ def attn_bwd_dkdv_kernel(
                   softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                   stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
                   stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                  DK, DV_OUT, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
-                  HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, COL_SPLIT, TAIL_BLOCKS)
+                  DK, DV_OUT, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, Q_BITS_IDX, BITS, TOK_Q, TOK_K, mask_t_stride_b,
+                  mask_t_stride_h, mask_t_max, tok_stride_b, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                  HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, COL_SPLIT,
+                  TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD,
+                  MASK_RAGGED_Q, MASK_GROUP_P2)
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
+    stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, elem_ok=None,
+):
+    """dQ [M, Dqk] of one query block plus the terms of keys ``n_start + arange(BLOCK_N)`` (APPLY_MASK: the
+    scores take the mask, ``elem_ok`` [M, N] for block-sparse masks)."""
+    offs_c = tl.arange(0, BLOCK_N)
+    offs_n = n_start + offs_c
+    key_ok = offs_n < len_k
+    k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [N, Dqk]
+    v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, APPLY_MASK)  # [N, Dv]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+    p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
+                       len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+    ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -330,19 +493,37 @@ def _dq_kv_range(
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``."""
-    offs_c = tl.arange(0, BLOCK_N)
     for blk in range(blk_lo, blk_hi):
-        n_start = blk * BLOCK_N
-        offs_n = n_start + offs_c
-        key_ok = offs_n < len_k
-        k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [N, Dqk]
-        v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, APPLY_MASK)  # [N, Dv]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-        p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
-                           len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
-        ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = _dq_step(dq, q, do, lse2, delta, K_base, V_base, blk * BLOCK_N, offs_m, offs_dqk, offs_dv, stride_ks,
+                      stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
+                      BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kv_list(
+    dq, q, do, lse2, delta, K_base, V_base, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
+    offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ over the key blocks of one row of a BlockMask's lists, as the forward's ``fwd_kv_list``
+    walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    for it in range(0, n_blocks * SPLIT):
+        slot = it // SPLIT
+        offs_c = (it - slot * SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)  # keys within the mask block
+        n_start = list_block(tl.load(BLOCKS + slot), len_k, MASK_KB) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
+        elem_ok = None
+        if APPLY_MASK:
+            elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, len_k, diag,
+                                   window_left, window_right, BLOCK_N, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL,
+                                   MASK_DOC, MASK_BITS)
+        dq = _dq_step(dq, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv, stride_ks,
+                      stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
+                      BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, elem_ok)
     return dq
 
 
@@ -352,10 +533,13 @@ def _dq_program(
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h,
+    mask_max, tok_stride_b,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
-    TAIL_BLOCKS: tl.constexpr,
+    TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
     :func:`query_block`, ``m_start < len_q``)."""
@@ -386,22 +570,41 @@ def _dq_program(
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
     diag = len_k - len_q
-    lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
-                                              BLOCK_M, BLOCK_N, HAS_LOCAL)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
-                      stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                      DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION)
-    dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
-                      stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                      DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                      DOT_PRECISION)
-    if TAIL_BLOCKS:  # False: the plan proved this segment empty
-        dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
+    if BLOCK_SPARSE:  # the forward's lists (see attn_fwd_kernel): full blocks, then partial ones
+        qb = m_start // MASK_QB
+        row = tl.cast(b * mask_stride_b + h * mask_stride_h + qb, tl.int64)
+        lists = row * mask_max
+        tok = tl.cast(b, tl.int64) * tok_stride_b
+        tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        m_local = offs_m - qb * MASK_QB
+        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
+                         FULL_KV_IDX + lists,
+                         KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
+                         stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
+                         BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
+                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
+                         KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
+                         stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
+                         BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
+                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    else:
+        lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LOCAL)
+        dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
                           stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                           DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                           DOT_PRECISION)
+        dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
+                          stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+                          DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                          DOT_PRECISION)
+        if TAIL_BLOCKS:  # False: the plan proved this segment empty
+            dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
+                              stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+                              DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                              DOT_PRECISION)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)
@@ -410,34 +613,51 @@ def _dq_program(
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
+    Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
     stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
     DQ,  # output: dq in q's layout and dtype
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
+    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr,
 ):
-    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if BLOCK_SPARSE:  # the mask's query blocks, longest first
+        rank, h, b = block_schedule(HEAD_GROUP)
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = sparse_query_block_at(
+            rank, h, b, tl.num_programs(0), Q_ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+            total_q, total_k, GROUP, BLOCK_M, MASK_QB, IS_VARLEN)
+    else:
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+            CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
     _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
                 softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
-                stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV, BLOCK_M, BLOCK_N,
-                BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN,
-                TAIL_BLOCKS)
+                stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, KV_NUM, KV_IDX, FULL_KV_NUM,
+                FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h, mask_max, tok_stride_b,
+                DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                STRIDE_ALIGN, LSE_ALIGN, TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC,
+                MASK_BITS)
 
 
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
 def attn_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
+    Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
+    mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
     heads_kv, n_seqs,  # runtime scalars
     DK, DV_OUT, DQ,  # outputs, as in the two kernels
@@ -446,18 +666,27 @@ def attn_bwd_kernel(
     HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     HEAD_GROUP: tl.constexpr, KV_TAIL_BLOCKS: tl.constexpr, Q_TAIL_BLOCKS: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
+    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
     Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
     (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
     longest work starts earliest and the shorter dQ programs fill in behind it."""
-    kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+    if BLOCK_SPARSE:  # the grids span whole mask blocks (see sparse_query_block_at / sparse_key_block)
+        kv_blocks = tl.cdiv(seqlen_k, MASK_KB) * (MASK_KB // KV_BLOCK_N)
+    else:
+        kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
     if pid < n_kv:
         p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
         pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
+        if BLOCK_SPARSE:
+            pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b + kh * GROUP * mask_t_stride_h,
+                                     seqlen_k, KV_BLOCK_N, MASK_KB)
         q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
@@ -466,23 +695,36 @@ def attn_bwd_kernel(
                           sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
                           stride_doh, stride_lb, stride_lh, stride_ab, stride_dkb, stride_dks, stride_dkh,
-                          stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N,
-                          BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN,
-                          LSE_ALIGN, 1, KV_TAIL_BLOCKS)
+                          stride_dvb, stride_dvs, stride_dvh, DK, DV_OUT, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX,
+                          Q_BITS_IDX, BITS, TOK_Q, TOK_K, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
+                          GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
+                          HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, 1, KV_TAIL_BLOCKS, BLOCK_SPARSE,
+                          MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q,
+                          MASK_GROUP_P2)
     else:
-        q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+        if BLOCK_SPARSE:
+            q_blocks = tl.cdiv(seqlen_q, MASK_QB) * (MASK_QB // Q_BLOCK_M)
+        else:
+            q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
         heads_q = heads_kv * GROUP
         p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
         rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
-        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
-            rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
+        if BLOCK_SPARSE:
+            h, b, kh, q_start, len_q, k_start, len_k, m_start = sparse_query_block_at(
+                rank, h, b, q_blocks, Q_ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+                total_q, total_k, GROUP, Q_BLOCK_M, MASK_QB, IS_VARLEN)
+        else:
+            h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
+                rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
         if m_start < len_q:
             _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                        stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DQK, DV,
-                        Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, Q_TAIL_BLOCKS)
+                        stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, KV_NUM, KV_IDX,
+                        FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h,
+                        mask_max, tok_stride_b, DQK, DV, Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL,
+                        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, Q_TAIL_BLOCKS, BLOCK_SPARSE,
+                        MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)

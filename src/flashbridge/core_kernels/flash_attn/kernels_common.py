@@ -100,6 +100,41 @@ def query_block_at(rank, h, b, n_ranks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q,
 
 
 @triton.jit
+def sparse_query_block_at(rank, h, b, n_ranks, ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+                          total_q, total_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, MASK_QB: tl.constexpr,
+                          IS_VARLEN: tl.constexpr):
+    """:func:`query_block_at` for a block-sparse mask: rank r takes the ``r // SPLIT``-th query block of the
+    mask's longest-first order ``ORDER`` (flashbridge.masks ``q_order``) and its ``r % SPLIT``-th part of
+    BLOCK_M rows (SPLIT = MASK_QB // BLOCK_M; the grid spans whole mask blocks)."""
+    SPLIT: tl.constexpr = MASK_QB // BLOCK_M
+    qb = list_block(tl.load(ORDER + b * mask_stride_b + h * mask_stride_h + rank // SPLIT), seqlen_q, MASK_QB)
+    pid_m = qb * SPLIT + rank % SPLIT
+    return query_block_at(n_ranks - 1 - pid_m, h, b, n_ranks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k,
+                          GROUP, BLOCK_M, IS_VARLEN)
+
+
+@triton.jit
+def sparse_key_block(rank, ORDER_ROW, seqlen_k, BLOCK_N: tl.constexpr, MASK_KB: tl.constexpr):
+    """The key block (BLOCK_N units) that rank ``rank`` of a key-major grid takes under a block-sparse mask:
+    the mask's longest-first ``kv_order`` row ``ORDER_ROW``, each mask block's BLOCK_N-key parts in turn."""
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    return list_block(tl.load(ORDER_ROW + rank // SPLIT), seqlen_k, MASK_KB) * SPLIT + rank % SPLIT
+
+
+@triton.jit
+def list_block(index, seq_len, BLOCK: tl.constexpr):
+    """A block index read from a mask's arrays, clamped to the sequence's blocks: the builders write valid
+    indices; the clamp keeps any other arrays from addressing memory outside q / k / v."""
+    return tl.minimum(tl.maximum(index, 0), tl.cdiv(seq_len, BLOCK) - 1)
+
+
+@triton.jit
+def list_length(NUM, row, width):
+    """The length of list ``row`` (``NUM[row]``), clamped to the lists' width (see :func:`list_block`)."""
+    return tl.minimum(tl.maximum(tl.load(NUM + row), 0), width)
+
+
+@triton.jit
 def kv_key_range(q_first, q_last, diag, seqlen_k, window_left, window_right,
                  BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
     """Key blocks (in units of BLOCK_N) seen by the query indices ``q_first..q_last`` (inclusive; query
@@ -272,33 +307,83 @@ def visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: 
 
 
 @triton.jit
+def mask_or_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: tl.constexpr,
+                    elem_ok=None):
+    """The element mask of a masked block: ``elem_ok`` when the caller computed one (the block-sparse
+    kernels' :func:`block_mask_visible`, which includes the bounds), else :func:`visible`."""
+    if elem_ok is not None:
+        ok = elem_ok
+    else:
+        ok = visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
+    return ok
+
+
+@triton.jit
+def block_mask_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: tl.constexpr,
+                       MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, tq=None, tk=None, bits_ok=None):
+    """Bool: query ``q_idx`` sees key ``k_idx`` in a partial block of a block-sparse mask (flashbridge.masks:
+    the AND of the mask's terms, and ``k_idx < seqlen_k``). ``tq`` / ``tk``: the token words of the rows and
+    columns (bit 0 global, bits 1.. document id), given with MASK_GLOBAL or MASK_DOC; ``bits_ok``: the
+    block's bits (:func:`mask_bits`), given for bit-packed masks. Index tensors broadcast as in
+    :func:`visible` (transposed in the dK/dV kernel).
+
+    MASK_GLOBAL: 0 = the band alone (:func:`visible` with HAS_LOCAL); 1 = keys flagged global join the band,
+    still bounded by its right edge (attention sinks: ``j <= i`` and ``j`` a sink or inside the window); 2 =
+    flagged queries and keys see / are seen by everything (Longformer)."""
+    if MASK_GLOBAL == 1:
+        ok = ((k_idx <= q_idx + (diag + window_right)) & (k_idx < seqlen_k)
+              & ((k_idx >= q_idx + (diag - window_left)) | ((tk & 1) != 0)))
+    elif MASK_GLOBAL == 2:
+        ok = (visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
+              | (((tq | tk) & 1) != 0)) & (k_idx < seqlen_k)
+    else:
+        ok = visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
+    if MASK_DOC:
+        ok = ok & ((tq >> 1) == (tk >> 1))
+    if bits_ok is not None:
+        ok = ok & bits_ok
+    return ok
+
+
+@triton.jit
+def mask_bits(WORDS, r, c, MASK_KB: tl.constexpr):
+    """Bool tile: bit ``r * MASK_KB + c`` of the block's int32 words at ``WORDS`` (``r`` / ``c`` the rows and
+    columns within the mask block, broadcast to the tile). Neighbouring keys share a word: the gathered
+    loads hit the same few cache lines."""
+    e = r * MASK_KB + c
+    w = tl.load(WORDS + (e >> 5))
+    return ((w >> (e & 31)) & 1) != 0
+
+
+@triton.jit
 def score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr):
+               HAS_ALIBI: tl.constexpr, elem_ok=None):
     """Every score modifier in order: scale, softcap, ALiBi, mask (-inf). Returns (s2, tanh term)."""
     s2, t = score_scale_softcap(qk, qk_scale, cap2, HAS_SOFTCAP)
     s2 = alibi_bias(s2, q_idx, k_idx, diag, slope2, HAS_ALIBI)
     if APPLY_MASK:
-        s2 = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL),
-                      s2, float("-inf"))
+        s2 = tl.where(mask_or_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL,
+                                      elem_ok), s2, float("-inf"))
     return s2, t
 
 
 @triton.jit
 def recompute_p(qk, lse2, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, elem_ok=None):
     """The backward's probabilities ``p = exp2(mods(qk) - lse2)`` (lse2 broadcast to qk, +inf for rows that
     saw nothing) and the softcap's tanh term. Plain scores (no softcap, no ALiBi): the scale goes into the
     exponent's fused multiply-add and the mask zeroes p, one instruction per score less than scaling first
     (valid for any sign of the scale: no row max is involved)."""
     if HAS_SOFTCAP or HAS_ALIBI:
         s2, t = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                           APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+                           APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
         return tl.exp2(s2 - lse2), t
     p = tl.exp2(qk * qk_scale - lse2)
     if APPLY_MASK:
-        p = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL), p, 0.0)
+        p = tl.where(mask_or_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL, elem_ok),
+                     p, 0.0)
     return p, qk
 
 
@@ -382,7 +467,7 @@ def softmax_finalize(acc, m_i, l_i):
 @triton.jit
 def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers -> the block's softmax weights
     and the updated running state: (p, alpha, m_i, l_i), see :func:`online_softmax_probs`.
 
@@ -392,24 +477,24 @@ def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen
     and a subtraction."""
     if POSITIVE_SCALE and not (HAS_SOFTCAP or HAS_ALIBI):
         if APPLY_MASK:
-            qk = tl.where(visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL),
-                          qk, float("-inf"))
+            qk = tl.where(mask_or_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL,
+                                          elem_ok), qk, float("-inf"))
         return online_softmax_probs(m_i, l_i, qk, qk_scale)
     s2, _ = score_mods(qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                       APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+                       APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
     return online_softmax_probs(m_i, l_i, s2, 1.0)
 
 
 @triton.jit
 def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
                  window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers (:func:`block_probs`) -> fold
     ``v`` [N, Dv] into the running (acc, m_i, l_i). Shared by every forward iteration strategy (dense
     ranges, paged decode)."""
     p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k,
                                      window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                     POSITIVE_SCALE)
+                                     POSITIVE_SCALE, elem_ok)
     return fold_values(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
 
@@ -418,11 +503,12 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
                  stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr):
+                 HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None):
     """One KV block of the forward: load K, V rows ``n_start + offs_n``, score, fold into (acc, m_i, l_i).
 
     ``K_base`` / ``V_base`` point at key row 0 of this (sequence, kv head); ``offs_n`` is ``arange(BLOCK_N)``.
-    Without APPLY_MASK the caller guarantees every key of the block is visible from every row.
+    Without APPLY_MASK the caller guarantees every key of the block is visible from every row; with it,
+    ``elem_ok`` [M, N] (block-sparse masks) replaces :func:`visible`.
     """
     offs_k = n_start + offs_n  # [N]
     k_off = tl.cast(n_start, tl.int64) * stride_ks
@@ -434,7 +520,7 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
     return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
                         seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION, POSITIVE_SCALE)
+                        DOT_PRECISION, POSITIVE_SCALE, elem_ok)
 
 
 @triton.jit
@@ -465,6 +551,97 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
                 POSITIVE_SCALE)
+    return acc, m_i, l_i
+
+
+# ------------------------------------------------------------------------------------------ block-sparse
+
+@triton.jit
+def mask_tokens(TOK, idx, ok, NEEDED: tl.constexpr):
+    """The token words (flashbridge.masks: bit 0 global, bits 1.. document id) at positions ``idx`` of the
+    sequence's row ``TOK`` (``ok``: the valid positions; others read 0). Without a token term (not NEEDED)
+    zeros that nothing reads: a compiled jit function cannot return None."""
+    if NEEDED:
+        return tl.load(TOK + idx, mask=ok, other=0)
+    return idx * 0
+
+
+@triton.jit
+def kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, seqlen_k, diag, window_left,
+                 window_right, BLOCK_N: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+                 HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr,
+                 MASK_BITS: tl.constexpr):
+    """The element test [M, N] of a query-major kernel's step over keys ``n_start + arange(BLOCK_N)`` of a
+    partial block (``slot`` its place in the list, ``offs_c`` [N] the keys within the mask block; rows
+    ``offs_m`` [M], within their mask block ``m_local``, token words ``tq`` [M, 1] or None)."""
+    offs_k = n_start + tl.arange(0, BLOCK_N)
+    tk = mask_tokens(TOK_K, offs_k[None, :], (offs_k < seqlen_k)[None, :], MASK_GLOBAL or MASK_DOC)
+    bits_ok = None
+    if MASK_BITS:
+        words = BITS + tl.cast(tl.load(BIT_ROWS + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
+        bits_ok = mask_bits(words, m_local[:, None], offs_c[None, :], MASK_KB)
+    return block_mask_visible(offs_m[:, None], offs_k[None, :], seqlen_k, diag, window_left, window_right,
+                              HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok)
+
+
+@triton.jit
+def _fwd_list_step(
+    acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv,
+    stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK: tl.constexpr,
+    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+):
+    """Step ``it`` of :func:`fwd_kv_list`: key block ``BLOCKS[it // SPLIT]``, its ``it % SPLIT``-th slice."""
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    slot = it // SPLIT
+    offs_c = (it - slot * SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] key index within the mask block
+    n_start = list_block(tl.load(BLOCKS + slot), seqlen_k, MASK_KB) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
+    elem_ok = None
+    if APPLY_MASK:
+        elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, seqlen_k, diag,
+                               window_left, window_right, BLOCK_N, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC,
+                               MASK_BITS)
+    return fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, tl.arange(0, BLOCK_N), offs_dqk, offs_dv,
+                        stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                        DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                        POSITIVE_SCALE, elem_ok)
+
+
+@triton.jit
+def fwd_kv_list(
+    acc, m_i, l_i, q, K_base, V_base, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
+    offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED_STAGES: tl.constexpr = 0,
+    POSITIVE_SCALE: tl.constexpr = False,
+):
+    """The block-sparse iteration strategy: the ``n_blocks`` key blocks (of MASK_KB keys) listed at
+    ``BLOCKS`` -- one row of a BlockMask's full or partial lists -- each in MASK_KB // BLOCK_N steps of
+    BLOCK_N keys, one flat loop (one pair of products per iteration, as in :func:`fwd_kv_range`).
+
+    Full lists (no APPLY_MASK) run exactly the dense kernel's unmasked step. Partial ones (APPLY_MASK)
+    evaluate the mask's element test (:func:`block_mask_visible`): ``tq`` [M, 1] the rows' token words,
+    ``TOK_K`` the sequence's key token row, ``m_local`` [M] the rows within their mask block and, for
+    bit-packed masks, ``BIT_ROWS`` the list's rows of ``BITS``."""
+    n_steps = n_blocks * (MASK_KB // BLOCK_N)
+    if APPLY_MASK and MASKED_STAGES > 0:
+        for it in tl.range(0, n_steps, num_stages=MASKED_STAGES):
+            acc, m_i, l_i = _fwd_list_step(
+                acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
+                offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
+                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE)
+    else:
+        for it in range(0, n_steps):
+            acc, m_i, l_i = _fwd_list_step(
+                acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
+                offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+                DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
+                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE)
     return acc, m_i, l_i
 
 

@@ -8,34 +8,43 @@ may walk their keys in narrower blocks of ``MASKED_BLOCK_N`` (a divisor of ``BLO
 smaller score tile for the loop that also carries the mask arithmetic. Grid:
 ``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``, its order set by ``HEAD_GROUP`` (see :func:`block_schedule`);
 GQA maps query head h to kv head ``h // GROUP``.
+
+BLOCK_SPARSE (a flashbridge.masks.BlockMask): the same program walks the key blocks its query block lists
+instead -- the full ones without mask arithmetic, then the partial ones through the mask's element test
+(see :func:`fwd_kv_list`). The plan picks tiles that divide the mask's blocks.
 """
 import triton
 import triton.language as tl
 
-from .kernels_common import (aligned, aligned_strides, alibi_slope2, fwd_kv_range, kv_block_range, load_tile,
-                             query_block, score_params, softmax_finalize, softmax_init)
+from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, fwd_kv_list, fwd_kv_range,
+                             kv_block_range, list_length, load_tile, mask_tokens, query_block, score_params,
+                             softmax_finalize, softmax_init, sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
 FWD_INT_SCALARS = (
     "seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
-    "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh", "stride_ab")
+    "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh", "stride_ab",
+    "mask_stride_b", "mask_stride_h", "mask_max", "tok_stride_b")
 
 
 @triton.jit(do_not_specialize_on_alignment=FWD_INT_SCALARS)
 def attn_fwd_kernel(
     Q, K, V, SLOPES, SINKS, CU_Q, CU_K,  # inputs (unused ones are placeholders, see the HAS_* flags)
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,  # runtime scalars
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
+    mask_stride_b, mask_stride_h, mask_max, tok_stride_b,  # runtime scalars
     O, LSE,  # outputs: out [.., Hq, DV] in q's dtype, lse float32
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    MASKED_BLOCK_N: tl.constexpr,
+    MASKED_BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -44,8 +53,14 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, STRIDE_ALIGN)
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
-    h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if BLOCK_SPARSE:  # the mask's query blocks, longest first
+        rank, h, b = block_schedule(HEAD_GROUP)
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = sparse_query_block_at(
+            rank, h, b, tl.num_programs(0), Q_ORDER, mask_stride_b, mask_stride_h, CU_Q, CU_K, seqlen_q, seqlen_k,
+            total_q, total_k, GROUP, BLOCK_M, MASK_QB, IS_VARLEN)
+    else:
+        h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
+            CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
         return
 
@@ -68,18 +83,41 @@ def attn_fwd_kernel(
     m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
-                                              BLOCK_M, BLOCK_N, HAS_LOCAL)
-    bounds = (lo, full_lo, full_hi, hi)  # masked, fully visible (no mask arithmetic), masked (BLOCK_N units)
-    for seg in tl.static_range(3):
-        # key blocks of this segment's width: BLOCK_N for the visible one, MASKED_BLOCK_N for the masked ones
-        split = 1 if seg == 1 else BLOCK_N // MASKED_BLOCK_N
-        acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, bounds[seg] * split, bounds[seg + 1] * split,
-                                     offs_m, offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag,
-                                     len_k, window_left, window_right, DQK, DV,
-                                     BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
-                                     HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
-                                     POSITIVE_SCALE)
+    if BLOCK_SPARSE:
+        # This query block's row of the mask's lists (BLOCK_M divides MASK_QB); batch / head strides are 0
+        # where the mask is shared. Full blocks first (no mask arithmetic, BLOCK_N keys a step), then the
+        # partial ones (MASKED_BLOCK_N keys a step, the mask's element test).
+        qb = m_start // MASK_QB
+        row = tl.cast(b * mask_stride_b + h * mask_stride_h + qb, tl.int64)
+        lists = row * mask_max
+        tok = tl.cast(b, tl.int64) * tok_stride_b
+        tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        m_local = offs_m - qb * MASK_QB
+        acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
+                                    FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local,
+                                    offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
+                                    window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
+                                    MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+                                    HAS_ALIBI, DOT_PRECISION, 0, POSITIVE_SCALE)
+        acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(KV_NUM, row, mask_max),
+                                    KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local,
+                                    offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
+                                    window_left, window_right, DQK, DV, MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
+                                    MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
+                                    DOT_PRECISION, MASKED_STAGES, POSITIVE_SCALE)
+    else:
+        lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LOCAL)
+        bounds = (lo, full_lo, full_hi, hi)  # masked, fully visible (no mask arithmetic), masked (BLOCK_N units)
+        for seg in tl.static_range(3):
+            # key blocks of this segment's width: BLOCK_N for the visible one, MASKED_BLOCK_N for the masked ones
+            split = 1 if seg == 1 else BLOCK_N // MASKED_BLOCK_N
+            acc, m_i, l_i = fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, bounds[seg] * split,
+                                         bounds[seg + 1] * split, offs_m, offs_dqk, offs_dv, stride_ks, stride_vs,
+                                         qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV,
+                                         BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
+                                         HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
+                                         POSITIVE_SCALE)
     out, lse = softmax_finalize(acc, m_i, l_i)
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh

@@ -16,6 +16,7 @@ from typing import Optional
 from .._config import active_config
 from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
                      pow2_divisor)
+from ..block_sparse import plan as bsp
 
 MAX_HEAD_DIM = 256
 _FWD = "flash_attn.kernels_fwd"
@@ -514,30 +515,49 @@ def _tail_blocks(shape: AttnShape, options: AttnOptions, loop_len: int, block: i
     return bool(options.causal or options.has_local or shape.varlen or loop_len % block)
 
 
+def _sparse_options(options: AttnOptions, sparse: Optional[bsp.SparseLayout]) -> AttnOptions:
+    """A block-sparse call's options: the mask's band is the window the kernels' element test uses (and a
+    causal band orders programs longest first, as causal attention does)."""
+    if sparse is None:
+        return options
+    return dataclasses.replace(options, causal=sparse.causal, window_left=sparse.window_left,
+                               window_right=sparse.window_right)
+
+
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: Optional[AttentionConfig] = None) -> Plan:
-    """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
+                       config: Optional[AttentionConfig] = None, sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+    """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k], then with ``sparse`` (a
+    BlockMask's layout, ``core_kernels/block_sparse/plan.py``) its arrays by their BlockMask names.
 
     ``strides`` maps "q" / "k" / "v" to (batch, row, head) element strides (default: contiguous).
     Results: out (q's dtype, ``shape.out_shape``) and lse (float32, ``shape.lse_shape``).
     """
     config = config or active_config(AttentionConfig)
+    options = _sparse_options(options, sparse)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
     present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
-               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
-    fwd_entry = "fwd_masked" if options.causal or options.has_local else "fwd"
+               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
+               **bsp.present_arrays(sparse, bsp.FWD_ARRAYS)}
+    fwd_entry = "fwd_masked" if options.causal or options.has_local or sparse else "fwd"
     bm, bn, warps, stages = _tile(fwd_entry, shape, target, config)
+    masked_bn = _masked_block_n(fwd_entry, shape, target, config, bn)
+    if sparse is not None:  # tiles that divide the mask's blocks
+        bm, bn = bsp.sparse_tile(bm, sparse.q_block), bsp.sparse_tile(bn, sparse.kv_block)
+        masked_bn = min(masked_bn, bn)
+    q_programs = cdiv(shape.seqlen_q, bm) if sparse is None else bsp.sparse_blocks(shape.seqlen_q, sparse.q_block, bm)
     lse_b, lse_h = _lse_strides(shape)
     scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
-               ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)))
+               ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)),
+               *bsp.mask_scalars(sparse, backward=False))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
-        grid=(cdiv(shape.seqlen_q, bm), shape.heads_q, shape.batch),
-        inputs=tuple(n if here else "q" for n, here in present.items()),
+        grid=(q_programs, shape.heads_q, shape.batch),
+        inputs=tuple(n if present[n] else "q" for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q",
+                                                         "cu_seqlens_k", *bsp.FWD_ARRAYS)),
         scalars=scalars,
         outputs=("out", "lse"),
         constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
@@ -546,8 +566,9 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     *_flags(shape, options), *_align(scalars),
                     ("MASKED_STAGES", _masked_stages(fwd_entry, shape, target, config)),
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
-                    ("HEAD_GROUP", _head_group(config, options, target)),
-                    ("MASKED_BLOCK_N", _masked_block_n(fwd_entry, shape, target, config, bn))),
+                    ("HEAD_GROUP", _head_group(config, options, target) if sparse is None
+                     else bsp.head_group(config.head_group, sparse, target.interpret)),
+                    ("MASKED_BLOCK_N", masked_bn), *bsp.mask_constexprs(sparse, backward=False)),
         num_warps=warps,
         num_stages=stages,
     )
@@ -559,8 +580,9 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
 def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target, has_dlse: bool = False,
                        sinks_dtype: Optional[str] = None,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: Optional[AttentionConfig] = None) -> Plan:
-    """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k].
+                       config: Optional[AttentionConfig] = None, sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+    """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k],
+    then with ``sparse`` (a BlockMask's layout) its arrays by their BlockMask names.
 
     ``out`` and ``lse`` are the forward's results (contiguous); ``dlse`` a gradient arriving at lse.
     ``strides`` maps "q" / "k" / "v" / "dout" to (batch, row, head) element strides (default: contiguous).
@@ -568,13 +590,15 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
     """
     config = config or active_config(AttentionConfig)
+    options = _sparse_options(options, sparse)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()),
                        ("dout", shape.out_shape))}
     present = {"dout": True, "q": True, "k": True, "v": True, "out": True, "lse": True, "dlse": has_dlse,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
-               "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen}
+               "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
+               **bsp.present_arrays(sparse, bsp.BWD_ARRAYS)}
 
     def name(n):
         return n if present[n] else "q"  # placeholder pointer for an absent input
@@ -582,20 +606,25 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     col_split = _dkdv_col_split(config, shape, options, target)
     kv_m, kv_n, kv_warps, kv_stages = _tile(_dkdv_entry(shape, options, target, col_split), shape, target, config)
     q_m, q_n, q_warps, q_stages = _tile("dq", shape, target, config)
+    if sparse is not None:  # tiles that divide the mask's blocks
+        kv_m, q_m = bsp.sparse_tile(kv_m, sparse.q_block), bsp.sparse_tile(q_m, sparse.q_block)
+        kv_n, q_n = bsp.sparse_tile(kv_n, sparse.kv_block), bsp.sparse_tile(q_n, sparse.kv_block)
     lse_b, lse_h = _lse_strides(shape)
     bdqk, bdv = _pad(shape.head_dim_qk), _pad(shape.head_dim_v)
     lse_scalars = (("stride_lb", lse_b), ("stride_lh", lse_h))
     flags = _flags(shape, options)
-    head_group = _head_group(config, options, target)
+    head_group = (_head_group(config, options, target) if sparse is None
+                  else bsp.head_group(config.head_group, sparse, target.interpret))
     early_dp = ("EARLY_DP", _early_dp(config, shape, options, target))
     kv_tail = _tail_blocks(shape, options, shape.seqlen_q, kv_m)  # dK/dV walks query blocks
     q_tail = _tail_blocks(shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
-                    ("stride_ab", _alibi_stride(shape, options)))
+                    ("stride_ab", _alibi_stride(shape, options)), *bsp.mask_scalars(sparse, backward=True))
     dims = (("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v))
     main_inputs = ("q", "k", "v", "dout", "lse2", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
-                   name("cu_seqlens_k"))
+                   name("cu_seqlens_k"), *bsp.mask_inputs(sparse, bsp.BWD_ARRAYS))
+    mask_flags = bsp.mask_constexprs(sparse, backward=True, group=shape.group)
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
     pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
@@ -612,8 +641,13 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
         constexprs=(("DV", shape.head_dim_v), ("BLOCK_M", pre_m), ("BLOCK_DV", bdv),
                     ("HAS_DLSE", has_dlse), ("IS_VARLEN", shape.varlen), *_align(pre_scalars)),
         num_warps=4 if target.interpret else 8, num_stages=1)
-    kv_grid = (cdiv(shape.seqlen_k, kv_n) * col_split, shape.heads_kv, shape.batch)
-    q_grid = (cdiv(shape.seqlen_q, q_m), shape.heads_q, shape.batch)
+    if sparse is None:
+        kv_programs, q_programs = cdiv(shape.seqlen_k, kv_n), cdiv(shape.seqlen_q, q_m)
+    else:  # whole mask blocks (the kernels take them in the mask's order)
+        kv_programs = bsp.sparse_blocks(shape.seqlen_k, sparse.kv_block, kv_n)
+        q_programs = bsp.sparse_blocks(shape.seqlen_q, sparse.q_block, q_m)
+    kv_grid = (kv_programs * col_split, shape.heads_kv, shape.batch)
+    q_grid = (q_programs, shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's unsplit tiles: 4 and 8) the dQ path
     # would run at the dK/dV count and spill; and it runs one dK/dV program per key block (no column split)
     if config.fused_backward is not False and kv_warps == q_warps and col_split == 1:  # None = fused
@@ -627,7 +661,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             outputs=("dk", "dv", "dq"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
-                        ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail)),
+                        ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail),
+                        *mask_flags),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
@@ -640,7 +675,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group),
-                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail)),
+                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail), *mask_flags),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
@@ -649,7 +684,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 scalars=dq_scalars,
                 outputs=("dq",),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
-                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail)),
+                            *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail),
+                            *mask_flags),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
