@@ -410,7 +410,7 @@ BAD = [
      ValueError, "query 0 of sequence 0 lists key 1 more than once"),
     ("below-minus-one", _bad_attention(indices=torch.tensor([[[1, -2], [0, -1], [2, 3]]], dtype=torch.int32)),
      ValueError, r"indices: entry \(0, 0, 1\) = -2"),
-    ("block-mask", _bad_attention(block_mask=object()), NotImplementedError, "block_mask: .*flashbridge.masks"),
+    ("block-mask", _bad_attention(block_mask=object()), TypeError, "block_mask: expected a flashbridge.masks.BlockMask"),
     ("causal-type", _bad_attention(causal=1), TypeError, "causal: expected a bool"),
     ("decode-kv-scale-16bit", _bad_decode(kv_scale=torch.tensor(1.0)), ValueError,
      "kv_scale: only meaningful for a float8_e4m3fn cache"),
