@@ -137,14 +137,15 @@ from helpers import assert_close, np64, torch_to_jax  # noqa: E402
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, lengths=None):
+def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, lengths=None, mask=None):
     """Absorbed MLA computed plainly in q's dtype (differentiable): the naive same-dtype implementation the
-    tolerance is measured against. Returns (out, lse)."""
+    tolerance is measured against; ``mask`` a dense bool (B|1, Sq, Sk) as reference.mla takes it. Returns
+    (out, lse)."""
     b, sq, _, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     mask = torch.from_numpy(ref.visible(b, sq, kv.shape[1], causal=causal,
                                         indices=None if indices is None else np.asarray(indices.cpu()),
-                                        lengths=lengths)).to(q.device)
+                                        lengths=lengths, mask=mask)).to(q.device)
     s = torch.einsum("bqhd,bkd->bhqk", q, kv) * scale
     s = s.masked_fill(~mask[:, None], float("-inf"))
     wide = s.to(torch.promote_types(s.dtype, torch.float32))  # bf16 scores softmax in float32, float64 stays
