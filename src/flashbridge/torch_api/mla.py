@@ -158,7 +158,8 @@ def _mla_mask_bwd(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor,
     q, kv, dout = _prepare(q), _prepare(kv), _prepare(dout)
     plan = plan_mla_bwd(shape, options, target=target_for(q.device), has_dlse=dlse is not None, sparse=layout,
                         strides={"q": _q_strides(q), "kv": _kv_strides(kv), "dout": _q_strides(dout)})
-    given = {"dout": dout, "q": q, "kv": kv, "out": out, "lse": lse, "dlse": dlse, **dict(zip(_MASK_NAMES, mask_arrays))}
+    given = {"dout": dout, "q": q, "kv": kv, "out": out, "lse": lse, "dlse": dlse,
+             **dict(zip(_MASK_NAMES, mask_arrays))}
     return execute(plan, {n: given[n] if n in ("dout", "q", "kv") else given[n].contiguous() for n in plan.inputs})
 
 
