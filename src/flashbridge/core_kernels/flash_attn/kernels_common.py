@@ -141,8 +141,9 @@ def list_step(BLOCKS, it, seq_len, BLOCK: tl.constexpr, MASK_B: tl.constexpr):
     its first index in the sequence)."""
     SPLIT: tl.constexpr = MASK_B // BLOCK
     slot = it // SPLIT
+    start = list_block(tl.load(BLOCKS + slot), seq_len, MASK_B) * MASK_B
     sub = (it - slot * SPLIT) * BLOCK
-    return slot, sub, list_block(tl.load(BLOCKS + slot), seq_len, MASK_B) * MASK_B + sub
+    return slot, sub, start + sub
 
 
 @triton.jit
