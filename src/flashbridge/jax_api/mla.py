@@ -251,6 +251,10 @@ def mla_attention(q: Array, kv: Array, *, head_dim_v: int = 512, causal: bool = 
         >>> out = jax.jit(lambda q, kv: mla_attention(q, kv, head_dim_v=64, causal=True))(q, kv)
         >>> out.shape
         (2, 16, 8, 64)
+        >>> from flashbridge import masks   # key blocks per query block (blocks of 32 tokens)
+        >>> m = masks.from_blocks([[True, False], [False, True]], seq_len_q=64, seq_len_k=64, block_size=32)
+        >>> mla_attention(jnp.ones((1, 64, 8, 96)), jnp.ones((1, 64, 96)), head_dim_v=64, block_mask=m).shape
+        (1, 64, 8, 64)
     """
     check_arrays(q=q, kv=kv, indices=indices)
     for name, a in (("q", q), ("kv", kv)):

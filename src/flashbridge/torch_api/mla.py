@@ -260,6 +260,10 @@ def mla_attention(q: Tensor, kv: Tensor, *, head_dim_v: int = 512, causal: bool 
         >>> out = mla_attention(q, kv, head_dim_v=64, causal=True)
         >>> out.shape
         torch.Size([2, 16, 8, 64])
+        >>> from flashbridge import masks   # key blocks per query block (blocks of 32 tokens)
+        >>> m = masks.from_blocks([[True, False], [False, True]], seq_len_q=64, seq_len_k=64, block_size=32)
+        >>> mla_attention(torch.randn(1, 64, 8, 96), torch.randn(1, 64, 96), head_dim_v=64, block_mask=m).shape
+        torch.Size([1, 64, 8, 64])
     """
     check_tensors({"q": q, "kv": kv, "indices": indices}, ("q", "kv"))
     shape, options = check_mla_args(q=_info(q), kv=_info(kv), head_dim_v=head_dim_v, causal=causal,
