@@ -14,11 +14,16 @@ values its first 512 dims, bf16, paged caches of 64-row pages. Rows:
   (visible pairs) (576 + 512); the backward is timed and reported (2.5x the forward's FLOPs). Baseline:
   ``flash_attention`` on the un-absorbed form (per-head keys of 192 dims, values of 128: the same attention
   output after W_UV), same run.
+* prefill with a block mask, S=4096: top-k key blocks per query block (``masks.from_blocks``, 64x64 blocks, 32
+  of 64 key blocks drawn per query block with a fixed seed: about the causal row's work), H=128 and the
+  seed's one head (q ``[4096 x 576]``); TFLOP/s counted on the visited blocks, forward and backward, torch
+  and JAX, beside the dense causal row.
 
     python benchmarks/bench_mla.py            # every row, JSON (results/mla_h200.json) and plot
     python benchmarks/bench_mla.py --quick    # one row of each kind
     python benchmarks/bench_mla.py --sweep    # tile variants (MLAConfig) on the key rows
     python benchmarks/bench_mla.py --ptxas    # no GPU needed: compile the default plans for sm_90
+    python benchmarks/bench_mla.py --prefill-only   # the prefill rows alone
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ JAX_STEPS = 64  # decode steps per jitted call of the JAX rows (a call's fixed h
 DECODE_ROWS = [(64, 4096), (64, 32768), (128, 4096), (128, 32768)]
 TARGETS = {"decode_tflops": 350.0, "h16_copy_fraction": 0.8, "fp8_speedup": 1.6, "sparse_ratio": 1.2,
            "prefill_tflops": 350.0, "jax_ratio": 0.95}
+MASK_BLOCK, MASK_SEED = 64, 0  # the block-mask rows: 64-token blocks, half the key blocks of each query block
 
 
 def decode_flops(b, s, heads=H):
@@ -232,6 +238,28 @@ def visible_pairs(s, topk=0):
     return sum(min(i + 1, topk) for i in range(s))
 
 
+def topk_block_mask(s, *, block=MASK_BLOCK, keep=None, seed=MASK_SEED):
+    """``masks.from_blocks``: ``keep`` (default half) of the ``s / block`` key blocks drawn per query block,
+    a top-k over fixed-seed random scores (S=4096: 32 of 64, the seed's case)."""
+    import numpy as np
+
+    from flashbridge import masks
+
+    n = s // block
+    keep = n // 2 if keep is None else keep
+    top = np.random.default_rng(seed).random((n, n)).argsort(1)[:, :keep]
+    blocks = np.zeros((n, n), bool)
+    np.put_along_axis(blocks, top, True, 1)
+    return masks.from_blocks(blocks, seq_len_q=s, seq_len_k=s, block_size=block)
+
+
+def mask_pairs(mask) -> int:
+    """(query, key) pairs in the visited blocks (every block of a from_blocks mask inside S is full)."""
+    import numpy as np
+
+    return int(np.asarray(mask.to_dense(), np.int64).sum())
+
+
 def prefill_rows(s=4096, with_jax=True):
     import torch
 
@@ -269,7 +297,50 @@ def prefill_rows(s=4096, with_jax=True):
     flops = 2 * H * visible_pairs(s) * (192 + 128) * b
     rows.append({"case": f"prefill H{H} S{s} causal", "provider": "flash_attention un-absorbed (192/128)",
                  "fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "bwd_ms": bwd, "bwd_tflops": 2.5 * flops / bwd / 1e9})
+    del qu, ku, vu, qg, kg, vg, out, dout
+    rows += block_mask_rows(s, with_jax=with_jax)
     return rows
+
+
+def block_mask_rows(s=4096, with_jax=True):
+    """Prefill over a top-k block mask (32 of 64 key blocks of 64 per query block at S=4096): H=128 and the
+    seed's one head. FLOPs: 2 H (pairs in visited blocks) (576 + 512); backward 2.5x."""
+    import torch
+
+    from flashbridge.torch_api.mla import mla_attention
+
+    mask = topk_block_mask(s)
+    rows = []
+    for heads in (H, 1):
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(1, s, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(1, s, DQK, device="cuda", dtype=torch.bfloat16, generator=g)
+        n_q, n_k = mask.num_blocks
+        case = (f"prefill H{heads} S{s} block mask {n_k // 2} of {n_k} ({MASK_BLOCK}x{MASK_BLOCK})"
+                + (" = the seed's Q [4096 x 576]" if heads == 1 and s == 4096 else ""))
+        flops = 2 * heads * mask_pairs(mask) * (DQK + DV)
+        fwd = time_torch(lambda: mla_attention(q, kv, head_dim_v=DV, block_mask=mask))
+        qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = mla_attention(qg, kvg, head_dim_v=DV, block_mask=mask)
+        dout = torch.randn_like(out)
+        bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kvg), dout, retain_graph=True))
+        rows.append({"case": case, "provider": "ours torch", "fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9,
+                     "bwd_ms": bwd, "bwd_tflops": 2.5 * flops / bwd / 1e9, "density": mask.density})
+        if with_jax:
+            _try(rows, case, "ours jax", lambda: _jax_prefill_masked(q, kv, mask, flops))
+        print(rows[-2:])
+    return rows
+
+
+def _jax_prefill_masked(q, kv, mask, flops):
+    import jax
+
+    from flashbridge.jax_api.block_sparse import mask_to_device
+    from flashbridge.jax_api.mla import mla_attention
+
+    jq, jkv = jax.dlpack.from_dlpack(q), jax.dlpack.from_dlpack(kv)
+    ms = time_jax(lambda q, kv, m: mla_attention(q, kv, head_dim_v=DV, block_mask=m), jq, jkv, mask_to_device(mask))
+    return {"fwd_ms": ms, "fwd_tflops": flops / ms / 1e9}
 
 
 def _jax_prefill(q, kv, idx, flops):
@@ -314,6 +385,11 @@ def verdicts(rows, copy_tbs):
         if r["case"].startswith("prefill") and r["provider"] == "ours torch":
             lines.append(f"{r['case']}: forward {r['fwd_tflops']:.0f} TFLOP/s (bar {TARGETS['prefill_tflops']:.0f}), "
                          f"backward {r['bwd_tflops']:.0f}")
+            dense = by.get((f"prefill H{H} S4096 causal", "ours torch"))
+            if "block mask" in r["case"] and r["case"].startswith(f"prefill H{H} ") and dense:
+                lines.append(f"  block mask / dense causal TFLOP/s: forward "
+                             f"{r['fwd_tflops'] / dense['fwd_tflops']:.2f}, backward "
+                             f"{r['bwd_tflops'] / dense['bwd_tflops']:.2f}")
     return lines
 
 
@@ -341,7 +417,7 @@ def plot(rows, name):
     axes[1].bar([i + 0.4 for i in range(len(pre))], [r.get("bwd_tflops", 0) for r in pre], 0.4, label="backward")
     axes[1].axhline(TARGETS["prefill_tflops"], color="k", ls="--", lw=1)
     axes[1].set_xticks(range(len(pre)), labels, fontsize=7)
-    axes[1].set_title("MLA prefill, S=4096, causal")
+    axes[1].set_title("MLA prefill, S=4096: causal, top-k 2048, block mask (32 of 64 blocks)")
     axes[1].legend()
     save_figure(fig, name)
 
@@ -361,6 +437,35 @@ SWEEP = {  # case -> (kwargs of torch_decode, MLAConfig field dicts)
 }
 
 
+# block-mask backward (S=4096, 32 of 64 blocks of 64), heads -> MLAConfig field dicts: at H=1 the default dKV
+# tile (64 rows, 2 stages) spills 104 B on sm_90, 32 rows or one stage none
+MASK_BWD_SWEEP = {1: [{}, {"dkv_block_m": 32}, {"dkv_num_stages": 1}], H: [{}, {"dkv_block_m": 32}]}
+
+
+def _planned_mask_bwd_ms(heads, config, s=4096):
+    """ms of the block-mask backward plan with an explicit MLAConfig, through the torch runtime."""
+    import torch
+
+    from flashbridge.core_kernels.block_sparse.plan import layout_of
+    from flashbridge.core_kernels.mla.plan import check_mla_args, plan_mla_bwd, plan_mla_fwd
+    from flashbridge.masks import BlockMask
+    from flashbridge.torch_api._runtime import execute, target_for
+    from flashbridge.torch_api.block_sparse import mask_tensors
+
+    mask = topk_block_mask(s)
+    layout = layout_of(mask)
+    q = torch.randn(1, s, heads, DQK, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, s, DQK, device="cuda", dtype=torch.bfloat16)
+    shape, options = check_mla_args(q=(tuple(q.shape), "bfloat16"), kv=(tuple(kv.shape), "bfloat16"), head_dim_v=DV)
+    target = target_for(q.device)
+    given = {"q": q, "kv": kv, **dict(zip(BlockMask.array_names, mask_tensors(mask, q.device)))}
+    fwd = plan_mla_fwd(shape, options, target=target, sparse=layout, config=config)
+    out, lse = execute(fwd, {n: given[n] for n in fwd.inputs})
+    given.update(out=out, lse=lse, dout=torch.randn_like(out))
+    bwd = plan_mla_bwd(shape, options, target=target, sparse=layout, config=config)
+    return time_torch(lambda: execute(bwd, {n: given[n] for n in bwd.inputs}))
+
+
 def sweep():
     from flashbridge.core_kernels.mla.plan import MLAConfig
 
@@ -373,6 +478,14 @@ def sweep():
             except Exception as exc:  # noqa: BLE001
                 results.append({"case": case, "config": fields, "error": repr(exc)[:300]})
             print(results[-1])
+    for heads, configs in MASK_BWD_SWEEP.items():
+        for fields in configs:
+            case = f"block mask bwd H{heads} S4096"
+            try:
+                results.append({"case": case, "config": fields, "ms": _planned_mask_bwd_ms(heads, MLAConfig(**fields))})
+            except Exception as exc:  # noqa: BLE001
+                results.append({"case": case, "config": fields, "error": repr(exc)[:300]})
+            print(results[-1])
     return results
 
 
@@ -382,7 +495,9 @@ def ptxas_report():
     """Compile the default plans for sm_90 without a GPU (Triton's bundled ptxas): shared memory, registers,
     stack (spills) and wgmma counts of every kernel."""
     from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.block_sparse.plan import layout_of
     from flashbridge.core_kernels.mla.plan import check_mla_args, check_mla_decode_args, plan_mla_bwd, plan_mla_fwd
+    from flashbridge.masks import BlockMask
 
     target = Target(interpret=False, num_sms=132)
     dtypes = {"q": "bfloat16", "kv": "bfloat16", "cache_seqlens": "int32", "block_table": "int32",
@@ -404,6 +519,14 @@ def ptxas_report():
         label = f"prefill causal{f' top-k {topk}' if topk else ''}"
         cases.append((label, plan_mla_fwd(shape, options, target=target), dtypes))
         cases.append((label + " bwd", plan_mla_bwd(shape, options, target=target), dtypes))
+    layout = layout_of(topk_block_mask(4096))
+    mask_dtypes = {**dtypes, **{n: "int32" for n in BlockMask.array_names}}
+    for heads in (H, 1):
+        shape, options = check_mla_args(q=((1, 4096, heads, DQK), "bfloat16"), kv=((1, 4096, DQK), "bfloat16"),
+                                        head_dim_v=DV)
+        label = f"prefill H{heads} block mask"
+        cases.append((label, plan_mla_fwd(shape, options, target=target, sparse=layout), mask_dtypes))
+        cases.append((label + " bwd", plan_mla_bwd(shape, options, target=target, sparse=layout), mask_dtypes))
     for label, plan, dt in cases:
         for launch in plan.launches:
             smem, usage = compile_launch_sm90(plan, launch, dt)
@@ -417,6 +540,7 @@ def main():
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="tile variants on the key rows")
     parser.add_argument("--ptxas", action="store_true", help="compile the default plans for sm_90 (no GPU)")
+    parser.add_argument("--prefill-only", action="store_true", help="the prefill rows alone (dense, top-k, block mask)")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -429,9 +553,11 @@ def main():
     copy_tbs = measure_copy_ceiling()
     print(f"device-to-device copy: {copy_tbs:.2f} TB/s")
     with_jax = not args.no_jax
-    rows = decode_rows(args.quick, with_jax)
-    rows += h16_rows(copy_tbs, args.quick, with_jax)
-    rows += sparse_rows()
+    rows = []
+    if not args.prefill_only:
+        rows += decode_rows(args.quick, with_jax)
+        rows += h16_rows(copy_tbs, args.quick, with_jax)
+        rows += sparse_rows()
     rows += prefill_rows(with_jax=with_jax)
     table = [[r["case"], r["provider"], r.get("ms", r.get("fwd_ms", "-")), r.get("tflops", r.get("fwd_tflops", "-")),
               r.get("tbs", "-"), r.get("bwd_ms", "-")] for r in rows]
@@ -439,7 +565,7 @@ def main():
                                                                      "bwd ms"], table)
     lines = verdicts(rows, copy_tbs)
     print("\n".join(lines))
-    name = "mla_h200_quick" if args.quick else "mla_h200"
+    name = "mla_h200_quick" if args.quick else "mla_prefill_h200" if args.prefill_only else "mla_h200"
     print(f"wrote {save(name, {'copy_tbs': copy_tbs, 'rows': rows, 'verdicts': lines, 'targets': TARGETS})}")
     plot(rows, name)
 

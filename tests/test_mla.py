@@ -137,14 +137,15 @@ from helpers import assert_close, np64, torch_to_jax  # noqa: E402
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, lengths=None):
+def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, lengths=None, mask=None):
     """Absorbed MLA computed plainly in q's dtype (differentiable): the naive same-dtype implementation the
-    tolerance is measured against. Returns (out, lse)."""
+    tolerance is measured against; ``mask`` a dense bool (B|1, Sq, Sk) as reference.mla takes it. Returns
+    (out, lse)."""
     b, sq, _, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     mask = torch.from_numpy(ref.visible(b, sq, kv.shape[1], causal=causal,
                                         indices=None if indices is None else np.asarray(indices.cpu()),
-                                        lengths=lengths)).to(q.device)
+                                        lengths=lengths, mask=mask)).to(q.device)
     s = torch.einsum("bqhd,bkd->bhqk", q, kv) * scale
     s = s.masked_fill(~mask[:, None], float("-inf"))
     wide = s.to(torch.promote_types(s.dtype, torch.float32))  # bf16 scores softmax in float32, float64 stays
@@ -410,7 +411,8 @@ BAD = [
      ValueError, "query 0 of sequence 0 lists key 1 more than once"),
     ("below-minus-one", _bad_attention(indices=torch.tensor([[[1, -2], [0, -1], [2, 3]]], dtype=torch.int32)),
      ValueError, r"indices: entry \(0, 0, 1\) = -2"),
-    ("block-mask", _bad_attention(block_mask=object()), NotImplementedError, "block_mask: .*flashbridge.masks"),
+    ("block-mask", _bad_attention(block_mask=object()), TypeError,
+     "block_mask: expected a flashbridge.masks.BlockMask"),
     ("causal-type", _bad_attention(causal=1), TypeError, "causal: expected a bool"),
     ("decode-kv-scale-16bit", _bad_decode(kv_scale=torch.tensor(1.0)), ValueError,
      "kv_scale: only meaningful for a float8_e4m3fn cache"),
@@ -636,8 +638,11 @@ def test_docstring_examples_run(name):
 
 def _h200_plans():
     """The default GPU plans of the benchmark's shapes: decode H=128 paged (dense, top-k), H=16 FP8,
-    prefill causal (dense forward, sparse backward)."""
+    prefill causal (dense forward, sparse backward), prefill over the seed's block mask (64x64 blocks, 32 of
+    64 per query block: forward, backward)."""
+    from flashbridge import masks
     from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.block_sparse.plan import layout_of
     from flashbridge.core_kernels.mla import plan as P
 
     h200 = Target(interpret=False, num_sms=132)
@@ -655,11 +660,25 @@ def _h200_plans():
                                           indices=((1, 4096, topk), "int32") if topk else None)
         plans.append((f"prefill topk={topk}", (P.plan_mla_bwd if topk else P.plan_mla_fwd)(shape, options, target=h200),
                       "bfloat16"))
+    top = _rng(0).random((64, 64)).argsort(1)[:, :32]
+    blocks = np.zeros((64, 64), bool)
+    np.put_along_axis(blocks, top, True, 1)
+    layout = layout_of(masks.from_blocks(blocks, seq_len_q=4096, seq_len_k=4096, block_size=64))
+    shape, options = P.check_mla_args(q=((1, 4096, 128, 576), "bfloat16"), kv=((1, 4096, 576), "bfloat16"),
+                                      head_dim_v=512)
+    for plan in (P.plan_mla_fwd, P.plan_mla_bwd):
+        plans.append((f"prefill block mask {plan.__name__}", plan(shape, options, target=h200, sparse=layout),
+                      "bfloat16"))
     return plans
 
 
+def masks_array_names():
+    from flashbridge.masks import BlockMask
+    return BlockMask.array_names
+
+
 @pytest.mark.slow  # ~2.5 minutes of compiles on a 2-core CPU
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(7))
 def test_kernels_compile_identically_and_fit_the_h200(index, monkeypatch):
     """torch (Triton's launcher) and JAX (jax-triton) compile the same PTX for sm_90, every kernel of the
     default plans fits Hopper's 227 KB of shared memory per block, and the wgmma kernels keep their MMAs
@@ -675,7 +694,8 @@ def test_kernels_compile_identically_and_fit_the_h200(index, monkeypatch):
     monkeypatch.setitem(parity._TT, "float8_e4m3fn", "fp8e4nv")
     name, plan, cache_dtype = _h200_plans()[index]
     dtypes = {"q": "bfloat16", "kv": cache_dtype, "cache_seqlens": "int32", "block_table": "int32",
-              "indices": "int32", "kv_scale": "float32", "dout": "bfloat16", "out": "bfloat16", "lse": "float32"}
+              "indices": "int32", "kv_scale": "float32", "dout": "bfloat16", "out": "bfloat16", "lse": "float32",
+              **{n: "int32" for n in masks_array_names()}}
     dtypes.update({s.name: s.dtype for s in plan.buffers})
     for launch in plan.launches:
         if launch.kernel.startswith("mla."):

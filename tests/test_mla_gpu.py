@@ -6,7 +6,7 @@ cache (``test_mla.naive``, which computes what flashbridge.reference.mla does); 
 sets the tolerance: error <= 2 x its error + a floor.
 
 ``python tests/test_mla_gpu.py`` runs ragged paged decode (dense, sparse, FP8), prefill forward and backward
-(dense, sparse) in both frameworks, for ``compute-sanitizer --tool memcheck``.
+(dense, sparse, block masks) in both frameworks, for ``compute-sanitizer --tool memcheck``.
 """
 from __future__ import annotations
 
@@ -209,6 +209,90 @@ def test_gpu_jax_prefill_matches_torch_bitwise():
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), b.detach().float().cpu().numpy())
 
 
+# -------------------------------------------------------------------------------------------- block masks
+
+def _top_blocks(seed, n, keep, batch=None):
+    """bool (n, n) (or (B, 1, n, n)): ``keep`` key blocks drawn per query block (a fixed seed)."""
+    shape = (n, n) if batch is None else (batch, 1, n, n)
+    top = _rng(seed).random(shape).argsort(-1)[..., :keep]
+    blocks = np.zeros(shape, bool)
+    np.put_along_axis(blocks, top, True, -1)
+    return blocks
+
+
+BLOCK_MASKS = {  # name: (mask builder, heads): the seed's pattern (64-token blocks, half the key blocks)
+    "seed-s4096-h1": (lambda: _masks().from_blocks(_top_blocks(0, 64, 32), seq_len_q=4096, seq_len_k=4096,
+                                                   block_size=64), 1),
+    "top-blocks-s1024-h128": (lambda: _masks().from_blocks(_top_blocks(1, 16, 8), seq_len_q=1024, seq_len_k=1024,
+                                                           block_size=64), H),
+    "causal-s1000-h128": (lambda: _masks().causal(1000, block_size=128), H),
+    "document-s1024-h64": (lambda: _masks().document([300, 500, 224], block_size=64), 64),
+}
+
+
+def _masks():
+    from flashbridge import masks
+    return masks
+
+
+@pytest.mark.parametrize("name", list(BLOCK_MASKS))
+def test_gpu_mla_block_mask_forward_backward(name):
+    """bf16 against float64 with the mask given densely (forward, dq, dkv), and a deterministic backward."""
+    from flashbridge.torch_api.mla import mla_attention
+
+    build, heads = BLOCK_MASKS[name]
+    m = build()
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+    s = m.seq_len_q
+    q = torch.randn(1, s, heads, DQK, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    kv = torch.randn(1, s, DQK, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    out, lse = mla_attention(q, kv, head_dim_v=DV, block_mask=m, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+    kw = dict(head_dim_v=DV, mask=m.to_dense()[:, 0])
+    results = {}
+    for dtype in (torch.float64, q.dtype):
+        rq, rkv = q.detach().to(dtype).requires_grad_(), kv.detach().to(dtype).requires_grad_()
+        ro, rl = naive(rq, rkv, **kw)
+        results[dtype] = (ro, rl, *torch.autograd.grad(ro, (rq, rkv), dout.to(dtype)))
+    ref, nai = results[torch.float64], results[q.dtype]
+    assert_close(out, np64(ref[0]), nai[0], name="out", floor=1e-3)
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(torch.where(finite, lse.double(), 0.0), torch.where(finite, ref[1], 0.0), atol=2e-3,
+                               rtol=1e-4)
+    assert_close(dq, np64(ref[2]), nai[2], name="dq", floor=1e-3)
+    assert_close(dkv, np64(ref[3]), nai[3], name="dkv", floor=1e-3)
+    dq2, dkv2 = torch.autograd.grad(mla_attention(q, kv, head_dim_v=DV, block_mask=m), (q, kv), dout)
+    assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2)  # deterministic
+
+
+def test_gpu_jax_block_mask_matches_torch_bitwise():
+    """Per-sequence top-k blocks, B=2: forward and gradients under jit give torch's bits."""
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.mla import mla_attention as jax_mla
+    from flashbridge.torch_api.mla import mla_attention
+
+    m = _masks().from_blocks(_top_blocks(4, 8, 3, batch=2), seq_len_q=512, seq_len_k=512, block_size=64)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(2, 512, H, DQK, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(2, 512, DQK, device="cuda", generator=g).to(torch.bfloat16)
+    tq, tkv = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    tout = mla_attention(tq, tkv, head_dim_v=DV, block_mask=m)
+    tout.float().sum().backward()
+
+    def loss(q, kv, m):
+        out = jax_mla(q, kv, head_dim_v=DV, block_mask=m)
+        return jnp.sum(out.astype(jnp.float32)), out
+
+    (dq, dkv), out = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(
+        jax.dlpack.from_dlpack(q), jax.dlpack.from_dlpack(kv), m)
+    for a, b in ((out, tout), (dq, tq.grad), (dkv, tkv.grad)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), b.detach().float().cpu().numpy())
+
+
 def test_gpu_modules_paths_agree():
     from flashbridge.torch_api.mla import MultiHeadLatentAttention
 
@@ -227,4 +311,6 @@ if __name__ == "__main__":  # one pass over each kernel for compute-sanitizer
     test_gpu_mla_decode("h128-fp8")
     test_gpu_mla_attention_forward_backward(256)
     test_gpu_mla_attention_forward_backward(0)
+    test_gpu_mla_block_mask_forward_backward("top-blocks-s1024-h128")
+    test_gpu_mla_block_mask_forward_backward("document-s1024-h64")
     print("ok")

@@ -10,8 +10,9 @@ the values its first ``Dv`` dims (DeepSeek-V3: a 512-dim compressed latent follo
 
 Visibility: causal is aligned to the bottom-right corner (query i sits on key ``i + Sk - Sq``); with
 ``indices`` ``(B, Sq, topk)`` query i sees exactly the keys listed in ``indices[b, i]`` (entries -1 or past
-the sequence are skipped), intersected with the causal rule when it applies. A row that sees nothing has
-``out = 0`` and ``lse = -inf``.
+the sequence are skipped), intersected with the causal rule when it applies; a dense ``mask`` ``(B|1, Sq,
+Sk)`` (a block mask given densely, ``BlockMask.to_dense()[:, 0]``) intersects it too. A row that sees
+nothing has ``out = 0`` and ``lse = -inf``.
 
 **Un-absorbed** (what a training step computes): per head, keys ``[c_kv W_UK[h]^T, k_rope]`` and values
 ``c_kv W_UV[h]^T`` from the latent ``c_kv``; :func:`absorb_query` / :func:`latent_cache` /
@@ -32,12 +33,14 @@ def _f64(a):
     return None if a is None else np.asarray(a, dtype=np.float64)
 
 
-def visible(batch: int, seqlen_q: int, seqlen_k: int, *, causal: bool = False, indices=None, lengths=None):
+def visible(batch: int, seqlen_q: int, seqlen_k: int, *, causal: bool = False, indices=None, lengths=None,
+            mask=None):
     """``(B, Sq, Sk)`` bool: query i of sequence b sees key j.
 
     ``lengths`` (B,): sequence b has that many keys (default ``Sk``), query i sits on key
     ``lengths[b] - Sq + i``. ``indices`` ``(B, Sq, topk)``: only the listed keys (-1 and out-of-range entries
-    skipped). ``causal``: keys at or before the query's own position."""
+    skipped). ``causal``: keys at or before the query's own position. ``mask`` bool ``(B|1, Sq, Sk)`` or
+    ``(Sq, Sk)``: only the keys it marks."""
     lengths = [seqlen_k] * batch if lengths is None else [int(x) for x in lengths]
     ok = np.zeros((batch, seqlen_q, seqlen_k), dtype=bool)
     j = np.arange(seqlen_k)[None, :]
@@ -53,6 +56,8 @@ def visible(batch: int, seqlen_q: int, seqlen_k: int, *, causal: bool = False, i
                 chosen[i, valid] = True
             row &= chosen
         ok[b] = row
+    if mask is not None:
+        ok &= np.broadcast_to(np.asarray(mask, dtype=bool), ok.shape)
     return ok
 
 
@@ -69,17 +74,19 @@ def _attend(q, keys, values, mask, scale):
     return np.einsum("bhqk,bkd->bqhd", p, values), lse, p
 
 
-def mla_attention(q, kv, *, head_dim_v=512, causal=False, softmax_scale=None, indices=None):
+def mla_attention(q, kv, *, head_dim_v=512, causal=False, softmax_scale=None, indices=None, mask=None):
     """Absorbed MLA over a latent ``kv`` ``(B, Sk, Dqk)`` shared by the query heads of ``q`` ``(B, Sq, H,
-    Dqk)``. Returns ``(out (B, Sq, H, Dv), lse (B, H, Sq))`` in float64."""
+    Dqk)``; ``mask`` a dense bool ``(B|1, Sq, Sk)`` (see :func:`visible`). Returns ``(out (B, Sq, H, Dv),
+    lse (B, H, Sq))`` in float64."""
     q, kv = _f64(q), _f64(kv)
     batch, sq = q.shape[:2]
-    mask = visible(batch, sq, kv.shape[1], causal=causal, indices=indices)
+    mask = visible(batch, sq, kv.shape[1], causal=causal, indices=indices, mask=mask)
     out, lse, _ = _attend(q, kv, kv[..., :head_dim_v], mask, _scale(q.shape[-1], softmax_scale))
     return out, lse
 
 
-def mla_attention_bwd(dout, q, kv, *, head_dim_v=512, causal=False, softmax_scale=None, indices=None, dlse=None):
+def mla_attention_bwd(dout, q, kv, *, head_dim_v=512, causal=False, softmax_scale=None, indices=None, mask=None,
+                      dlse=None):
     """Gradients of :func:`mla_attention`: ``(dq, dkv)``. ``kv`` is both the keys and (its first Dv dims)
     the values, so its gradient is the sum of both roles over every head:
 
@@ -88,7 +95,7 @@ def mla_attention_bwd(dout, q, kv, *, head_dim_v=512, causal=False, softmax_scal
     q, kv, dout = _f64(q), _f64(kv), _f64(dout)
     batch, sq = q.shape[:2]
     scale = _scale(q.shape[-1], softmax_scale)
-    mask = visible(batch, sq, kv.shape[1], causal=causal, indices=indices)
+    mask = visible(batch, sq, kv.shape[1], causal=causal, indices=indices, mask=mask)
     values = kv[..., :head_dim_v]
     out, lse, p = _attend(q, kv, values, mask, scale)
     delta = np.einsum("bqhd,bqhd->bhq", out, dout)

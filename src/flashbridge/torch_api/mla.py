@@ -1,9 +1,11 @@
 """MLA (DeepSeek latent attention, absorbed form) for PyTorch: ``torch.library`` custom ops with fake kernels;
 ``mla_attention`` is differentiable (q and kv), ``mla_decode`` forward only.
 
-Ops: ``flashbridge::mla_fwd``, ``flashbridge::mla_bwd`` and ``flashbridge::mla_decode``. The public
-functions check arguments (values of index tensors on the host) and normalise options; the ops rebuild the
-plan (cached) and run it. On CUDA a cache is never copied: the kernels take its (page, slot) strides, so any
+Ops: ``flashbridge::mla_fwd``, ``flashbridge::mla_bwd`` and ``flashbridge::mla_decode``, and for block
+masks ``flashbridge::mla_block_mask_fwd`` / ``_bwd`` (the mask's arrays as tensors, its static description
+as plain arguments, as ``flashbridge::flash_attn_sparse_fwd`` takes them). The public functions check
+arguments (values of index tensors on the host) and normalise options; the ops rebuild the plan (cached)
+and run it. On CUDA a cache is never copied: the kernels take its (page, slot) strides, so any
 view whose last dimension is contiguous works.
 """
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..core_kernels.mla.plan import (check_decode_values, check_index_values, check_mla_args,
+from ..core_kernels.mla.plan import (check_decode_values, check_index_values, check_mla_args, check_mla_block_mask,
                                      check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
+from ..masks import BlockMask
 from ._checks import check_tensors
+from .block_sparse import _layout as _mask_layout, mask_tensors
 from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
 
@@ -47,13 +51,6 @@ def _host(t: Optional[Tensor]):
     if t is None or t.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     return t.numpy()
-
-
-def _check_block_mask(block_mask) -> None:
-    if block_mask is not None:
-        raise NotImplementedError("block_mask: MLA attention over a BlockMask needs flashbridge.masks (the "
-                                  "block-sparse BlockMask type), which this build does not have; pass top-k "
-                                  "indices= instead")
 
 
 # -------------------------------------------------------------------------------------------------- ops
@@ -120,6 +117,84 @@ def _backward(ctx, dout, dlse):
 _mla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------------------- block masks
+
+_MASK_NAMES = BlockMask.array_names
+
+
+@functools.lru_cache(maxsize=256)
+def _mask_fwd_plan(shape, options, layout, target, q_strides, kv_strides):
+    return plan_mla_fwd(shape, options, target=target, sparse=layout, strides={"q": q_strides, "kv": kv_strides})
+
+
+@fused_op("mla_block_mask_fwd")
+def _mla_mask_fwd(q: Tensor, kv: Tensor, mask_arrays: list[Optional[Tensor]], head_dim_v: int, softmax_scale: float,
+                  q_block: int, kv_block: int, window_left: Optional[int], window_right: Optional[int],
+                  global_tokens: int, document: bool) -> tuple[Tensor, Tensor]:
+    """Returns (out, lse) as mla_fwd does; ``mask_arrays`` in BlockMask.array_names order."""
+    shape, options = check_mla_args(q=_info(q), kv=_info(kv), head_dim_v=head_dim_v, softmax_scale=softmax_scale)
+    layout = _mask_layout(q, kv, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens, document)
+    q, kv = _prepare(q), _prepare(kv)
+    plan = _mask_fwd_plan(shape, options, layout, target_for(q.device), _q_strides(q), _kv_strides(kv))
+    given = {"q": q, "kv": kv, **dict(zip(_MASK_NAMES, mask_arrays))}
+    return execute(plan, {n: given[n] if n in ("q", "kv") else given[n].contiguous() for n in plan.inputs})
+
+
+@_mla_mask_fwd.register_fake
+def _(q, kv, mask_arrays, head_dim_v, softmax_scale, q_block, kv_block, window_left, window_right, global_tokens,
+      document):
+    b, sq, h, _ = q.shape
+    return q.new_empty((b, sq, h, head_dim_v)), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@fused_op("mla_block_mask_bwd")
+def _mla_mask_bwd(dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                  mask_arrays: list[Optional[Tensor]], head_dim_v: int, softmax_scale: float, q_block: int,
+                  kv_block: int, window_left: Optional[int], window_right: Optional[int], global_tokens: int,
+                  document: bool) -> tuple[Tensor, Tensor]:
+    """Returns (dq, dkv) in q's / kv's shapes and dtype."""
+    shape, options = check_mla_args(q=_info(q), kv=_info(kv), head_dim_v=head_dim_v, softmax_scale=softmax_scale)
+    layout = _mask_layout(q, kv, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens, document)
+    q, kv, dout = _prepare(q), _prepare(kv), _prepare(dout)
+    plan = plan_mla_bwd(shape, options, target=target_for(q.device), has_dlse=dlse is not None, sparse=layout,
+                        strides={"q": _q_strides(q), "kv": _kv_strides(kv), "dout": _q_strides(dout)})
+    given = {"dout": dout, "q": q, "kv": kv, "out": out, "lse": lse, "dlse": dlse,
+             **dict(zip(_MASK_NAMES, mask_arrays))}
+    return execute(plan, {n: given[n] if n in ("dout", "q", "kv") else given[n].contiguous() for n in plan.inputs})
+
+
+@_mla_mask_bwd.register_fake
+def _(dout, q, kv, out, lse, dlse, mask_arrays, head_dim_v, softmax_scale, q_block, kv_block, window_left,
+      window_right, global_tokens, document):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
+def _mask_setup_context(ctx, inputs, output):
+    q, kv, mask_arrays, *static = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, out, lse, *mask_arrays)
+    ctx.static = tuple(static)
+
+
+def _mask_backward(ctx, dout, dlse):
+    q, kv, out, lse, *mask_arrays = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    dq, dkv = _mla_mask_bwd(dout, q, kv, out, lse, dlse, list(mask_arrays), *ctx.static)
+    return (dq, dkv, None, *([None] * len(ctx.static)))
+
+
+_mla_mask_fwd.register_autograd(_mask_backward, setup_context=_mask_setup_context)
+
+
+def _block_mask_attention(q: Tensor, kv: Tensor, block_mask, shape, options) -> tuple[Tensor, Tensor]:
+    """``mla_attention(..., block_mask=...)`` after its argument checks: (out, lse)."""
+    layout = check_mla_block_mask(block_mask, shape, options)
+    t = block_mask.terms
+    return _mla_mask_fwd(q, kv, mask_tensors(block_mask, q.device), shape.head_dim_v, float(options.softmax_scale),
+                         layout.q_block, layout.kv_block, t.window_left, t.window_right, t.global_tokens, t.document)
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_plan(shape, options, target, num_splits, q_strides, kv_strides):
     return plan_mla_fwd(shape, options, target=target, num_splits=num_splits,
@@ -168,8 +243,11 @@ def mla_attention(q: Tensor, kv: Tensor, *, head_dim_v: int = 512, causal: bool 
             positions (and, with ``causal``, only those at or before its own). Entries -1 or ``>= Sk`` are
             skipped; the others must be distinct (checked when the tensor is on the CPU; on a GPU a repeated
             key would count twice in the forward and once in the gradient).
-        block_mask: a block-sparse mask (``flashbridge.masks.BlockMask``); not available in this build
-            (NotImplementedError).
+        block_mask: a :class:`flashbridge.masks.BlockMask` for ``(Sq, Sk)``, shared by the query heads and by
+            the batch or per sequence (``(1|B, 1, Sq, Sk)``): only the key blocks it lists are visited, e.g.
+            the top-k key blocks of each query block (``masks.from_blocks``). Per-head masks are rejected (the
+            heads of a token share one program's rows); so are ``causal`` (build it into the mask:
+            ``masks.causal(Sq, Sk) & ...``) and ``indices`` (one sparsity source at a time).
         return_lse: also return the float32 log-sum-exp ``(B, H, Sq)`` (differentiable).
 
     Returns:
@@ -182,11 +260,17 @@ def mla_attention(q: Tensor, kv: Tensor, *, head_dim_v: int = 512, causal: bool 
         >>> out = mla_attention(q, kv, head_dim_v=64, causal=True)
         >>> out.shape
         torch.Size([2, 16, 8, 64])
+        >>> from flashbridge import masks   # key blocks per query block (blocks of 32 tokens)
+        >>> m = masks.from_blocks([[True, False], [False, True]], seq_len_q=64, seq_len_k=64, block_size=32)
+        >>> mla_attention(torch.randn(1, 64, 8, 96), torch.randn(1, 64, 96), head_dim_v=64, block_mask=m).shape
+        torch.Size([1, 64, 8, 64])
     """
-    _check_block_mask(block_mask)
     check_tensors({"q": q, "kv": kv, "indices": indices}, ("q", "kv"))
     shape, options = check_mla_args(q=_info(q), kv=_info(kv), head_dim_v=head_dim_v, causal=causal,
                                     softmax_scale=softmax_scale, indices=_info(indices))
+    if block_mask is not None:
+        out, lse = _block_mask_attention(q, kv, block_mask, shape, options)
+        return (out, lse) if return_lse else out
     values = _host(indices)
     if values is not None:
         check_index_values(values, None, shape.cache.capacity)

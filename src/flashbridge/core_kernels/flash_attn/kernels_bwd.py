@@ -30,7 +30,7 @@ from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, bloc
                              grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile, lse_log2, mask_bits,
                              mask_tokens, q_block_range, query_block, query_block_at, recompute_p, score_grad,
                              score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
-                             unravel_grid, list_block, list_length)
+                             unravel_grid, list_block, list_length, list_step)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -511,11 +511,9 @@ def _dq_kv_list(
 ):
     """Accumulate dQ over the key blocks of one row of a BlockMask's lists, as the forward's ``fwd_kv_list``
     walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
-    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
-    for it in range(0, n_blocks * SPLIT):
-        slot = it // SPLIT
-        offs_c = (it - slot * SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)  # keys within the mask block
-        n_start = list_block(tl.load(BLOCKS + slot), len_k, MASK_KB) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
+    for it in range(0, n_blocks * (MASK_KB // BLOCK_N)):
+        slot, sub, n_start = list_step(BLOCKS, it, len_k, BLOCK_N, MASK_KB)
+        offs_c = sub + tl.arange(0, BLOCK_N)  # keys within the mask block
         elem_ok = None
         if APPLY_MASK:
             elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, len_k, diag,

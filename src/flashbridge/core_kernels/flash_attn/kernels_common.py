@@ -135,6 +135,18 @@ def list_length(NUM, row, width):
 
 
 @triton.jit
+def list_step(BLOCKS, it, seq_len, BLOCK: tl.constexpr, MASK_B: tl.constexpr):
+    """Step ``it`` of a walk over the mask blocks (of MASK_B indices) listed at ``BLOCKS``, each in MASK_B //
+    BLOCK steps of BLOCK (BLOCK divides MASK_B): (the list slot, the step's offset within its mask block,
+    its first index in the sequence)."""
+    SPLIT: tl.constexpr = MASK_B // BLOCK
+    slot = it // SPLIT
+    start = list_block(tl.load(BLOCKS + slot), seq_len, MASK_B) * MASK_B
+    sub = (it - slot * SPLIT) * BLOCK
+    return slot, sub, start + sub
+
+
+@triton.jit
 def kv_key_range(q_first, q_last, diag, seqlen_k, window_left, window_right,
                  BLOCK_N: tl.constexpr, HAS_LOCAL: tl.constexpr):
     """Key blocks (in units of BLOCK_N) seen by the query indices ``q_first..q_last`` (inclusive; query
@@ -594,10 +606,8 @@ def _fwd_list_step(
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
 ):
     """Step ``it`` of :func:`fwd_kv_list`: key block ``BLOCKS[it // SPLIT]``, its ``it % SPLIT``-th slice."""
-    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
-    slot = it // SPLIT
-    offs_c = (it - slot * SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] key index within the mask block
-    n_start = list_block(tl.load(BLOCKS + slot), seqlen_k, MASK_KB) * MASK_KB + (it - slot * SPLIT) * BLOCK_N
+    slot, sub, n_start = list_step(BLOCKS, it, seqlen_k, BLOCK_N, MASK_KB)
+    offs_c = sub + tl.arange(0, BLOCK_N)  # [N] key index within the mask block
     elem_ok = None
     if APPLY_MASK:
         elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, seqlen_k, diag,

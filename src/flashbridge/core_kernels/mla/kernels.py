@@ -13,20 +13,29 @@ second, and ``p @ v`` reuses the first tile as V (FP8 caches load it a second ti
   positions (``SPARSE``: top-k indices per query token, ``BLOCK_N`` of them per step, -1 skipped), and the
   loop body is the same: gather the rows (through the page table when paged), score, mask, fold. With
   ``TOKEN_ROWS`` a row block holds the heads of one token only (sparse: each token has its own key list).
+  A third source, ``BLOCK_SPARSE`` (a flashbridge.masks.BlockMask, prefill): the key blocks listed for the
+  row block's query block, full ones without mask arithmetic, then partial ones through the mask's element
+  test (``kv_step_mask`` of the attention kernels).
 * :func:`mla_bwd_dq_kernel`: dQ over the same key sources as the forward.
 * :func:`mla_bwd_dkv_kernel`: dKV of one key block, looping over the (token, head) row blocks that see it;
   sparse calls read which (token, key) pairs are selected from a bitmap (:func:`mla_index_bitmap_kernel`)
-  and skip the row blocks that select none of the block's keys. Deterministic: every dKV element is summed by
-  one program in a fixed order, or by a fixed number of programs whose partial sums
-  :func:`mla_sum_parts_kernel` adds in order.
+  and skip the row blocks that select none of the block's keys; block-sparse calls walk the mask's
+  transposed lists. Deterministic: every dKV element is summed by one program in a fixed order, or by a
+  fixed number of programs whose partial sums :func:`mla_sum_parts_kernel` adds in order.
+
+Block masks and the packed rows: a mask's query block of MASK_QB tokens is ``MASK_QB * HEADS`` consecutive
+rows of the flattened (token, head) list, and the plans pick BLOCK_M dividing it, so a row block lies in one
+query block and every head of a token sees the same keys -- which is why the masks must be shared by the
+heads (per-head masks do not fit this layout; the plans reject them).
 """
 import triton
 import triton.language as tl
 
 from ..decode.kernels import cache_slots, f16_query
-from ..flash_attn.kernels_common import (aligned, aligned_strides, fold_values, kv_key_range, load_tile,
-                                         online_softmax_probs, score_grad, score_params, softmax_finalize,
-                                         softmax_init)
+from ..flash_attn.kernels_common import (aligned, aligned_strides, block_mask_visible, fold_values, kv_key_range,
+                                         kv_step_mask, list_block, list_length, list_step, load_tile, mask_bits,
+                                         mask_tokens, online_softmax_probs, score_grad, score_params,
+                                         softmax_finalize, softmax_init, sparse_key_block)
 
 # An unbounded left window for kv_key_range (causal masks have no left edge).
 _NO_LEFT_EDGE = tl.constexpr(1 << 30)
@@ -36,7 +45,8 @@ _NO_LEFT_EDGE = tl.constexpr(1 << 30)
 FWD_INT_SCALARS = (
     "seqlen_q", "fixed_len", "capacity", "num_pages", "topk", "stride_qb", "stride_qs", "stride_qh",
     "stride_kp", "stride_ks", "stride_tb", "stride_ib", "stride_is", "stride_on", "stride_ob", "stride_os",
-    "stride_oh", "stride_ln", "stride_lb", "stride_ls", "stride_lh")
+    "stride_oh", "stride_ln", "stride_lb", "stride_ls", "stride_lh", "window_left", "window_right",
+    "mask_stride_b", "mask_max", "tok_stride_b")
 
 
 # ------------------------------------------------------------------------------------------ building blocks
@@ -67,6 +77,16 @@ def row_block(pid_m, seqlen_q, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, TOKEN
 
 
 @triton.jit
+def mask_row_block(rank, ORDER_ROW, seqlen_q, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, MASK_QB: tl.constexpr):
+    """The row block that rank ``rank`` of a block-sparse grid takes: a mask query block is ``MASK_QB *
+    HEADS`` consecutive rows of the flattened (token, head) list, so the attention kernels' key-major
+    ordering helper applies to rows unchanged (the query blocks of the mask's longest-first order
+    ``ORDER_ROW``, each block's BLOCK_M-row parts in turn)."""
+    MASK_ROWS: tl.constexpr = MASK_QB * HEADS
+    return sparse_key_block(rank, ORDER_ROW, seqlen_q * HEADS, BLOCK_M, MASK_ROWS)
+
+
+@triton.jit
 def load_latent(row, key_ok, offs_dv, offs_dr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_DR: tl.constexpr, CHECK_KEYS: tl.constexpr):
     """Latent rows ``row`` [N] (pointers to each row's first element) as the value part [N, BLOCK_DV]
@@ -92,12 +112,16 @@ def latent_scores(q_v, q_r, kv_v, kv_r, rope_ratio, HAS_ROPE: tl.constexpr, DOT_
 
 
 @triton.jit
-def key_mask(tok, offs_k, key_ok, diag, CAUSAL: tl.constexpr):
+def key_mask(tok, offs_k, key_ok, diag, CAUSAL: tl.constexpr, elem_ok=None):
     """Bool [M, N]: row (token ``tok``) sees key ``offs_k``: the key is valid (``key_ok``: inside the
-    sequence, a listed index) and, when causal, at or before the token's position ``tok + diag``."""
-    ok = key_ok[None, :]
-    if CAUSAL:
-        ok = ok & (offs_k[None, :] <= (tok + diag)[:, None])
+    sequence, a listed index) and, when causal, at or before the token's position ``tok + diag``. A block
+    mask's element test ``elem_ok`` [M, N] (which holds the bounds) replaces both."""
+    if elem_ok is not None:
+        ok = elem_ok
+    else:
+        ok = key_ok[None, :]
+        if CAUSAL:
+            ok = ok & (offs_k[None, :] <= (tok + diag)[:, None])
     return ok
 
 
@@ -139,20 +163,23 @@ def latent_rows(BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_
 @triton.jit
 def mla_fwd_steps(
     acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, step_lo, step_hi, tok, diag, length, num_pages,
-    topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks,
+    topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, BIT_ROWS, BITS, TOK_K, tq, m_local, window_left,
+    window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, SEPARATE_V: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Fold steps ``[step_lo, step_hi)`` into the running softmax. Dense: step = key block ``step``;
     without APPLY_MASK every key of every block is inside the sequence and visible from every row. SPARSE:
     step = ``BLOCK_N`` entries of the row's top-k list at ``IDX_ROW`` (always masked). SEPARATE_V: the value
     tile is loaded again through ``KV_V`` (the same cache) for ``p @ V`` (see mla_fwd_kernel).
 
-    Each step only needs its keys' positions (``offs_k``, ``key_ok``); a third source -- a block-sparse
-    mask's list of key blocks for the row block's query block, step s = sub-block ``s % (KV_BLOCK //
-    BLOCK_N)`` of list entry ``s // (KV_BLOCK // BLOCK_N)`` -- fits the same body, its partial blocks through
-    the mask's element predicate in ``key_mask``."""
+    BLOCK_SPARSE: ``IDX_ROW`` is one row of a block mask's full or partial key-block lists, step s the
+    ``s % (MASK_KB // BLOCK_N)``-th ``BLOCK_N`` keys of entry ``s // (MASK_KB // BLOCK_N)`` (``list_step``);
+    partial lists (APPLY_MASK) take the mask's element test (``kv_step_mask``: ``tq`` [M, 1] the rows' token
+    words, ``m_local`` [M] their tokens within the query block, ``BIT_ROWS`` the list's rows of ``BITS``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -161,9 +188,17 @@ def mla_fwd_steps(
             offs_k, key_ok = sparse_keys(IDX_ROW, step, topk, length, BLOCK_N)
             n_start = 0
         else:
-            n_start = step * BLOCK_N
+            if BLOCK_SPARSE:
+                slot, sub, n_start = list_step(IDX_ROW, step, length, BLOCK_N, MASK_KB)
+            else:
+                n_start = step * BLOCK_N
             offs_k = n_start + offs_n
             key_ok = offs_k < length
+        elem_ok = None
+        if BLOCK_SPARSE and APPLY_MASK:
+            elem_ok = kv_step_mask(tok, m_local, tq, n_start, sub + offs_n, slot, BIT_ROWS, BITS, TOK_K, length, diag,
+                                   window_left, window_right, BLOCK_N, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL,
+                                   MASK_DOC, MASK_BITS)
         base, rows = latent_rows(BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_pages, stride_kp,
                                  stride_ks, PAGED, PAGE_SIZE, SPARSE or (PAGED and PAGE_SIZE % BLOCK_N != 0),
                                  APPLY_MASK)
@@ -173,12 +208,12 @@ def mla_fwd_steps(
         qk = latent_scores(q_v, q_r, kv_v, kv_r.to(q_r.dtype), rope_ratio, DQK > DV, DOT_PRECISION)
         if POSITIVE_SCALE:  # the scale goes into the exponent (see block_probs in kernels_common)
             if APPLY_MASK:
-                qk = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL), qk, float("-inf"))
+                qk = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL, elem_ok), qk, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_probs(m_i, l_i, qk, qk_scale)
         else:
             s2 = qk * qk_scale
             if APPLY_MASK:
-                s2 = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL), s2, float("-inf"))
+                s2 = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL, elem_ok), s2, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_probs(m_i, l_i, s2, 1.0)
         if SEPARATE_V:
             v = load_tile(((KV_V + base) + rows)[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK,
@@ -199,15 +234,19 @@ def load_query(Q_row, row_ok, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.
 @triton.jit(do_not_specialize_on_alignment=FWD_INT_SCALARS)
 def mla_fwd_kernel(
     Q, KV, KV_V, SEQLENS, BLOCK_TABLE, INDICES, KV_SCALE,  # inputs (absent ones: placeholders; KV_V is KV)
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
     seqlen_q, fixed_len, capacity, num_pages, topk, sm_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_tb, stride_ib, stride_is,
-    stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,  # runtime scalars
+    stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,
+    window_left, window_right, mask_stride_b, mask_max, tok_stride_b,  # runtime scalars
     O, LSE,  # outputs: final (out in q's dtype, lse) or float32 split partials, by their strides
     HEADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, TOKEN_ROWS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
     HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, QO_ALIGN: tl.constexpr,
-    KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, SEPARATE_V: tl.constexpr,
+    KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, SEPARATE_V: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr,
+    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Grid ``(row blocks, num_splits, batch)``; the row blocks of one (sequence, split) are adjacent in launch
     order, so the programs reading the same latent tiles run together (L2). Causal grids start with the last
@@ -226,7 +265,14 @@ def mla_fwd_kernel(
     registers, not staged through shared memory by cp.async; loaded through a second pointer the value tile
     is a load of its own with one dot after it, which Triton's pipeliner stages (sm_90, H=16, 32 keys: its
     rows go through a shared-memory buffer, 189 -> 165 registers). Its second read of the rows comes from
-    L2. With 16-bit caches the one tile serves both dots from shared memory, and KV_V is unused."""
+    L2. With 16-bit caches the one tile serves both dots from shared memory, and KV_V is unused.
+
+    BLOCK_SPARSE (prefill, one split): the grid spans whole mask query blocks (``MASK_QB * HEADS`` rows each,
+    a multiple of BLOCK_M) and takes them in the mask's longest-first ``Q_ORDER``; a program walks the full
+    key blocks of its query block (``FULL_KV_*``, batch stride ``mask_stride_b``, lists ``mask_max`` wide),
+    then the partial ones (``KV_*``) through the element test (band ``window_left`` / ``window_right`` and
+    HAS_LOCAL as in the attention kernels, token words ``TOK_Q`` / ``TOK_K`` of batch stride
+    ``tok_stride_b``, bits). The plan picks BLOCK_N dividing MASK_KB."""
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
     stride_ob, stride_os, stride_oh = aligned_strides(stride_ob, stride_os, stride_oh, QO_ALIGN)
     stride_on = aligned(stride_on, QO_ALIGN)
@@ -235,11 +281,15 @@ def mla_fwd_kernel(
     stride_lb, stride_ls, stride_lh = aligned_strides(stride_lb, stride_ls, stride_lh, LSE_ALIGN)
     stride_ln = aligned(stride_ln, LSE_ALIGN)
     pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     b = tl.program_id(2)
+    if BLOCK_SPARSE:
+        pid_m = mask_row_block(pid_m, Q_ORDER + b * mask_stride_b, seqlen_q, HEADS, BLOCK_M, MASK_QB)
+        if pid_m * BLOCK_M >= seqlen_q * HEADS:  # past the rows of a ragged last query block
+            return
+    elif CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
     tok, h, row_ok, tok_first, tok_last = row_block(pid_m, seqlen_q, HEADS, BLOCK_M, TOKEN_ROWS)
     if HAS_SEQLENS:
         length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
@@ -272,8 +322,26 @@ def mla_fwd_kernel(
         s_hi = ((split + 1) * n_steps) // n_splits
         acc, m_i, l_i = mla_fwd_steps(
             acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, s_lo, s_hi, tok, diag, length, num_pages,
-            topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR,
-            PAGED, PAGE_SIZE, True, CAUSAL, True, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V)
+            topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, Q, Q, Q, tok, tok, window_left,
+            window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, True, CAUSAL, True, DOT_PRECISION,
+            POSITIVE_SCALE, SEPARATE_V, False, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS)
+    elif BLOCK_SPARSE:  # this query block's row of the mask's lists: full key blocks, then partial ones
+        qb = tok_first // MASK_QB
+        row = tl.cast(b * mask_stride_b + qb, tl.int64)
+        lists = row * mask_max
+        tok_b = tl.cast(b, tl.int64) * tok_stride_b
+        tq = mask_tokens(TOK_Q + tok_b, tok[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        m_local = tok - qb * MASK_QB
+        for part in tl.static_range(2):
+            NUM = FULL_KV_NUM if part == 0 else KV_NUM
+            IDX = FULL_KV_IDX if part == 0 else KV_IDX
+            acc, m_i, l_i = mla_fwd_steps(
+                acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX + lists, b, 0,
+                list_length(NUM, row, mask_max) * (MASK_KB // BLOCK_N), tok, diag, length, num_pages, topk,
+                qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, KV_BITS_IDX + lists, BITS, TOK_K + tok_b, tq,
+                m_local, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE,
+                part == 1, False, False, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V, True, MASK_QB, MASK_KB,
+                HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS)
     else:
         # key blocks visible from the rows' tokens, split evenly; [full_lo, full_hi) need no mask
         lo, full_lo, full_hi, hi = kv_key_range(tok_first, tok_last, diag, length, _NO_LEFT_EDGE, 0, BLOCK_N, CAUSAL)
@@ -289,9 +357,10 @@ def mla_fwd_kernel(
             if seg == 0 or seg_lo < seg_hi:
                 acc, m_i, l_i = mla_fwd_steps(
                     acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, Q, b, seg_lo, seg_hi, tok, diag, length,
-                    num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, DQK, DV, BLOCK_N,
-                    BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, seg == 1, CAUSAL, False, DOT_PRECISION, POSITIVE_SCALE,
-                    SEPARATE_V)
+                    num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, Q, Q, Q, tok, tok,
+                    window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, seg == 1,
+                    CAUSAL, False, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V, False, MASK_QB, MASK_KB, HAS_LOCAL,
+                    MASK_GLOBAL, MASK_DOC, MASK_BITS)
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALE:
         out = out * tl.load(KV_SCALE).to(tl.float32)
@@ -311,11 +380,11 @@ def mla_fwd_kernel(
 DQ_INT_SCALARS = (
     "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_ib",
     "stride_is", "stride_dob", "stride_dos", "stride_doh", "stride_lb", "stride_lh", "stride_dqb", "stride_dqs",
-    "stride_dqh")
+    "stride_dqh", "window_left", "window_right", "mask_stride_b", "mask_max", "tok_stride_b")
 DKV_INT_SCALARS = (
     "seqlen_q", "seqlen_k", "n_words", "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks",
     "stride_dob", "stride_dos", "stride_doh", "stride_lb", "stride_lh", "stride_mb", "stride_ms", "stride_dp",
-    "stride_db", "stride_ds")
+    "stride_db", "stride_ds", "window_left", "window_right", "mask_t_stride_b", "mask_t_max", "tok_stride_b")
 BITMAP_INT_SCALARS = ("seqlen_q", "seqlen_k", "topk", "stride_ib", "stride_is", "n_words")
 SUM_INT_SCALARS = ("n_parts", "n_elements")
 
@@ -333,12 +402,15 @@ def row_stats(LSE2, DELTA, b, tok, h, row_ok, seqlen_q, stride_lb, stride_lh):
 @triton.jit
 def mla_dq_steps(
     dq_v, dq_r, q_v, q_r, do, lse2, delta, KV, IDX_ROW, b, step_lo, step_hi, tok, diag, length, topk, qk_scale,
-    stride_kb, stride_ks,
+    stride_kb, stride_ks, BIT_ROWS, BITS, TOK_K, tq, m_local, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     APPLY_MASK: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Accumulate dQ [M, DQK] (value columns and rest apart, unscaled) over the forward's steps
-    ``[step_lo, step_hi)``: ``ds = p * (dout kv[:, :DV]^T - delta)``, ``dq += ds kv``."""
+    ``[step_lo, step_hi)`` (key sources as :func:`mla_fwd_steps`): ``ds = p * (dout kv[:, :DV]^T - delta)``,
+    ``dq += ds kv``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -346,14 +418,23 @@ def mla_dq_steps(
         if SPARSE:
             offs_k, key_ok = sparse_keys(IDX_ROW, step, topk, length, BLOCK_N)
         else:
-            offs_k = step * BLOCK_N + offs_n
+            if BLOCK_SPARSE:
+                slot, sub, n_start = list_step(IDX_ROW, step, length, BLOCK_N, MASK_KB)
+            else:
+                n_start = step * BLOCK_N
+            offs_k = n_start + offs_n
             key_ok = offs_k < length
+        elem_ok = None
+        if BLOCK_SPARSE and APPLY_MASK:
+            elem_ok = kv_step_mask(tok, m_local, tq, n_start, sub + offs_n, slot, BIT_ROWS, BITS, TOK_K, length, diag,
+                                   window_left, window_right, BLOCK_N, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL,
+                                   MASK_DOC, MASK_BITS)
         row = KV + tl.cast(b, tl.int64) * stride_kb + tl.cast(offs_k, tl.int64) * stride_ks
         kv_v, kv_r = load_latent(row, key_ok, offs_dv, offs_dr, DQK, DV, BLOCK_DV, BLOCK_DR, APPLY_MASK)
         qk = latent_scores(q_v, q_r, kv_v, kv_r, 1.0, DQK > DV, DOT_PRECISION)
         p = tl.exp2(qk * qk_scale - lse2[:, None])
         if APPLY_MASK:
-            p = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL), p, 0.0)
+            p = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL, elem_ok), p, 0.0)
         dp = tl.dot(do, tl.trans(kv_v), input_precision=DOT_PRECISION)
         ds = score_grad(p, dp, delta[:, None], p, False).to(kv_v.dtype)
         dq_v = tl.dot(ds, kv_v, dq_v, input_precision=DOT_PRECISION)
@@ -365,14 +446,16 @@ def mla_dq_steps(
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
 def mla_bwd_dq_kernel(
     Q, KV, DO, LSE2, DELTA, INDICES,  # inputs
+    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
     seqlen_q, seqlen_k, topk, sm_scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_ib,
     stride_is, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqs,
-    stride_dqh,  # runtime scalars
+    stride_dqh, window_left, window_right, mask_stride_b, mask_max, tok_stride_b,  # runtime scalars
     DQ,  # output: dq in q's layout and dtype
     HEADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, TOKEN_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
     SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr, QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr,
-    LSE_ALIGN: tl.constexpr,
+    LSE_ALIGN: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """dQ of one row block (grid and key sources as :func:`mla_fwd_kernel`, one split): the forward's steps
     again, with the forward's lse. Strides are multiples of QO_ALIGN (q, dout, dq), KV_ALIGN (kv) and
@@ -385,9 +468,13 @@ def mla_bwd_dq_kernel(
     stride_lb = aligned(stride_lb, LSE_ALIGN)
     stride_lh = aligned(stride_lh, LSE_ALIGN)
     pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     b = tl.program_id(2)
+    if BLOCK_SPARSE:
+        pid_m = mask_row_block(pid_m, Q_ORDER + b * mask_stride_b, seqlen_q, HEADS, BLOCK_M, MASK_QB)
+        if pid_m * BLOCK_M >= seqlen_q * HEADS:
+            return
+    elif CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
     tok, h, row_ok, tok_first, tok_last = row_block(pid_m, seqlen_q, HEADS, BLOCK_M, TOKEN_ROWS)
     length = seqlen_k + b * 0
     diag = length - seqlen_q
@@ -405,15 +492,34 @@ def mla_bwd_dq_kernel(
     if SPARSE:
         IDX_ROW = INDICES + (b64 * stride_ib + tl.cast(tok_first, tl.int64) * stride_is)
         dq_v, dq_r = mla_dq_steps(dq_v, dq_r, q_v, q_r, do, lse2, delta, KV, IDX_ROW, b, 0, tl.cdiv(topk, BLOCK_N),
-                                  tok, diag, length, topk, qk_scale, stride_kb, stride_ks, DQK, DV, BLOCK_N,
-                                  BLOCK_DV, BLOCK_DR, True, CAUSAL, True, DOT_PRECISION)
+                                  tok, diag, length, topk, qk_scale, stride_kb, stride_ks, Q, Q, Q, tok, tok,
+                                  window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, True, CAUSAL, True,
+                                  DOT_PRECISION, False, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS)
+    elif BLOCK_SPARSE:  # the forward's lists (see mla_fwd_kernel)
+        qb = tok_first // MASK_QB
+        row = tl.cast(b * mask_stride_b + qb, tl.int64)
+        lists = row * mask_max
+        tok_b = b64 * tok_stride_b
+        tq = mask_tokens(TOK_Q + tok_b, tok[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        m_local = tok - qb * MASK_QB
+        for part in tl.static_range(2):
+            NUM = FULL_KV_NUM if part == 0 else KV_NUM
+            IDX = FULL_KV_IDX if part == 0 else KV_IDX
+            dq_v, dq_r = mla_dq_steps(dq_v, dq_r, q_v, q_r, do, lse2, delta, KV, IDX + lists, b, 0,
+                                      list_length(NUM, row, mask_max) * (MASK_KB // BLOCK_N), tok, diag, length, topk,
+                                      qk_scale, stride_kb, stride_ks, KV_BITS_IDX + lists, BITS, TOK_K + tok_b, tq,
+                                      m_local, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR,
+                                      part == 1, False, False, DOT_PRECISION, True, MASK_QB, MASK_KB, HAS_LOCAL,
+                                      MASK_GLOBAL, MASK_DOC, MASK_BITS)
     else:
         lo, full_lo, full_hi, hi = kv_key_range(tok_first, tok_last, diag, length, _NO_LEFT_EDGE, 0, BLOCK_N, CAUSAL)
         bounds = (full_lo, full_hi, hi)
         for seg in tl.static_range(2):
             dq_v, dq_r = mla_dq_steps(dq_v, dq_r, q_v, q_r, do, lse2, delta, KV, Q, b, bounds[seg], bounds[seg + 1],
-                                      tok, diag, length, topk, qk_scale, stride_kb, stride_ks, DQK, DV, BLOCK_N,
-                                      BLOCK_DV, BLOCK_DR, seg == 1, CAUSAL, False, DOT_PRECISION)
+                                      tok, diag, length, topk, qk_scale, stride_kb, stride_ks, Q, Q, Q, tok, tok,
+                                      window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, seg == 1,
+                                      CAUSAL, False, DOT_PRECISION, False, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL,
+                                      MASK_DOC, MASK_BITS)
     scale = tl.cast(sm_scale, tl.float32)
     DQ_row = DQ + (b64 * stride_dqb + tok64 * stride_dqs + h * stride_dqh)
     tl.store(DQ_row[:, None] + offs_dv[None, :], (dq_v * scale).to(DQ.dtype.element_ty),
@@ -471,15 +577,27 @@ def mla_dkv_step(
 def mla_dkv_rows(
     dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, BITMAP, b, rb_lo, rb_hi, offs_k, diag, seqlen_q, qk_scale,
     sm_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-    stride_mb, stride_ms,
+    stride_mb, stride_ms, IDX, BIT_ROWS, BITS, TOK_Q, tk, n_local, seqlen_k, window_left, window_right,
     HEADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_DR: tl.constexpr, APPLY_MASK: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
+    HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Accumulate dKV [N, DQK] of one key block (value columns and rest apart) over the packed (token, head)
     row blocks ``[rb_lo, rb_hi)``. SPARSE: the mask is the top-k bitmap, and a row block whose tokens select
-    none of the block's keys is skipped (its loads too)."""
-    for rb in range(rb_lo, rb_hi):
+    none of the block's keys is skipped (its loads too).
+
+    BLOCK_SPARSE: ``[rb_lo, rb_hi)`` are steps of a walk over the query blocks listed at ``IDX`` (one row of
+    a block mask's transposed lists), ``MASK_QB * HEADS // BLOCK_M`` row blocks each; partial lists
+    (APPLY_MASK) take the mask's element test on S^T [N, M] (``tk`` [N, 1] the keys' token words, ``n_local``
+    [N] the keys within their mask block, ``BIT_ROWS`` the list's rows of ``BITS``)."""
+    MASK_ROWS: tl.constexpr = MASK_QB * HEADS
+    for it in range(rb_lo, rb_hi):
+        if BLOCK_SPARSE:
+            slot, sub, r_start = list_step(IDX, it, seqlen_q * HEADS, BLOCK_M, MASK_ROWS)
+            rb = r_start // BLOCK_M
+        else:
+            rb = it
         tok, h, row_ok, tok_first, tok_last = row_block(rb, seqlen_q, HEADS, BLOCK_M, False)
         if SPARSE:
             sel = selected_keys(BITMAP, b, tok, offs_k, row_ok, stride_mb, stride_ms)
@@ -489,30 +607,63 @@ def mla_dkv_rows(
                     qk_scale, sm_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
                     stride_lb, stride_lh, DQK, DV, BLOCK_DV, BLOCK_DR, True, CAUSAL, DOT_PRECISION)
         else:
+            sel = row_ok[None, :]
+            if BLOCK_SPARSE and APPLY_MASK:
+                tq = mask_tokens(TOK_Q, tok[None, :], row_ok[None, :], MASK_GLOBAL or MASK_DOC)  # [1, M]
+                bits_ok = None
+                if MASK_BITS:
+                    words = BITS + tl.cast(tl.load(BIT_ROWS + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
+                    bits_ok = mask_bits(words, (tok - (r_start // MASK_ROWS) * MASK_QB)[None, :], n_local[:, None],
+                                        MASK_KB)
+                sel = block_mask_visible(tok[None, :], offs_k[:, None], seqlen_k, diag, window_left, window_right,
+                                         HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok)  # [N, M]
             dkv_v, dkv_r = mla_dkv_step(
-                dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, row_ok[None, :], b, tok, h, row_ok, offs_k, diag,
+                dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, sel, b, tok, h, row_ok, offs_k, diag,
                 seqlen_q, qk_scale, sm_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
                 stride_lb, stride_lh, DQK, DV, BLOCK_DV, BLOCK_DR, APPLY_MASK, CAUSAL, DOT_PRECISION)
     return dkv_v, dkv_r
 
 
+@triton.jit
+def row_list_steps(NUM, IDX, row, width, seqlen_q, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   MASK_QB: tl.constexpr):
+    """Steps of :func:`mla_dkv_rows` over row ``row`` of a block mask's transposed lists (``width`` wide):
+    ``MASK_QB * HEADS // BLOCK_M`` row blocks per listed query block, fewer for the last query block when
+    it reaches past the sequence (its row blocks past the last row are left out; the lists ascend, so it can
+    only be the last entry)."""
+    SPLIT: tl.constexpr = MASK_QB * HEADS // BLOCK_M
+    n = list_length(NUM, row, width)
+    last = list_block(tl.load(IDX + row * width + tl.maximum(n - 1, 0)), seqlen_q, MASK_QB)
+    n_q = tl.cdiv(seqlen_q, MASK_QB)
+    past = n_q * SPLIT - tl.cdiv(seqlen_q * HEADS, BLOCK_M)
+    return n * SPLIT - tl.where((n > 0) & (last == n_q - 1), past, 0)
+
+
 @triton.jit(do_not_specialize_on_alignment=DKV_INT_SCALARS)
 def mla_bwd_dkv_kernel(
     Q, KV, DO, LSE2, DELTA, BITMAP,  # inputs
+    Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER, Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
     seqlen_q, seqlen_k, n_words, sm_scale, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_dob,
     stride_dos, stride_doh, stride_lb, stride_lh, stride_mb, stride_ms, stride_dp, stride_db,
-    stride_ds,  # runtime scalars
+    stride_ds, window_left, window_right, mask_t_stride_b, mask_t_max, tok_stride_b,  # runtime scalars
     DKV,  # output: dkv (kv's dtype, parts 1) or float32 partial sums (parts, B, Sk, DQK), by their strides
     HEADS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
+    BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Grid ``(cdiv(seqlen_k, BLOCK_N), parts, batch)``: part p of key block n sums the row blocks of its
     share (rows of the flattened (token, head) list, BLOCK_M at a time) that can see the block (causal:
     tokens at or after ``n_start - diag``), masked ones first (the causal diagonal; SPARSE: all of them,
     through the top-k bitmap), then the fully visible ones. Keys past ``seqlen_k`` are computed and never
     stored. Strides are multiples of QO_ALIGN (q, dout), KV_ALIGN (kv, dkv) and LSE_ALIGN (lse, delta,
-    bitmap) elements."""
+    bitmap) elements.
+
+    BLOCK_SPARSE: the grid spans whole mask key blocks, taken in the mask's longest-first ``KV_ORDER``; part p
+    sums its share of the steps over the query blocks of the block's transposed lists (``FULL_Q_*`` without
+    mask arithmetic, then ``Q_*`` through the element test; batch stride ``mask_t_stride_b``, lists
+    ``mask_t_max`` wide)."""
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
     stride_dob, stride_dos, stride_doh = aligned_strides(stride_dob, stride_dos, stride_doh, QO_ALIGN)
     stride_kb = aligned(stride_kb, KV_ALIGN)
@@ -522,10 +673,15 @@ def mla_bwd_dkv_kernel(
     stride_lh = aligned(stride_lh, LSE_ALIGN)
     stride_mb = aligned(stride_mb, LSE_ALIGN)
     stride_ms = aligned(stride_ms, LSE_ALIGN)
-    n_start = tl.program_id(0) * BLOCK_N
+    pid_n = tl.program_id(0)
     part = tl.program_id(1)
     n_parts = tl.num_programs(1)
     b = tl.program_id(2)
+    if BLOCK_SPARSE:
+        pid_n = sparse_key_block(pid_n, KV_ORDER + b * mask_t_stride_b, seqlen_k, BLOCK_N, MASK_KB)
+        if pid_n * BLOCK_N >= seqlen_k:  # past the keys of a ragged last key block
+            return
+    n_start = pid_n * BLOCK_N
     offs_k = n_start + tl.arange(0, BLOCK_N)
     key_ok = offs_k < seqlen_k
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -533,32 +689,53 @@ def mla_bwd_dkv_kernel(
     row = KV + tl.cast(b, tl.int64) * stride_kb + tl.cast(offs_k, tl.int64) * stride_ks
     kv_v, kv_r = load_latent(row, key_ok, offs_dv, offs_dr, DQK, DV, BLOCK_DV, BLOCK_DR, True)
     diag = seqlen_k - seqlen_q
-    n_rows = seqlen_q * HEADS
-    rb_all = tl.cdiv(n_rows, BLOCK_M)
-    if CAUSAL:  # rows of tokens >= n_start - diag see the block; >= n_start + BLOCK_N - 1 - diag all of it
-        rb_lo = (tl.minimum(tl.maximum(n_start - diag, 0), seqlen_q) * HEADS) // BLOCK_M
-        rb_full = tl.cdiv(tl.minimum(tl.maximum(n_start + BLOCK_N - 1 - diag, 0), seqlen_q) * HEADS, BLOCK_M)
-    else:
-        rb_lo = n_start * 0
-        rb_full = rb_lo
-    if SPARSE:
-        rb_full = rb_all
-    rb_full = tl.maximum(rb_full, rb_lo)
-    # this part's share of [rb_lo, rb_all)
-    share = rb_all - rb_lo
-    p_lo = rb_lo + (part * share) // n_parts
-    p_hi = rb_lo + ((part + 1) * share) // n_parts
     qk_scale, _ = score_params(sm_scale, 0.0, False)
     scale = tl.cast(sm_scale, tl.float32)
     dkv_v = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dkv_r = tl.zeros([BLOCK_N, BLOCK_DR], dtype=tl.float32)
-    bounds = (rb_lo, rb_full, rb_all)
-    for seg in tl.static_range(2):
-        dkv_v, dkv_r = mla_dkv_rows(
-            dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, BITMAP, b, tl.maximum(bounds[seg], p_lo),
-            tl.minimum(bounds[seg + 1], p_hi), offs_k, diag, seqlen_q, qk_scale, scale, stride_qb, stride_qs,
-            stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_mb, stride_ms, HEADS, DQK, DV,
-            BLOCK_M, BLOCK_DV, BLOCK_DR, seg == 0, CAUSAL, SPARSE, DOT_PRECISION)
+    if BLOCK_SPARSE:
+        kb = n_start // MASK_KB
+        lrow = tl.cast(b * mask_t_stride_b + kb, tl.int64)
+        lists = lrow * mask_t_max
+        tok_b = tl.cast(b, tl.int64) * tok_stride_b
+        tk = mask_tokens(TOK_K + tok_b, offs_k[:, None], key_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [N, 1]
+        n_local = offs_k - kb * MASK_KB
+        for lst in tl.static_range(2):  # full query blocks, then partial ones; each split evenly among the parts
+            NUM = FULL_Q_NUM if lst == 0 else Q_NUM
+            IDX = FULL_Q_IDX if lst == 0 else Q_IDX
+            steps = row_list_steps(NUM, IDX, lrow, mask_t_max, seqlen_q, HEADS, BLOCK_M, MASK_QB)
+            dkv_v, dkv_r = mla_dkv_rows(
+                dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, BITMAP, b, (part * steps) // n_parts,
+                ((part + 1) * steps) // n_parts, offs_k, diag, seqlen_q, qk_scale, scale, stride_qb, stride_qs,
+                stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_mb, stride_ms, IDX + lists,
+                Q_BITS_IDX + lists, BITS, TOK_Q + tok_b, tk, n_local, seqlen_k, window_left, window_right, HEADS, DQK,
+                DV, BLOCK_M, BLOCK_DV, BLOCK_DR, lst == 1, False, False, DOT_PRECISION, True, MASK_QB, MASK_KB,
+                HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS)
+    else:
+        n_rows = seqlen_q * HEADS
+        rb_all = tl.cdiv(n_rows, BLOCK_M)
+        if CAUSAL:  # rows of tokens >= n_start - diag see the block; >= n_start + BLOCK_N - 1 - diag all of it
+            rb_lo = (tl.minimum(tl.maximum(n_start - diag, 0), seqlen_q) * HEADS) // BLOCK_M
+            rb_full = tl.cdiv(tl.minimum(tl.maximum(n_start + BLOCK_N - 1 - diag, 0), seqlen_q) * HEADS, BLOCK_M)
+        else:
+            rb_lo = n_start * 0
+            rb_full = rb_lo
+        if SPARSE:
+            rb_full = rb_all
+        rb_full = tl.maximum(rb_full, rb_lo)
+        # this part's share of [rb_lo, rb_all)
+        share = rb_all - rb_lo
+        p_lo = rb_lo + (part * share) // n_parts
+        p_hi = rb_lo + ((part + 1) * share) // n_parts
+        bounds = (rb_lo, rb_full, rb_all)
+        for seg in tl.static_range(2):
+            dkv_v, dkv_r = mla_dkv_rows(
+                dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, BITMAP, b, tl.maximum(bounds[seg], p_lo),
+                tl.minimum(bounds[seg + 1], p_hi), offs_k, diag, seqlen_q, qk_scale, scale, stride_qb, stride_qs,
+                stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_mb, stride_ms, Q, Q, Q, Q,
+                offs_k, offs_k, seqlen_k, window_left, window_right, HEADS, DQK, DV, BLOCK_M, BLOCK_DV, BLOCK_DR,
+                seg == 0, CAUSAL, SPARSE, DOT_PRECISION, False, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC,
+                MASK_BITS)
     D_row = DKV + (tl.cast(part, tl.int64) * stride_dp + tl.cast(b, tl.int64) * stride_db
                    + tl.cast(offs_k, tl.int64) * stride_ds)
     tl.store(D_row[:, None] + offs_dv[None, :], dkv_v.to(DKV.dtype.element_ty),

@@ -13,6 +13,11 @@ Plans:
   split partials merged by the decode family's merge kernel.
 * :func:`plan_mla_bwd`: the attention backward's preprocess (delta = rowsum(dout * out) - dlse, lse in log2
   units), dQ, (sparse: the index bitmap), dKV (and the sum of its parts when split).
+
+Block masks (``sparse``: the :class:`~flashbridge.core_kernels.block_sparse.plan.SparseLayout` of a
+flashbridge.masks.BlockMask, prefill only, checked by :func:`check_mla_block_mask`): the kernels walk the
+mask's lists; the plans add its arrays (by their BlockMask names) to the inputs and pick tiles that divide
+its blocks -- BLOCK_N divides ``kv_block`` and BLOCK_M divides ``q_block * H`` (a query block's rows).
 """
 from __future__ import annotations
 
@@ -21,15 +26,19 @@ from typing import Optional
 
 from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
+from ..block_sparse import plan as bsp
 from ..decode.plan import (FP8_DTYPE, MAX_PAGE_SIZE, DecodeConfig, _check_int32, _merge_launch, _partial_specs,
                            _partial_strides, check_num_splits)
-from ..flash_attn.plan import check_seqlen_bound
+from ..flash_attn.plan import check_seqlen_bound, local_mask_mode, window_scalars
 
 _K = "mla.kernels"
 MAX_HEAD_DIM_QK = 1024
 MAX_HEADS = 128
 MAX_AUTO_SPLITS = 64
 TensorInfo = tuple[tuple[int, ...], str]
+# the BlockMask arrays the dKV kernel reads (the transposed lists), in its argument order
+DKV_MASK_ARRAYS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "kv_order", "q_bits_index",
+                   "bits", "tokens_q", "tokens_k")
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -225,6 +234,29 @@ def check_mla_args(*, q: TensorInfo, kv: TensorInfo, head_dim_v=512, causal=Fals
     return MLAShape(batch, sq, heads, dqk, dv, q[1], cache, topk), MLAOptions(scale, causal, decode=False)
 
 
+def check_mla_block_mask(block_mask, shape: MLAShape, options: MLAOptions) -> bsp.SparseLayout:
+    """The layout of an ``mla_attention(..., block_mask=...)`` call's mask after checking it against the
+    call (a TypeError / ValueError naming ``block_mask``); both front-ends call it before any launch."""
+    from ...masks import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a flashbridge.masks.BlockMask, got {type(block_mask).__name__}")
+    if options.causal:
+        raise ValueError("block_mask: causal does not combine with a block mask; build the mask you mean with "
+                         "flashbridge.masks (e.g. masks.causal(Sq, Sk) & other)")
+    if shape.sparse:
+        raise ValueError("block_mask: one sparsity source at a time: pass top-k indices= or a block_mask, not both")
+    layout = bsp.layout_of(block_mask)
+    if layout.heads != 1:
+        raise ValueError(f"block_mask: a per-head mask (head extent {layout.heads}) does not fit MLA: the query "
+                         "heads of a token share the one latent KV head and sit together in one program's MMA "
+                         "rows, so they must see the same keys; build the mask shared by the heads (head extent 1, "
+                         "e.g. from_blocks with a (nQ, nK) or (B, 1, nQ, nK) grid)")
+    bsp.check_layout(layout, batch=shape.batch, heads_q=1, seqlen_q=shape.seqlen_q, seqlen_k=shape.cache.capacity,
+                     varlen=False)
+    return layout
+
+
 def check_mla_decode_args(*, q: TensorInfo, kv_cache: TensorInfo, cache_seqlens: Optional[TensorInfo],
                           block_table: Optional[TensorInfo] = None, head_dim_v=512, softmax_scale=None,
                           indices: Optional[TensorInfo] = None, kv_scale: Optional[TensorInfo] = None,
@@ -378,9 +410,13 @@ def fwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
                  config.programs_per_sm or tiles.programs_per_sm)
 
 
-def row_blocks(shape: MLAShape, block_m: int) -> int:
+def row_blocks(shape: MLAShape, block_m: int, sparse: Optional[bsp.SparseLayout] = None) -> int:
+    """Row-block programs: one token's heads each (top-k lists), the packed (token, head) rows, or with a
+    block mask the rows of whole mask query blocks (programs past the last row return at once)."""
     if shape.sparse:
         return shape.seqlen_q * cdiv(shape.heads, block_m)
+    if sparse is not None:
+        return bsp.sparse_blocks(shape.seqlen_q * shape.heads, sparse.q_block * shape.heads, block_m)
     return cdiv(shape.seqlen_q * shape.heads, block_m)
 
 
@@ -426,21 +462,52 @@ def cache_strides(cache: LatentCache) -> tuple[int, int]:
     return (cache.page_size * cache.head_dim, cache.head_dim)
 
 
+def _mask_tiles(tiles: Tiles, sparse: Optional[bsp.SparseLayout], heads: int) -> Tiles:
+    """Tiles that divide a block mask's blocks: BLOCK_N its key block, BLOCK_M its query block's rows."""
+    if sparse is None:
+        return tiles
+    return dataclasses.replace(tiles, block_m=bsp.sparse_tile(tiles.block_m, sparse.q_block * heads),
+                               block_n=bsp.sparse_tile(tiles.block_n, sparse.kv_block))
+
+
+def _mask_args(sparse: Optional[bsp.SparseLayout], *, transposed: bool = False):
+    """(runtime scalars, constexprs) of a block mask's walk and element test, placeholders without a mask:
+    the band's edges, the query-major lists' (``transposed``: key-major lists') batch stride and width, the
+    token rows' batch stride. The masks are shared by the heads: no head strides."""
+    left, right = window_scalars(sparse) if sparse is not None else (0, 0)
+    named = dict(bsp.mask_scalars(sparse, backward=True))
+    lists = ("mask_t_stride_b", "mask_t_max") if transposed else ("mask_stride_b", "mask_max")
+    scalars = (("window_left", left), ("window_right", right), *((n, named[n]) for n in lists),
+               ("tok_stride_b", named["tok_stride_b"]))
+    mode = 0 if sparse is None else local_mask_mode(sparse.window_left, sparse.window_right, one_comparison=True)
+    return scalars, (*bsp.mask_constexprs(sparse, backward=False), ("HAS_LOCAL", mode))
+
+
+def _check_sparse(shape: MLAShape, options: MLAOptions, sparse: Optional[bsp.SparseLayout]) -> None:
+    if sparse is not None and (options.decode or options.causal or shape.sparse or sparse.heads != 1):
+        raise ValueError("block_mask: prefill only, without causal or indices, shared by the heads "
+                         "(see check_mla_block_mask)")
+
+
 def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_splits: Optional[int] = None,
-                 strides: Optional[dict] = None, config: MLAConfig = DEFAULT_CONFIG) -> Plan:
-    """Plan inputs: q, kv, [cache_seqlens], [block_table], [indices], [kv_scale]. ``strides``: "q" -> (batch,
-    token, head), "kv" -> (page, slot) element strides (default: contiguous). Results: out (q's dtype),
-    lse (float32, (B, H, Sq))."""
+                 strides: Optional[dict] = None, config: MLAConfig = DEFAULT_CONFIG,
+                 sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+    """Plan inputs: q, kv, [cache_seqlens], [block_table], [indices], [kv_scale], then with ``sparse`` (a
+    BlockMask's layout) its arrays by their BlockMask names. ``strides``: "q" -> (batch, token, head), "kv"
+    -> (page, slot) element strides (default: contiguous). Results: out (q's dtype), lse (float32, (B, H,
+    Sq))."""
     strides = strides or {}
     cache = shape.cache
-    tiles = fwd_tiles(shape, target, config)
+    _check_sparse(shape, options, sparse)
+    tiles = _mask_tiles(fwd_tiles(shape, target, config), sparse, shape.heads)
     splits = num_splits or choose_num_splits(shape, options, tiles, target, config)
     if not options.decode and splits != 1:
         raise ValueError("num_splits: prefill runs one split")
     bdv, bdr = _widths(shape)
     present = {"q": True, "kv": True, "cache_seqlens": options.decode, "block_table": cache.paged,
                "indices": shape.sparse, "kv_scale": options.has_scale}
-    inputs = tuple(n for n, here in present.items() if here)
+    inputs = tuple(n for n, here in present.items() if here) + tuple(
+        n for n, here in bsp.present_arrays(sparse, bsp.FWD_ARRAYS).items() if here)
     q_strides = strides.get("q") or contiguous_q_strides(shape.q_shape)
     kv_strides = strides.get("kv") or cache_strides(cache)
     idx_strides = (shape.seqlen_q * shape.topk, shape.topk) if shape.sparse else (0, 0)
@@ -458,12 +525,13 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
                ("stride_ib", idx_strides[0]), ("stride_is", idx_strides[1]),
                *((f"stride_o{d}", int(s)) for d, s in zip("nbsh", out_strides)),
                *((f"stride_l{d}", int(s)) for d, s in zip("nbsh", lse_strides)))
+    mask_scalars, mask_flags = _mask_args(sparse)
     launch = Launch(
         kernel=f"{_K}:mla_fwd_kernel",
-        grid=(row_blocks(shape, tiles.block_m), splits, shape.batch),
+        grid=(row_blocks(shape, tiles.block_m, sparse), splits, shape.batch),
         inputs=tuple(n if present[n] else "q" for n in present)[:2] + ("kv",)
-        + tuple(n if present[n] else "q" for n in present)[2:],
-        scalars=scalars,
+        + tuple(n if present[n] else "q" for n in present)[2:] + bsp.mask_inputs(sparse, bsp.FWD_ARRAYS),
+        scalars=scalars + mask_scalars,
         outputs=outputs,
         constexprs=(("HEADS", shape.heads), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
                     ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("BLOCK_DV", bdv), ("BLOCK_DR", bdr),
@@ -474,7 +542,7 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("QO_ALIGN", pow2_divisor(*q_strides, *out_strides)), ("KV_ALIGN", pow2_divisor(*kv_strides)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)),
-                    ("SEPARATE_V", cache.fp8 if config.separate_v is None else config.separate_v)),
+                    ("SEPARATE_V", cache.fp8 if config.separate_v is None else config.separate_v), *mask_flags),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -523,17 +591,21 @@ def bwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
 
 
 def plan_mla_bwd(shape: MLAShape, options: MLAOptions, *, target: Target, has_dlse: bool = False,
-                 strides: Optional[dict] = None, config: MLAConfig = DEFAULT_CONFIG) -> Plan:
-    """Plan inputs: dout, q, kv, out, lse, [dlse], [indices]. ``strides``: "q" / "dout" -> (batch, token,
-    head), "kv" -> (batch, key) element strides (default: contiguous); out and lse are the forward's
-    (contiguous). Results: dq (q's shape), dkv (kv's shape), both in q's dtype."""
+                 strides: Optional[dict] = None, config: MLAConfig = DEFAULT_CONFIG,
+                 sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+    """Plan inputs: dout, q, kv, out, lse, [dlse], [indices], then with ``sparse`` (a BlockMask's layout) its
+    arrays by their BlockMask names. ``strides``: "q" / "dout" -> (batch, token, head), "kv" -> (batch, key)
+    element strides (default: contiguous); out and lse are the forward's (contiguous). Results: dq (q's
+    shape), dkv (kv's shape), both in q's dtype."""
     strides = strides or {}
     b, sq, heads, dqk, dv = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim_qk, shape.head_dim_v
     sk = shape.cache.capacity
     bdv, bdr = _widths(shape)
+    _check_sparse(shape, options, sparse)
     dq_t, dkv_t, parts = bwd_tiles(shape, target, config)
+    dq_t, dkv_t = _mask_tiles(dq_t, sparse, heads), _mask_tiles(dkv_t, sparse, heads)
     present = {"dout": True, "q": True, "kv": True, "out": True, "lse": True, "dlse": has_dlse,
-               "indices": shape.sparse}
+               "indices": shape.sparse, **bsp.present_arrays(sparse, bsp.BWD_ARRAYS)}
     inputs = tuple(n for n, here in present.items() if here)
     q_st = strides.get("q") or contiguous_q_strides(shape.q_shape)
     do_st = strides.get("dout") or contiguous_q_strides(shape.out_shape)
@@ -565,17 +637,19 @@ def plan_mla_bwd(shape: MLAShape, options: MLAOptions, *, target: Target, has_dl
                   *((f"stride_do{d}", s) for d, s in zip("bsh", do_st)), ("stride_lb", lse_b), ("stride_lh", lse_h),
                   *((f"stride_dq{d}", s) for d, s in zip("bsh", dq_st)))
     dims = (("HEADS", heads), ("DQK", dqk), ("DV", dv))
+    mask_scalars, mask_flags = _mask_args(sparse)
     dq_launch = Launch(
         kernel=f"{_K}:mla_bwd_dq_kernel",
-        grid=(row_blocks(shape, dq_t.block_m), 1, b),
-        inputs=("q", "kv", "dout", "lse2", "delta", "indices" if shape.sparse else "q"),
-        scalars=dq_scalars,
+        grid=(row_blocks(shape, dq_t.block_m, sparse), 1, b),
+        inputs=("q", "kv", "dout", "lse2", "delta", "indices" if shape.sparse else "q",
+                *bsp.mask_inputs(sparse, bsp.FWD_ARRAYS)),
+        scalars=dq_scalars + mask_scalars,
         outputs=("dq",),
         constexprs=(*dims, ("BLOCK_M", dq_t.block_m), ("BLOCK_N", dq_t.block_n), ("BLOCK_DV", bdv),
                     ("BLOCK_DR", bdr), ("TOKEN_ROWS", shape.sparse), ("CAUSAL", options.causal),
                     ("SPARSE", shape.sparse), ("DOT_PRECISION", dot),
                     ("QO_ALIGN", pow2_divisor(*q_st, *do_st, *dq_st)), ("KV_ALIGN", pow2_divisor(*kv_st)),
-                    lse_align),
+                    lse_align, *mask_flags),
         num_warps=dq_t.num_warps, num_stages=dq_t.num_stages)
 
     launches = [preprocess, dq_launch]
@@ -604,16 +678,19 @@ def plan_mla_bwd(shape: MLAShape, options: MLAOptions, *, target: Target, has_dl
                    ("stride_ks", kv_st[1]), *((f"stride_do{d}", s) for d, s in zip("bsh", do_st)),
                    ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_mb", sq * n_words), ("stride_ms", n_words),
                    *((f"stride_d{d}", s) for d, s in zip("pbs", dkv_strides)))
+    dkv_mask_scalars, _ = _mask_args(sparse, transposed=True)
     launches.append(Launch(
         kernel=f"{_K}:mla_bwd_dkv_kernel",
-        grid=(cdiv(sk, dkv_t.block_n), parts, b),
-        inputs=("q", "kv", "dout", "lse2", "delta", "bitmap" if shape.sparse else "q"),
-        scalars=dkv_scalars,
+        grid=(cdiv(sk, dkv_t.block_n) if sparse is None else bsp.sparse_blocks(sk, sparse.kv_block, dkv_t.block_n),
+              parts, b),
+        inputs=("q", "kv", "dout", "lse2", "delta", "bitmap" if shape.sparse else "q",
+                *bsp.mask_inputs(sparse, DKV_MASK_ARRAYS)),
+        scalars=dkv_scalars + dkv_mask_scalars,
         outputs=(dkv_out,),
         constexprs=(*dims, ("BLOCK_M", dkv_t.block_m), ("BLOCK_N", dkv_t.block_n), ("BLOCK_DV", bdv),
                     ("BLOCK_DR", bdr), ("CAUSAL", options.causal), ("SPARSE", shape.sparse), ("DOT_PRECISION", dot),
                     ("QO_ALIGN", pow2_divisor(*q_st, *do_st)), ("KV_ALIGN", pow2_divisor(*kv_st, *dkv_strides)),
-                    ("LSE_ALIGN", pow2_divisor(lse_b, lse_h, sq * n_words, n_words))),
+                    ("LSE_ALIGN", pow2_divisor(lse_b, lse_h, sq * n_words, n_words)), *mask_flags),
         num_warps=dkv_t.num_warps, num_stages=dkv_t.num_stages))
     buffers.append(Spec("dkv", kv_shape, shape.dtype))
     if parts > 1:
