@@ -34,6 +34,7 @@ from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv,
 _KERNELS = "cross_entropy.kernels"
 LABEL_DTYPES = ("int32", "int64")
 REDUCTIONS = ("mean", "sum", "none")
+CLASS_WEIGHT_DTYPES = FLOAT_DTYPES + ("float64",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,14 +203,14 @@ class CrossEntropyOutput(NamedTuple):
 
 
 def _check_class_weight(class_weight, vocab: int, name: str) -> None:
-    """Class weights: ``(V,)`` of a float dtype. Any values (torch requires none either: negative weights
-    are allowed, a NaN one makes the losses that read it NaN)."""
+    """Class weights: ``(V,)`` of a float dtype (the kernels read them as float32). Any values (torch requires
+    none either: negative weights are allowed, a NaN one makes the losses that read it NaN)."""
     if class_weight is None:
         return
     shape, dtype = class_weight
-    if dtype not in FLOAT_DTYPES:
+    if dtype not in CLASS_WEIGHT_DTYPES:
         raise TypeError(f"{name}: dtype {dtype} is not supported for class weights; use one of "
-                        f"{', '.join(FLOAT_DTYPES)}")
+                        f"{', '.join(CLASS_WEIGHT_DTYPES)}")
     if tuple(shape) != (vocab,):
         raise ValueError(f"{name}: expected one weight per class, shape ({vocab},), got {tuple(shape)}")
 
