@@ -574,7 +574,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, weight: Optional[Tensor] = 
         >>> loss = cross_entropy(logits, torch.tensor([1, 2, -100, 9]))
         >>> loss.backward()
         >>> out = cross_entropy(logits, torch.tensor([1, 2, -100, 9]), weight=torch.rand(10), return_accuracy=True)
-        >>> out.loss.backward(); out.accuracy.float().mean()
+        >>> out.loss.backward()
+        >>> accuracy = out.accuracy.sum() / 3  # of the 3 labels not ignored
     """
     device = check_tensors({"logits": logits, "labels": labels, "weight": weight}, required=("logits", "labels"))
     n_rows, vocab = check_cross_entropy_args(
