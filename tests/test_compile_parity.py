@@ -206,7 +206,9 @@ def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
 
 @pytest.mark.parametrize("smoothing,predicted", [(0.1, "int32"), (0.0, None)])
 def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted):
-    """The class-weighted forward (with the argmax) and gradient kernels, and the weight sum's."""
+    """The class-weighted forward (with the argmax) and gradient kernels, and the weight sum's. With label
+    smoothing the gradient reads the class weights of each tile (from column col0 of a slice: the plan
+    states its divisibility) in 16-byte vectors, as the logits: 8 such loads, not 4."""
     plan = plan_ce_fwd_grad(8192, 128256, grad_dtype="bfloat16", per_row_weight=False, ignore_index=-100,
                             label_smoothing=smoothing, z_loss=1e-4, logit_softcap=0.0, target=H200,
                             class_weight=True, predicted_dtype=predicted)
@@ -215,7 +217,9 @@ def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted
               "lse_lo": "float32", "zloss": "float32", "predicted": "int32", "grad": "bfloat16", "sum": "float32"}
     sums = plan_class_weight_sum(8192, 128256, of_labels=True, ignore_index=-100, target=H200)
     for launch in (*plan.launches, *sums.launches):
-        _assert_same_ptx(launch, dtypes)
+        ptx = _assert_same_ptx(launch, dtypes)
+        if launch.kernel.endswith("ce_grad_weighted_kernel") and smoothing:
+            assert _vector_loads(ptx) >= 8, "the class weights' loads in the gradient are not 16 bytes wide"
 
 
 @pytest.mark.parametrize("transposed", [False, True])

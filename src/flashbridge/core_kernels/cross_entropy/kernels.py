@@ -314,9 +314,10 @@ def _ce_grad_rows(
     n_rows, ignore_index, label_smoothing, z_loss, softcap, col0, GRAD,
     V: tl.constexpr, V_ALL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     PER_ROW_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr, COL0_ALIGN: tl.constexpr,
 ):
-    """The gradient of one row block (the kernels' arguments are documented at :func:`ce_grad_kernel`)."""
+    """The gradient of one row block (the kernels' arguments are documented at :func:`ce_grad_kernel` and
+    :func:`ce_grad_weighted_kernel`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < n_rows
@@ -350,7 +351,10 @@ def _ce_grad_rows(
                 h = tl.zeros([BLOCK_N], dtype=tl.float32) + tl.load(Z_WEIGHT).to(tl.float32)
             h = tl.where(active, h, 0.0)
             coef += tl.where(bad, float("nan"), h) * (2.0 * z_loss * lse)
-        cw_slice = CLASS_WEIGHT + col0  # the class weights of this slice's columns
+        # the class weights of this slice's columns. A runtime integer carries no divisibility, and without
+        # it their loads are 4 bytes wide; the plan states col0's (tl.multiple_of on a scalar did not reach
+        # the loads on Triton 3.9), the arithmetic hands it to the compiler and changes no value.
+        cw_slice = CLASS_WEIGHT + col0 // COL0_ALIGN * COL0_ALIGN
     else:
         coef = w
         if HAS_ZLOSS:
@@ -384,7 +388,7 @@ def ce_grad_kernel(
     labels are the whole rows'; a label outside the slice adds no one-hot term here)."""
     _ce_grad_rows(LOGITS, LABELS, LSE, LSE_LO, WEIGHT, WEIGHT, LOGITS, LOGITS, n_rows, ignore_index,
                   label_smoothing, z_loss, softcap, col0, GRAD, V, V_ALL, BLOCK_N, BLOCK_V, PER_ROW_WEIGHT,
-                  HAS_SMOOTH, HAS_ZLOSS, HAS_SOFTCAP, False)
+                  HAS_SMOOTH, HAS_ZLOSS, HAS_SOFTCAP, False, 1)
 
 
 @triton.jit(do_not_specialize_on_alignment=("n_rows", "ignore_index", "col0"))
@@ -395,12 +399,14 @@ def ce_grad_weighted_kernel(
     GRAD,  # output: the gradient of sum_i (w_i * ce_i + z_weight_i * lam * lse_i**2)
     V: tl.constexpr, V_ALL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     PER_ROW_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    COL0_ALIGN: tl.constexpr,
 ):
     """``ce_grad_kernel`` with class weights: the ce and z-loss terms have upstream gradients of their own
-    (a mean divides them by different sums). Z_WEIGHT is never read without HAS_ZLOSS."""
+    (a mean divides them by different sums). Z_WEIGHT is never read without HAS_ZLOSS. COL0_ALIGN: a power
+    of two dividing col0."""
     _ce_grad_rows(LOGITS, LABELS, LSE, LSE_LO, WEIGHT, Z_WEIGHT, CLASS_WEIGHT, WEIGHT_SUM, n_rows, ignore_index,
                   label_smoothing, z_loss, softcap, col0, GRAD, V, V_ALL, BLOCK_N, BLOCK_V, PER_ROW_WEIGHT,
-                  HAS_SMOOTH, HAS_ZLOSS, HAS_SOFTCAP, True)
+                  HAS_SMOOTH, HAS_ZLOSS, HAS_SOFTCAP, True, COL0_ALIGN)
 
 
 @triton.jit(do_not_specialize_on_alignment=("n", "ignore_index"))

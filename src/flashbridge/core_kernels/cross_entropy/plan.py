@@ -29,7 +29,8 @@ import numbers
 from typing import Any, NamedTuple
 
 from .._config import active_config
-from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
+from .._plan import (DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2,
+                     pow2_divisor)
 
 _KERNELS = "cross_entropy.kernels"
 LABEL_DTYPES = ("int32", "int64")
@@ -290,7 +291,8 @@ def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config,
         scalars=(("n_rows", n_rows),) + scalars + (("col0", int(col0)),),
         outputs=("grad",),
         constexprs=(("V", vocab), ("V_ALL", vocab_all or vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
-                    ("PER_ROW_WEIGHT", per_row_weight)) + flags,
+                    ("PER_ROW_WEIGHT", per_row_weight)) + flags
+        + ((("COL0_ALIGN", pow2_divisor(int(col0))),) if class_weight else ()),
         num_warps=num_warps, num_stages=_stages(config))
 
 
