@@ -213,13 +213,15 @@ def _ce_fwd_rows(
         # plain loads). The last iteration re-reads the last tile (an L2 hit) instead of branching.
         tile = row_base[:, None, None] + _tile_cols(C, CHUNK)  # [BLOCK_N, C, CHUNK] pointers
         x_next = tl.load(tile)
-        if SMOOTH_CW:
+        if SMOOTH_CW:  # the class weights' tile travels one step ahead too (an L2 read)
             cw_tile = CLASS_WEIGHT + _tile_cols(C, CHUNK)  # [1, C, CHUNK] pointers
+            cw_next = tl.load(cw_tile)
         for start in range(0, V_FULL, BLOCK_V):
             x = x_next
             x_next = tl.load(tile + tl.minimum(start + BLOCK_V, V_FULL - BLOCK_V))
             if SMOOTH_CW:
-                cw = tl.load(cw_tile + start).to(tl.float32)
+                cw = cw_next.to(tl.float32)
+                cw_next = tl.load(cw_tile + tl.minimum(start + BLOCK_V, V_FULL - BLOCK_V))
             else:
                 cw = x  # never read
             m, s, zsum = _lse_update(m, s, zsum, x, cw, softcap, HAS_SMOOTH, HAS_SOFTCAP, SMOOTH_CW)
