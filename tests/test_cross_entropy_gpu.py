@@ -353,11 +353,12 @@ def test_weighted_linear_cross_entropy_bf16_h200_shape(opts):
     assert rel <= 1e-3, f"loss relative error {rel:.3g}"
     assert_close_gpu(ht.grad, ref_dh, n_dh, name="dhidden (weighted)")
     assert_close_gpu(wt.grad, ref_dw, n_dw, name="dweight (weighted)")
-    # the argmax of the bf16 logits torch computes (its GEMM is the one pass 1 runs): equal where the top
-    # two differ, else one of the tied maxima
-    logits = (hid @ w.T)[:1024]
+    # the argmax of the bf16 logits pass 1 computes: within their rounding (2^-7 relative) of the maximum of
+    # the same logits in float32
+    logits = hid[:1024].float() @ w.float().T
     picked = logits.gather(1, out.predicted[:1024, None])[:, 0]
-    assert torch.equal(picked, logits.max(-1).values)
+    top = logits.max(-1).values
+    assert (picked >= top - 2.0**-7 * top.abs().clamp(min=1)).all()
 
 
 @pytest.mark.gpu
