@@ -9,9 +9,15 @@
    (read twice, gradient written once) in TB/s against the device-to-device copy ceiling measured in the
    same run; eager ``F.cross_entropy`` alongside.
 
+3. Options against the plain op at the same shapes (:func:`bench_options`): class weights (with and
+   without label smoothing), ``return_accuracy`` + ``return_predicted``, all together; logits-level device
+   time (CUDA graph, forward and forward+backward) and the linear op's, torch and JAX. Class weights must
+   stay within 5% of the unweighted op (the bar is printed).
+
 Usage: ``PYTHONPATH=src python benchmarks/bench_cross_entropy.py [--quick] [--jax-sweep]``; writes
 ``results/cross_entropy.json`` and ``results/cross_entropy.png`` (or under $OUT). ``--jax-only --jax-hlo DIR``:
 the torch default and the JAX rows only (``cross_entropy_jax.json``), with XLA's optimized HLO of each JAX row.
+``--options``: part 3 alone (``cross_entropy_options.json``).
 """
 from __future__ import annotations
 
@@ -199,6 +205,134 @@ def bench_logits(quick: bool, ceiling: float) -> list[dict]:
     return rows
 
 
+WEIGHTED_BAR = 1.05  # class weights: at most 5% slower than the unweighted op
+
+
+def bench_options(quick: bool) -> dict:
+    """Class weights and the per-token extras against the plain op (see the module docstring). Logits-level
+    rows are device times (two logits sets replayed from one CUDA graph, ``validate_labels=False``); the
+    linear rows are eager forward+backward calls (do_bench), as part 1; JAX rows are jitted."""
+    import torch
+
+    from flashbridge.torch_api.cross_entropy import cross_entropy, linear_cross_entropy
+
+    n = N // 4 if quick else N
+    g = torch.Generator(device="cuda").manual_seed(5)
+    sets = [((torch.randn(n, V, generator=g, device="cuda") * 3).to(torch.bfloat16).requires_grad_(),)
+            for _ in range(2)]
+    y = torch.randint(0, V, (n,), generator=g, device="cuda")
+    y[::10] = -100
+    w = torch.rand(V, generator=g, device="cuda") + 0.5
+    variants = [  # name, options, the variant it is compared with (None: itself the reference)
+        ("plain", {}, None),
+        ("weight", dict(weight=w), "plain"),
+        ("label_smoothing=0.1", dict(label_smoothing=0.1), None),
+        ("weight, label_smoothing=0.1", dict(weight=w, label_smoothing=0.1), "label_smoothing=0.1"),
+        ("return_accuracy + return_predicted", dict(return_accuracy=True, return_predicted=True), "plain"),
+        ("weight, smoothing, z-loss, accuracy, predicted", dict(weight=w, label_smoothing=0.1, z_loss=1e-4,
+                                                               return_accuracy=True, return_predicted=True),
+         "label_smoothing=0.1"),
+    ]
+
+    def loss_of(out):
+        return out if isinstance(out, torch.Tensor) else out.loss
+
+    rows, by_name = [], {}
+    for name, opts, base in variants:
+        fn = lambda a, opts=opts: cross_entropy(a, y, validate_labels=False, **opts)  # noqa: E731
+        entry = {"impl": f"flashbridge torch, {name}", "variant": name, "base": base}
+        try:
+            with torch.no_grad():
+                entry["fwd_ms"] = time_torch_steady(fn, sets)
+            entry["fwd_bwd_ms"] = time_torch_steady(lambda a, fn=fn: torch.autograd.grad(loss_of(fn(a)), a), sets)
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(entry)
+        by_name[name] = entry
+        print(entry, flush=True)
+    for entry in rows:
+        base = by_name.get(entry["base"]) if entry["base"] else None
+        if base and "fwd_ms" in entry and "fwd_ms" in base:
+            entry["fwd_ratio"] = entry["fwd_ms"] / base["fwd_ms"]
+            entry["fwd_bwd_ratio"] = entry["fwd_bwd_ms"] / base["fwd_bwd_ms"]
+    try:
+        import torch.nn.functional as F
+        fn = lambda a: F.cross_entropy(a, y, weight=w.to(a.dtype))  # noqa: E731
+        with torch.no_grad():
+            ms_f = time_torch_steady(fn, sets)
+        rows.append({"impl": "eager F.cross_entropy(weight=)", "variant": "eager weight", "base": None,
+                     "fwd_ms": ms_f, "fwd_bwd_ms": time_torch_steady(lambda a: torch.autograd.grad(fn(a), a), sets)})
+    except Exception as exc:
+        rows.append({"impl": "eager F.cross_entropy(weight=)", "error": f"{type(exc).__name__}: {exc}"})
+    del sets
+
+    # the linear op at part 1's shape: plain against class weights, torch then JAX
+    h = torch.randn(n, H, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    wl = (torch.randn(V, H, generator=g, device="cuda") * H**-0.5 * 2).to(torch.bfloat16).requires_grad_()
+    linear = []
+    for name, opts in (("plain", {}), ("class_weight", dict(class_weight=w)),
+                       ("class_weight, label_smoothing=0.1", dict(class_weight=w, label_smoothing=0.1))):
+        try:
+            ms = time_torch(lambda opts=opts: torch.autograd.grad(
+                linear_cross_entropy(h, wl, y, validate_labels=False, **opts), (h, wl)))
+            linear.append({"impl": f"flashbridge torch linear, {name}", "time_ms": ms})
+        except Exception as exc:
+            linear.append({"impl": f"flashbridge torch linear, {name}", "error": f"{type(exc).__name__}: {exc}"})
+        print(linear[-1], flush=True)
+    try:
+        import importlib
+
+        import jax
+        import jax.numpy as jnp
+
+        jce = importlib.import_module("flashbridge.jax_api.cross_entropy")
+        dev = jax.devices("gpu")[0]
+        to_jax = lambda t: jax.device_put(jnp.asarray(t.detach().float().cpu().numpy()).astype(  # noqa: E731
+            jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.float32), dev)
+        hj, wj, cwj = to_jax(h), to_jax(wl), to_jax(w)
+        yj = jax.device_put(jnp.asarray(y.cpu().numpy()), dev)
+        for name, opts in (("plain", {}), ("class_weight", dict(class_weight=cwj))):
+            fn = jax.value_and_grad(lambda a, b, opts=opts: jce.linear_cross_entropy(a, b, yj, **opts), argnums=(0, 1))
+            linear.append({"impl": f"flashbridge jax linear, {name}", "time_ms": time_jax(fn, hj, wj)})
+            print(linear[-1], flush=True)
+        xj = jax.device_put((jax.random.normal(jax.random.key(5), (n, V)) * 3).astype(jnp.bfloat16), dev)
+        for name, opts in (("plain", {}), ("weight", dict(weight=cwj))):
+            fn = jax.value_and_grad(lambda a, opts=opts: jce.cross_entropy(a, yj, **opts))
+            rows.append({"impl": f"flashbridge jax, {name}", "variant": f"jax {name}", "base": None,
+                         "fwd_bwd_ms": time_jax(fn, xj)})
+            print(rows[-1], flush=True)
+    except Exception as exc:
+        linear.append({"impl": "flashbridge jax", "error": f"{type(exc).__name__}: {exc}"})
+    plain = {r["impl"].rsplit(", ", 1)[0]: r.get("time_ms") for r in linear if r["impl"].endswith(", plain")}
+    for r in linear:
+        base = plain.get(r["impl"].split(", ", 1)[0])
+        if "time_ms" in r and base and not r["impl"].endswith(", plain"):
+            r["ratio"] = r["time_ms"] / base
+    jax_rows = {r["variant"]: r for r in rows if r.get("variant", "").startswith("jax")}
+    if "fwd_bwd_ms" in jax_rows.get("jax weight", {}) and "fwd_bwd_ms" in jax_rows.get("jax plain", {}):
+        jax_rows["jax weight"]["fwd_bwd_ratio"] = jax_rows["jax weight"]["fwd_bwd_ms"] / jax_rows["jax plain"]["fwd_bwd_ms"]
+
+    def ratio(r, key):
+        return f"{r[key]:.3f}" if key in r else "-"
+
+    print_table(f"cross_entropy options, {n}x{V} bf16 (device time; ratio to the variant named)",
+                ["impl", "fwd ms", "fwd+bwd ms", "compared with", "fwd ratio", "fwd+bwd ratio"],
+                [[r["impl"], r.get("fwd_ms", r.get("error", "-")), r.get("fwd_bwd_ms", "-"), r.get("base") or "-",
+                  ratio(r, "fwd_ratio"), ratio(r, "fwd_bwd_ratio")] for r in rows])
+    print_table(f"linear_cross_entropy options, {n}x{H}x{V} bf16 (forward+backward)",
+                ["impl", "time (ms)", "ratio to plain"],
+                [[r["impl"], r.get("time_ms", r.get("error", "-")), ratio(r, "ratio")] for r in linear])
+    weighted = ([(r["impl"], r[k]) for r in rows if "weight" in r.get("variant", "") and "accuracy" not in r["variant"]
+                 for k in ("fwd_ratio", "fwd_bwd_ratio") if k in r]
+                + [(r["impl"], r["ratio"]) for r in linear if "class_weight" in r["impl"] and "ratio" in r])
+    worst = max(weighted, key=lambda t: t[1], default=(None, float("nan")))
+    ok = bool(weighted) and worst[1] <= WEIGHTED_BAR
+    print(f"class weights within {WEIGHTED_BAR - 1:.0%} of the unweighted op: {'PASS' if ok else 'FAIL'} "
+          f"(worst: {worst[0]} at {worst[1]:.3f}x)")
+    return {"logits": rows, "linear": linear, "weighted_bar": WEIGHTED_BAR, "weighted_worst_ratio": worst[1],
+            "weighted_within_bar": ok, "shape": f"{n}x{V} bf16, linear {n}x{H}x{V}"}
+
+
 def tune(ceiling: float) -> list[dict]:
     """The logits-level kernels (forward; gradient) over tile width, warps and pipelining depth."""
     import torch
@@ -263,13 +397,20 @@ def main(argv=None) -> int:
                              "logits-level rows")
     parser.add_argument("--jax-hlo", metavar="DIR",
                         help="write each JAX row's optimized HLO (XLA's copies, buffer sizes) into DIR")
+    parser.add_argument("--options", action="store_true",
+                        help="only the class weights / accuracy / predicted rows against the plain op")
     args = parser.parse_args(argv)
     ceiling = measure_copy_ceiling()
     if args.tune:
         save("cross_entropy_tune", {"copy_ceiling_tbs": ceiling, "tune": tune(ceiling)})
         return 0
+    if args.options:
+        path = save("cross_entropy_options", {"options": bench_options(args.quick), "quick": args.quick})
+        print(f"wrote {path}")
+        return 0
     linear = bench_linear(args.quick, args.jax_sweep, args.jax_only, args.jax_hlo)
     logits = [] if args.jax_only else bench_logits(args.quick, ceiling)
+    options = None if args.jax_only else bench_options(args.quick)
     print_table("linear cross-entropy forward+backward", ["impl", "time (ms)", "peak extra (GB)", "TFLOP/s"],
                 [[r["impl"], r.get("time_ms", r.get("error", "-")), r.get("peak_extra_gb", "-"),
                   r.get("tflops", "-")] for r in linear])
@@ -279,7 +420,8 @@ def main(argv=None) -> int:
                   r["fwd_bwd_of_ceiling"]] for r in logits])
     # a --jax-only run does not replace the full run's results
     path = save("cross_entropy_jax" if args.jax_only else "cross_entropy",
-                {"copy_ceiling_tbs": ceiling, "linear": linear, "logits": logits, "quick": args.quick})
+                {"copy_ceiling_tbs": ceiling, "linear": linear, "logits": logits, "options": options,
+                 "quick": args.quick})
     if not args.jax_only:
         plot(linear)
     print(f"wrote {path}")

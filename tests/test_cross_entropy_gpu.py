@@ -18,13 +18,17 @@ OPTION_SETS = [dict(), dict(label_smoothing=0.1, z_loss=1e-4, logit_softcap=30.0
 
 
 def reference_f64(h, w, y, *, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  logit_softcap=0.0, chunk=1024):
-    """float64 (loss_mean, lse, dh, dw, db) of the mean-reduced linear cross-entropy, chunked over tokens."""
+                  logit_softcap=0.0, class_weight=None, chunk=1024):
+    """float64 (loss_mean, lse, dh, dw, db) of the mean-reduced linear cross-entropy, chunked over tokens;
+    ``class_weight`` (V,): torch's class weights (the mean divides the ce terms by the counted labels'
+    weights, the z-loss terms by their number)."""
     h64, w64 = h.double(), w.double()
     b64 = None if bias is None else bias.double()
-    n = h.shape[0]
+    n, vocab = h.shape[0], w.shape[0]
     active = y != ignore_index
     count = max(int(active.sum()), 1)
+    cw = None if class_weight is None else class_weight.double()
+    w_total = count if cw is None else (float(cw[y[active]].sum()) if active.any() else 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=h.device)
     lse_all = torch.empty(n, dtype=torch.float64, device=h.device)
     dh = torch.empty_like(h64)
@@ -40,33 +44,46 @@ def reference_f64(h, w, y, *, bias=None, ignore_index=-100, label_smoothing=0.0,
         act = active[s:e]
         yy = torch.where(act, y[s:e], 0)
         z_y = z.gather(1, yy[:, None])[:, 0]
-        rows = ((1 - label_smoothing) * (lse - z_y) + label_smoothing * (lse - z.mean(-1)) + z_loss * lse**2)
-        loss_sum += torch.where(act, rows, 0.0).sum()
+        if cw is None:
+            w_y, smooth = torch.ones_like(lse), lse - z.mean(-1)
+        else:
+            w_y, smooth = cw[yy], (cw * (lse[:, None] - z)).sum(-1) / vocab
+        ce = (1 - label_smoothing) * w_y * (lse - z_y) + label_smoothing * smooth
+        loss_sum += torch.where(act, ce, 0.0).sum() / w_total + torch.where(act, z_loss * lse**2, 0.0).sum() / count
         lse_all[s:e] = lse
         p = torch.exp(z - lse[:, None])
-        dz = p * (1 + 2 * z_loss * lse[:, None]) - label_smoothing / z.shape[1]
-        dz[torch.arange(e - s, device=h.device), yy] -= (1 - label_smoothing)
-        dz *= (act.double() / count)[:, None]
+        g_ce, g_z = act.double() / w_total, act.double() / count
+        w_all = torch.ones(vocab, dtype=torch.float64, device=h.device) if cw is None else cw
+        dz = g_ce[:, None] * ((1 - label_smoothing) * w_y[:, None] * p
+                              + label_smoothing / vocab * (w_all.sum() * p - w_all))
+        dz[torch.arange(e - s, device=h.device), yy] -= g_ce * (1 - label_smoothing) * w_y
+        dz += (g_z * 2 * z_loss * lse)[:, None] * p
         if logit_softcap > 0:
             dz *= 1 - (z / logit_softcap) ** 2
         dh[s:e] = dz @ w64
         dw += dz.T @ h64[s:e]
         if db is not None:
             db += dz.sum(0)
-    return loss_sum / count, lse_all, dh, dw, db
+    return loss_sum, lse_all, dh, dw, db
 
 
-def naive_bf16(h, w, y, *, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0):
+def naive_bf16(h, w, y, *, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0,
+               class_weight=None):
     """Eager autograd in the input dtype: the yardstick of the error bound."""
     h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     x = h @ w.T
     if bias is not None:
         x = x + bias
     z = logit_softcap * torch.tanh(x / logit_softcap) if logit_softcap > 0 else x
-    rows = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    cw = None if class_weight is None else class_weight.to(z.dtype)
+    rows = F.cross_entropy(z, y, weight=cw, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    active = y != ignore_index
+    count = active.sum().clamp(min=1)
+    w_total = count if cw is None else torch.where(active, cw[y.clamp(min=0)], 0).sum()
+    loss = rows.sum() / w_total
     if z_loss:
-        rows = rows + z_loss * torch.logsumexp(z, -1) ** 2 * (y != ignore_index)
-    loss = rows.sum() / (y != ignore_index).sum().clamp(min=1)
+        loss = loss + (z_loss * torch.logsumexp(z, -1) ** 2 * active).sum() / count
     dh, dw = torch.autograd.grad(loss, (h, w))
     return loss.detach(), dh, dw
 
@@ -105,6 +122,12 @@ def test_gpu_reference_matches_numpy_reference():
     rl, rlse = R.linear_cross_entropy(hn, wn, yn, bias=b.numpy(), return_lse=True, **opts)
     rdh, rdw, rdb = R.linear_cross_entropy_bwd(1.0, hn, wn, yn, bias=b.numpy(), **opts)
     for a, r in ((loss, rl), (lse, rlse), (dh, rdh), (dw, rdw), (db, rdb)):
+        np.testing.assert_allclose(a.numpy(), r, rtol=1e-10, atol=1e-13)
+    cw = torch.rand(300, dtype=torch.float64) + 0.5
+    loss, lse, dh, dw, db = reference_f64(hid, w, y, bias=b, chunk=8, class_weight=cw, **opts)
+    rl = R.linear_cross_entropy(hn, wn, yn, bias=b.numpy(), class_weight=cw.numpy(), **opts)
+    rdh, rdw, rdb = R.linear_cross_entropy_bwd(1.0, hn, wn, yn, bias=b.numpy(), class_weight=cw.numpy(), **opts)
+    for a, r in ((loss, rl), (dh, rdh), (dw, rdw), (db, rdb)):
         np.testing.assert_allclose(a.numpy(), r, rtol=1e-10, atol=1e-13)
 
 
@@ -276,3 +299,121 @@ def test_gpu_labels_checked_only_when_asked():
     assert np.isnan(jrows[1]) and np.array_equal(jrows[[0, 2, 3]], want[[0, 2, 3]].cpu().numpy())
     with pytest.raises(ValueError, match="labels: 1 label"):
         jce(xj, yj, validate_labels=True)
+
+
+# ---------------------------------------------------------------------- class weights, accuracy, argmax
+
+@pytest.mark.gpu
+def test_weighted_cross_entropy_logits_bf16_h200_shape():
+    """The logits op at N=8192, V=128256 with class weights, label smoothing, a z-loss and the extras:
+    loss and dlogits against float64 within twice eager bf16's error, the argmax equal to torch.argmax."""
+    from flashbridge.torch_api.cross_entropy import cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = (torch.randn(N, V, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), generator=g, device="cuda")
+    y[::7] = -100
+    w = (torch.rand(V, generator=g, device="cuda") * 2 + 0.1).to(torch.bfloat16).float()  # exact in bf16
+    opts = dict(label_smoothing=0.1, z_loss=1e-4)
+    xt = x.clone().requires_grad_()
+    out = cross_entropy(xt, y, weight=w, return_accuracy=True, return_predicted=True, **opts)
+    out.loss.backward()
+    # float64 reference (torch's weighted smoothing; the z-loss over the counted tokens) and eager bf16
+    active = y != -100
+    x64 = x.double().requires_grad_()
+    ref = (F.cross_entropy(x64, y, weight=w.double(), label_smoothing=0.1)
+           + 1e-4 * (torch.logsumexp(x64, -1) ** 2 * active).sum() / active.sum())
+    ref.backward()
+    xn = x.clone().requires_grad_()
+    naive = (F.cross_entropy(xn, y, weight=w.to(torch.bfloat16), label_smoothing=0.1)
+             + 1e-4 * (torch.logsumexp(xn.float(), -1) ** 2 * active).sum() / active.sum())
+    naive.backward()
+    rel = abs(out.loss.item() - ref.item()) / abs(ref.item())
+    assert rel <= 1e-3, f"loss relative error {rel:.3g}"
+    assert_close_gpu(xt.grad, x64.grad, xn.grad, name="dlogits (weighted)")
+    predicted = torch.argmax(x, -1)
+    assert torch.equal(out.predicted, predicted)
+    assert torch.equal(out.accuracy, (predicted == y) & active)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=["plain", "smooth-zloss-softcap"])
+def test_weighted_linear_cross_entropy_bf16_h200_shape(opts):
+    from flashbridge.torch_api.cross_entropy import linear_cross_entropy
+
+    hid, w, y = _inputs(12)
+    cw = (torch.rand(V, generator=torch.Generator(device="cuda").manual_seed(13), device="cuda") * 2 + 0.1)
+    cw = cw.to(torch.bfloat16).float()
+    ref_loss, _, ref_dh, ref_dw, _ = reference_f64(hid, w, y, class_weight=cw, **opts)
+    _, n_dh, n_dw = naive_bf16(hid, w, y, class_weight=cw, **opts)
+    ht, wt = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    out = linear_cross_entropy(ht, wt, y, class_weight=cw, return_predicted=True, **opts)
+    out.loss.backward()
+    rel = abs(out.loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    assert rel <= 1e-3, f"loss relative error {rel:.3g}"
+    assert_close_gpu(ht.grad, ref_dh, n_dh, name="dhidden (weighted)")
+    assert_close_gpu(wt.grad, ref_dw, n_dw, name="dweight (weighted)")
+    # the argmax of the bf16 logits pass 1 computes: within their rounding (2^-7 relative) of the maximum of
+    # the same logits in float32
+    logits = hid[:1024].float() @ w.float().T
+    picked = logits.gather(1, out.predicted[:1024, None])[:, 0]
+    top = logits.max(-1).values
+    assert (picked >= top - 2.0**-7 * top.abs().clamp(min=1)).all()
+
+
+@pytest.mark.gpu
+def test_weighted_torch_jax_parity_on_gpu():
+    """Class weights, smoothing, z-loss and the extras: torch and JAX give the same bits on the GPU
+    (gradients of a mean included: the weight sums come from one kernel), and the same argmax."""
+    pytest.importorskip("jax_triton")
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.cross_entropy import cross_entropy as jce
+    from flashbridge.torch_api.cross_entropy import cross_entropy as tce
+
+    g = torch.Generator(device="cuda").manual_seed(14)
+    x = (torch.randn(256, 32003, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    y = torch.randint(0, 32003, (256,), generator=g, device="cuda")
+    y[::5] = -100
+    w = torch.rand(32003, generator=g, device="cuda") + 0.5
+    opts = dict(label_smoothing=0.1, z_loss=1e-3)
+    xt = x.clone().requires_grad_()
+    out = tce(xt, y, weight=w, return_predicted=True, return_accuracy=True, **opts)
+    out.loss.backward()
+    dev = jax.devices("gpu")[0]
+    xj = jax.device_put(jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16), dev)
+    yj, wj = (jax.device_put(jnp.asarray(t.cpu().numpy()), dev) for t in (y, w))
+
+    def f(a):
+        o = jce(a, yj, weight=wj, return_predicted=True, return_accuracy=True, **opts)
+        return o.loss, o
+
+    (jl, jout), jg = jax.value_and_grad(f, has_aux=True)(xj)
+    assert np.array_equal(np.asarray(jg.astype(jnp.float32)), xt.grad.float().cpu().numpy())
+    np.testing.assert_allclose(float(jl), out.loss.item(), rtol=1e-6)
+    assert np.array_equal(np.asarray(jout.predicted), out.predicted.cpu().numpy())
+    assert np.array_equal(np.asarray(jout.accuracy), out.accuracy.cpu().numpy())
+
+
+@pytest.mark.gpu
+def test_jax_weighted_linear_cross_entropy_on_gpu():
+    pytest.importorskip("jax_triton")
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api.cross_entropy import linear_cross_entropy as jlce
+
+    hid, w, y = _inputs(15, n=1000, h=512, v=32003)
+    cw = (torch.rand(32003, generator=torch.Generator(device="cuda").manual_seed(16), device="cuda") + 0.5)
+    ref_loss, _, ref_dh, ref_dw, _ = reference_f64(hid, w, y, class_weight=cw, label_smoothing=0.1)
+    _, n_dh, n_dw = naive_bf16(hid, w, y, class_weight=cw, label_smoothing=0.1)
+    dev = jax.devices("gpu")[0]
+    hj, wj = (jax.device_put(jnp.asarray(t.float().cpu().numpy()).astype(jnp.bfloat16), dev) for t in (hid, w))
+    yj, cwj = (jax.device_put(jnp.asarray(t.cpu().numpy()), dev) for t in (y, cw))
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(lambda a, b: jlce(a, b, yj, class_weight=cwj, label_smoothing=0.1),
+                                                argnums=(0, 1)))(hj, wj)
+    assert abs(float(loss) - ref_loss.item()) / abs(ref_loss.item()) <= 1e-3
+    to_torch = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to("cuda")  # noqa: E731
+    assert_close_gpu(to_torch(dh), ref_dh, n_dh, name="dhidden (jax, weighted)")
+    assert_close_gpu(to_torch(dw), ref_dw, n_dw, name="dweight (jax, weighted)")

@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 
 from ..core_kernels.cross_entropy.plan import (
-    LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd,
-    plan_ce_grad, plan_linear_cross_entropy)
+    CrossEntropyOutput, LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
+    plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy)
 from ._checks import check_tensors
 from ._ops import fused_op, plain_eager, underlying, vmapped_at
 from ._runtime import dtype_name, execute, target_for
@@ -121,6 +121,123 @@ def _ce_backward(ctx, dloss, *_):
 _ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
 
 
+# With class weights and / or the argmax: ops of their own, so that the plain ones above keep their schema
+# and their kernels (which take no class weights).
+
+def _weight_sum(class_weight: Tensor, labels: Optional[Tensor], ignore_index: int) -> Tensor:
+    """float32 (1,): the sum of the class weights, or (labels given) of the weights of the labels a mean
+    counts, 1 when none does (plan_class_weight_sum: the same bits as the JAX front-end)."""
+    vocab = class_weight.shape[0]
+    plan = plan_class_weight_sum(vocab if labels is None else labels.shape[0], vocab, of_labels=labels is not None,
+                                 ignore_index=ignore_index, target=target_for(class_weight.device))
+    named = {"class_weight": class_weight.contiguous(), "labels": labels}
+    (total,) = execute(plan, {n: named[n] for n in plan.inputs})
+    return total
+
+
+@fused_op("cross_entropy_class_weight_sum")
+def _ce_weight_sum(class_weight: Tensor, labels: Optional[Tensor], ignore_index: int) -> Tensor:
+    return _weight_sum(class_weight, None if labels is None else labels.contiguous(), ignore_index)
+
+
+@_ce_weight_sum.register_fake
+def _(class_weight, labels, ignore_index):
+    return class_weight.new_empty((1,), dtype=torch.float32)
+
+@fused_op("cross_entropy_fwd_ext")
+def _ce_fwd_ext(logits: Tensor, labels: Tensor, class_weight: Optional[Tensor], weight_sum: Optional[Tensor],
+                ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
+                predicted: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """As cross_entropy_fwd, with class weights ``(V,)`` and their float32 sum ``(1,)`` (or None) and the
+    argmax: (loss, lse, lse_lo, zloss, predicted). With class weights loss holds the weighted ce terms and
+    zloss the z-loss terms (empty without a z-loss, or without class weights, where loss has them);
+    predicted is in the labels' dtype (empty unless asked for)."""
+    n_rows, vocab = logits.shape
+    plan = plan_ce_fwd(n_rows, vocab, **_opts(ignore_index, label_smoothing, z_loss, logit_softcap),
+                       target=target_for(logits.device), class_weight=class_weight is not None,
+                       predicted_dtype=dtype_name(labels.dtype) if predicted else None)
+    named = {"logits": logits.contiguous(), "labels": labels.contiguous()}
+    if class_weight is not None:
+        named.update(class_weight=class_weight.contiguous(), weight_sum=weight_sum.reshape(1).float())
+    out = dict(zip(plan.results, execute(plan, named)))
+    empty = logits.new_empty((0,), dtype=torch.float32)
+    return (out["loss"], out["lse"], out["lse_lo"], out.get("zloss", empty),
+            out.get("predicted", labels.new_empty((0,))))
+
+
+@_ce_fwd_ext.register_fake
+def _(logits, labels, class_weight, weight_sum, ignore_index, label_smoothing, z_loss, logit_softcap, predicted):
+    n_rows = logits.shape[0]
+    rows = [logits.new_empty((n_rows,), dtype=torch.float32) for _ in range(3)]
+    zloss = logits.new_empty((n_rows if class_weight is not None and z_loss > 0 else 0,), dtype=torch.float32)
+    return (*rows, zloss, labels.new_empty((n_rows if predicted else 0,)))
+
+
+@_ce_fwd_ext.register_vmap
+def _(batch, in_dims, logits, labels, class_weight, weight_sum, *options):
+    if in_dims[2] is not None or in_dims[3] is not None:
+        return None  # class weights per vmapped element: one call each
+    outs = _ce_fwd_ext.overload(*_rows(batch, (logits, labels), in_dims), class_weight, weight_sum, *options)
+    return tuple(t.unflatten(0, (batch, -1)) if t.numel() else t.new_empty((batch, 0)) for t in outs), (0,) * 5
+
+
+@fused_op("cross_entropy_bwd_weighted")
+def _ce_bwd_weighted(logits: Tensor, labels: Tensor, lse: Tensor, lse_lo: Tensor, dloss: Tensor, dzloss: Tensor,
+                     class_weight: Tensor, weight_sum: Tensor, ignore_index: int, label_smoothing: float,
+                     z_loss: float, logit_softcap: float) -> Tensor:
+    """Gradient of sum_i (dloss_i * ce_i + dzloss_i * zloss_i) with respect to logits (n, V), with class
+    weights; dloss, dzloss float32 (n,) (dzloss is not read without a z-loss)."""
+    n_rows, vocab = logits.shape
+    plan = plan_ce_grad(n_rows, vocab, grad_dtype=dtype_name(logits.dtype), per_row_weight=True,
+                        **_opts(ignore_index, label_smoothing, z_loss, logit_softcap),
+                        target=target_for(logits.device), class_weight=True)
+    named = {"logits": logits.contiguous(), "labels": labels.contiguous(), "lse": lse.contiguous(),
+             "lse_lo": lse_lo.contiguous(), "weight": dloss.contiguous(), "z_weight": dzloss.contiguous(),
+             "class_weight": class_weight.contiguous(), "weight_sum": weight_sum.reshape(1).float()}
+    (grad,) = execute(plan, {n: named[n] for n in plan.inputs})
+    return grad
+
+
+@_ce_bwd_weighted.register_fake
+def _(logits, labels, lse, lse_lo, dloss, dzloss, class_weight, weight_sum, *options):
+    return torch.empty_like(logits)
+
+
+@_ce_bwd_weighted.register_vmap
+def _(batch, in_dims, logits, labels, lse, lse_lo, dloss, dzloss, class_weight, weight_sum, *options):
+    if in_dims[6] is not None or in_dims[7] is not None:
+        return None
+    rows = _rows(batch, (logits, labels, lse, lse_lo, dloss, dzloss), in_dims)
+    return _ce_bwd_weighted.overload(*rows, class_weight, weight_sum, *options).unflatten(0, (batch, -1)), 0
+
+
+def _ce_ext_setup_context(ctx, inputs, output):
+    logits, labels, class_weight, weight_sum, *options = inputs
+    _, lse, lse_lo, _, predicted = output
+    ctx.mark_non_differentiable(lse, lse_lo, predicted)
+    ctx.save_for_backward(logits, labels, lse, lse_lo, class_weight, weight_sum)
+    ctx.options = options[:4]
+
+
+def _ce_ext_backward(ctx, dloss, _lse, _lse_lo, dzloss, _predicted):
+    logits, labels, lse, lse_lo, class_weight, weight_sum = ctx.saved_tensors
+    none = (None,) * 9
+    if (dloss is None and dzloss is None) or not ctx.needs_input_grad[0]:
+        return none
+    dloss = torch.zeros_like(lse) if dloss is None else dloss.float().contiguous()
+    if class_weight is None:
+        return (_ce_bwd(logits, labels, lse, lse_lo, dloss, *ctx.options),) + none[1:]
+    if ctx.options[2] <= 0:  # no z-loss: the kernel does not read dzloss
+        dzloss = dloss
+    else:
+        dzloss = torch.zeros_like(lse) if dzloss is None else dzloss.float().contiguous()
+    return (_ce_bwd_weighted(logits, labels, lse, lse_lo, dloss, dzloss, class_weight, weight_sum, *ctx.options),
+            ) + none[1:]
+
+
+_ce_fwd_ext.register_autograd(_ce_ext_backward, setup_context=_ce_ext_setup_context)
+
+
 # ------------------------------------------------------------------------------------ linear custom ops
 
 def _logits_into(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Optional[Tensor]) -> Tensor:
@@ -133,55 +250,69 @@ def _logits_into(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Optiona
 
 def _run_passes(plan: LinearCEPlan, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                 weights: Tensor, dh: Tensor, dw: Tensor, db: Optional[Tensor], lse: Optional[Tensor] = None,
-                lse_lo: Optional[Tensor] = None):
+                lse_lo: Optional[Tensor] = None, shared: Optional[dict] = None, z_weights: Optional[Tensor] = None):
     """Execute ``plan`` (see ``LinearCEPlan``): the gradients of ``sum_i w_i * loss_i`` (``weights``: float32
-    (N,) or (1,), as the plan's ``per_row_weight``) into the given buffers (empty = not wanted). A chunk's
-    logits go into dW's storage whenever dW is computed and they fit (dW is written only in pass 2): torch's
-    GEMMs write into any storage, so chunks with logits "of their own" cost nothing here either. Returns
-    (loss_rows, lse, lse_lo) in the forward, else None."""
+    (N,) or (1,), as the plan's ``per_row_weight``; with class weights ``sum_i w_i * ce_i + z_i * zloss_i``,
+    ``z_weights`` alike, when the plan has a z-loss) into the given buffers (empty = not wanted). ``shared``:
+    the class weights and their sum, by name, with the plan's ``class_weight``. A chunk's logits go into
+    dW's storage whenever dW is computed and they fit (dW is written only in pass 2): torch's GEMMs write into
+    any storage, so chunks with logits "of their own" cost nothing here either. Returns the forward's
+    per-row results by name (loss, lse, lse_lo[, zloss, predicted]), else None."""
     n_rows, vocab = plan.n_rows, plan.vocab
     target = target_for(hidden.device)
+    per_row = {"labels": labels}
+    if plan.per_row_weight:
+        per_row.update(weight=weights, z_weight=z_weights)
+    whole = {**(shared or {}), **({} if plan.per_row_weight else {"weight": weights, "z_weight": z_weights})}
     if plan.forward:
-        loss_rows, lse, lse_lo = (hidden.new_empty((n_rows,), dtype=torch.float32) for _ in range(3))
+        rows_out = {name: hidden.new_empty((n_rows,), dtype=torch.float32) for name in ("loss", "lse", "lse_lo")}
+        if plan.split_zloss:
+            rows_out["zloss"] = hidden.new_empty((n_rows,), dtype=torch.float32)
+        if plan.predicted_dtype:
+            rows_out["predicted"] = labels.new_empty((n_rows,))
+    else:
+        per_row.update(lse=lse, lse_lo=lse_lo)
     flat_dw = dw.view(-1) if dw.numel() else None
     for start, stop, _ in plan.chunk_bounds():  # pass 1
         rows = stop - start
         logits = _logits_into(hidden[start:stop], weight, bias,
                               flat_dw if flat_dw is not None and rows * vocab <= flat_dw.numel() else None)
-        named = {"logits": logits, "labels": labels[start:stop], "weight": weights[start:stop]
-                 if plan.per_row_weight else weights}
         kernels = plan.chunk_plan(rows, target)
-        if plan.forward and plan.chunk_grads:
-            loss_rows[start:stop], lse[start:stop], grad, lse_lo[start:stop] = execute(kernels, named,
-                                                                                        out={"grad": logits})
-        elif plan.forward:
-            loss_rows[start:stop], lse[start:stop], lse_lo[start:stop] = execute(kernels, named)
-        else:
-            (grad,) = execute(kernels, {**named, "lse": lse[start:stop], "lse_lo": lse_lo[start:stop]},
-                              out={"grad": logits})
+        named = {"logits": logits, **{n: t[start:stop] for n, t in per_row.items() if t is not None}, **whole}
+        out = dict(zip(kernels.results, execute(kernels, {n: named[n] for n in kernels.inputs},
+                                                out={"grad": logits} if "grad" in kernels.results else None)))
+        if plan.forward:
+            for name, t in rows_out.items():
+                t[start:stop] = out[name]
         if plan.chunk_grads:
-            torch.mm(grad, weight, out=dh[start:stop])
-        del logits, named
+            torch.mm(out["grad"], weight, out=dh[start:stop])
+        del logits, named, out
+    if plan.forward:
+        lse, lse_lo = rows_out["lse"], rows_out["lse_lo"]
+        per_row.update(lse=lse, lse_lo=lse_lo)
     buffer = hidden.new_empty((plan.buffer_elements,)) if plan.buffer_elements else None
     for s in plan.slices:  # pass 2
         buf = flat_dw[plan.dw_tail_offset(s):] if s.where == "dw_tail" else buffer if s.where == "buffer" else None
         logits = _logits_into(hidden, weight[s.c0:s.c1], None if bias is None else bias[s.c0:s.c1], buf)
-        (grad,) = execute(plan.slice_plan(n_rows, s.c0, s.c1, target), {
-            "logits": logits, "labels": labels, "lse": lse, "lse_lo": lse_lo, "weight": weights}, out={"grad": logits})
+        kernels = plan.slice_plan(n_rows, s.c0, s.c1, target)
+        named = {"logits": logits, **{n: t for n, t in per_row.items() if t is not None}, **whole}
+        (grad,) = execute(kernels, {n: named[n] for n in kernels.inputs}, out={"grad": logits})
         if dw.numel():
             torch.mm(grad.t(), hidden, out=dw[s.c0:s.c1])
         if db is not None:
             db[s.c0:s.c1] = grad.sum(dim=0, dtype=torch.float32)
-        del logits, grad
-    return (loss_rows, lse, lse_lo) if plan.forward else None
+        del logits, grad, named
+    return rows_out if plan.forward else None
 
 
 def _plan(hidden: Tensor, weight: Tensor, dh: Tensor, dw: Tensor, db: Optional[Tensor], options: dict, *,
-          forward: bool, chunk_size: int) -> LinearCEPlan:
+          forward: bool, chunk_size: int, class_weight: bool = False,
+          predicted_dtype: Optional[str] = None) -> LinearCEPlan:
     return plan_linear_cross_entropy(
         hidden.shape[0], hidden.shape[1], weight.shape[0], dtype=dtype_name(hidden.dtype), forward=forward,
         want_dh=dh.numel() > 0, want_dw=dw.numel() > 0, want_db=db is not None, chunk_size=chunk_size or None,
-        logits_into_dw_rows=True, per_row_weight=not forward, **options, target=target_for(hidden.device))
+        logits_into_dw_rows=True, per_row_weight=not forward, **options, target=target_for(hidden.device),
+        class_weight=class_weight, predicted_dtype=predicted_dtype)
 
 
 def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
@@ -191,16 +322,25 @@ def _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
     return dh, dw, db
 
 
+def _shared(class_weight: Optional[Tensor], weight_sum: Optional[Tensor]) -> Optional[dict]:
+    if class_weight is None:
+        return None
+    return {"class_weight": class_weight.contiguous(), "weight_sum": weight_sum.reshape(1).float()}
+
+
 @fused_op("linear_cross_entropy_fwd")
 def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
              label_smoothing: float, z_loss: float, logit_softcap: float, reduction: str, chunk_size: int,
-             grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """hidden (N, H), weight (V, H), labels (N,) -> (loss, lse, lse_lo, dh, dw, db).
+             grad_hidden: bool, grad_weight: bool, grad_bias: bool, class_weight: Optional[Tensor] = None,
+             weight_sum: Optional[Tensor] = None, predicted: bool = False,
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden (N, H), weight (V, H), labels (N,) -> (loss, lse, lse_lo, dh, dw, db, predicted).
 
     loss: float32 scalar ("mean" / "sum") or (N,) ("none"); lse, lse_lo float32 (N,) (plan_ce_fwd). With reduction "mean" /
     "sum", dh / dw / db are the gradients for an upstream gradient of 1, computed during the forward
     (:func:`_run_passes`), for the grad_* flags that are set; the others (and all three for "none") are empty.
+    class_weight (V,) and its float32 sum (1,): class weights (or None); predicted: each row's argmax in the
+    labels' dtype (empty unless asked for).
     """
     n_rows, _ = hidden.shape
     options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
@@ -208,18 +348,27 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     dh, dw, db = _grad_buffers(hidden, weight, bias, fused and grad_hidden, fused and grad_weight,
                                fused and grad_bias)
     count = _token_count(labels, ignore_index) if reduction == "mean" else None
-    scale = ((1.0 / count).reshape(1) if count is not None
-             else torch.ones(1, dtype=torch.float32, device=hidden.device))
-    plan = _plan(hidden, weight, dh, dw, db, options, forward=True, chunk_size=chunk_size)
-    loss_rows, lse, lse_lo = _run_passes(plan, hidden, weight, bias, labels, scale, dh, dw, db)
-    loss = _reduce(loss_rows, labels, ignore_index, reduction, (n_rows,), count)
+    w_total = (_weight_sum(class_weight, labels, ignore_index)
+               if reduction == "mean" and class_weight is not None else count)
+    one = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    scale = (1.0 / w_total).reshape(1) if w_total is not None else one
+    z_scale = (1.0 / count).reshape(1) if count is not None else one
+    plan = _plan(hidden, weight, dh, dw, db, options, forward=True, chunk_size=chunk_size,
+                 class_weight=class_weight is not None, predicted_dtype=dtype_name(labels.dtype) if predicted else None)
+    out = _run_passes(plan, hidden, weight, bias, labels, scale, dh, dw, db, shared=_shared(class_weight, weight_sum),
+                      z_weights=z_scale if plan.split_zloss else None)
+    if class_weight is None:
+        loss = _reduce(out["loss"], labels, ignore_index, reduction, (n_rows,), count)
+    else:
+        loss = _reduce_weighted(out["loss"], out.get("zloss", out["loss"][:0]), labels, ignore_index, reduction,
+                                (n_rows,), w_total)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
-    return loss, lse, lse_lo, dh, dw, db_out
+    return loss, out["lse"], out["lse_lo"], dh, dw, db_out, out.get("predicted", labels.new_empty((0,)))
 
 
 @_lce_fwd.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit_softcap, reduction,
-      chunk_size, grad_hidden, grad_weight, grad_bias):
+      chunk_size, grad_hidden, grad_weight, grad_bias, class_weight=None, weight_sum=None, predicted=False):
     n_rows = hidden.shape[0]
     f32 = torch.float32
     loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=f32)
@@ -227,26 +376,31 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit
     dh = hidden.new_empty(hidden.shape) if fused and grad_hidden else hidden.new_empty((0,))
     dw = weight.new_empty(weight.shape) if fused and grad_weight else weight.new_empty((0,))
     db = hidden.new_empty((weight.shape[0],)) if fused and grad_bias else hidden.new_empty((0,))
-    return loss, hidden.new_empty((n_rows,), dtype=f32), hidden.new_empty((n_rows,), dtype=f32), dh, dw, db
+    return (loss, hidden.new_empty((n_rows,), dtype=f32), hidden.new_empty((n_rows,), dtype=f32), dh, dw, db,
+            labels.new_empty((n_rows if predicted else 0,)))
 
 
 @fused_op("linear_cross_entropy_bwd")
 def _lce_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
              lse_lo: Tensor, dloss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, logit_softcap: float,
              chunk_size: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,)) by recomputing the logits from the forward's
-    lse (:func:`_run_passes`): returns (dh, dw, db), empty where the flag is not set."""
+             class_weight: Optional[Tensor] = None, weight_sum: Optional[Tensor] = None,
+             dzloss: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum_i dloss_i * loss_i (dloss float32 (N,); with class weights sum_i (dloss_i * ce_i +
+    dzloss_i * zloss_i), dzloss given with a z-loss) by recomputing the logits from the forward's lse
+    (:func:`_run_passes`): returns (dh, dw, db), empty where the flag is not set."""
     options = _opts(ignore_index, label_smoothing, z_loss, logit_softcap)
     dh, dw, db = _grad_buffers(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
-    plan = _plan(hidden, weight, dh, dw, db, options, forward=False, chunk_size=chunk_size)
-    _run_passes(plan, hidden, weight, bias, labels, dloss, dh, dw, db, lse, lse_lo)
+    plan = _plan(hidden, weight, dh, dw, db, options, forward=False, chunk_size=chunk_size,
+                 class_weight=class_weight is not None)
+    _run_passes(plan, hidden, weight, bias, labels, dloss, dh, dw, db, lse, lse_lo,
+                shared=_shared(class_weight, weight_sum), z_weights=dzloss if plan.split_zloss else None)
     return dh, dw, db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
 
 
 @_lce_bwd.register_fake
 def _(hidden, weight, labels, bias, lse, lse_lo, dloss, ignore_index, label_smoothing, z_loss, logit_softcap,
-      chunk_size, grad_hidden, grad_weight, grad_bias):
+      chunk_size, grad_hidden, grad_weight, grad_bias, class_weight=None, weight_sum=None, dzloss=None):
     dh = hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty((0,))
     dw = weight.new_empty(weight.shape) if grad_weight else weight.new_empty((0,))
     db = hidden.new_empty((weight.shape[0],)) if grad_bias else hidden.new_empty((0,))
@@ -255,13 +409,15 @@ def _(hidden, weight, labels, bias, lse, lse_lo, dloss, ignore_index, label_smoo
 
 def _lce_setup_context(ctx, inputs, output):
     (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, logit_softcap, reduction, chunk_size,
-     grad_hidden, grad_weight, grad_bias) = inputs
-    _, lse, lse_lo, dh, dw, db = output
-    ctx.mark_non_differentiable(lse, lse_lo, dh, dw, db)
+     grad_hidden, grad_weight, grad_bias, *extra) = inputs
+    class_weight, weight_sum = (tuple(extra[:2]) + (None, None))[:2]
+    _, lse, lse_lo, dh, dw, db, predicted = output
+    ctx.mark_non_differentiable(lse, lse_lo, dh, dw, db, predicted)
     ctx.reduction = reduction
     ctx.flags = (grad_hidden, grad_weight, grad_bias and bias is not None)
     ctx.options = (ignore_index, label_smoothing, z_loss, logit_softcap, chunk_size)
-    saved = (hidden, weight, labels, bias, lse, lse_lo)  # references to the inputs: no memory
+    ctx.n_inputs = len(inputs)
+    saved = (hidden, weight, labels, bias, lse, lse_lo, class_weight, weight_sum)  # references: no memory
     ctx.handover = None
     if reduction != "none":
         if plain_eager((dh, dw, db)):
@@ -281,9 +437,10 @@ def _lce_backward(ctx, dloss, *_):
     gradients from the saved lse, chunk by chunk (four GEMMs)."""
     gh, gw, gb = ctx.flags
     gh, gw, gb = gh and ctx.needs_input_grad[0], gw and ctx.needs_input_grad[1], gb and ctx.needs_input_grad[3]
+    nothing = (None,) * ctx.n_inputs
     if dloss is None or not (gh or gw or gb):
-        return (None,) * 13
-    hidden, weight, labels, bias, lse, lse_lo, *fwd_grads = ctx.saved_tensors
+        return nothing
+    hidden, weight, labels, bias, lse, lse_lo, class_weight, weight_sum, *fwd_grads = ctx.saved_tensors
     ii, ls, zl, cap, chunk = ctx.options
     g = dloss.float()
     if ctx.handover is not None:
@@ -293,13 +450,17 @@ def _lce_backward(ctx, dloss, *_):
         dh, dw, db = (t * g if need else None for t, need in zip(fwd_grads, (gh, gw, gb)))
     else:
         if ctx.reduction == "none":
-            row_weights = g.contiguous()
+            row_weights = z_weights = g.contiguous()
         else:  # the upstream gradient of the sum / mean, spread over the rows (ignored rows get 0 anyway)
             count = _token_count(labels, ii) if ctx.reduction == "mean" else 1
-            row_weights = (g / count).expand(labels.shape[0]).contiguous()
+            w_total = (_weight_sum(class_weight, labels, ii)
+                       if ctx.reduction == "mean" and class_weight is not None else count)
+            row_weights = (g / w_total).expand(labels.shape[0]).contiguous()
+            z_weights = (g / count).expand(labels.shape[0]).contiguous()
         dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, lse_lo, row_weights, ii, ls, zl, cap, chunk,
-                              gh, gw, gb)
-    return (dh if gh else None, dw if gw else None, None, db if gb else None) + (None,) * 9
+                              gh, gw, gb, class_weight, weight_sum,
+                              z_weights if class_weight is not None and zl > 0 else None)
+    return (dh if gh else None, dw if gw else None, None, db if gb else None) + nothing[4:]
 
 
 _lce_fwd.register_autograd(_lce_backward, setup_context=_lce_setup_context)
@@ -337,10 +498,39 @@ def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str
     return loss_rows.sum() / (_token_count(labels, ignore_index) if count is None else count)
 
 
-def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0, logit_softcap: float = 0.0, reduction: str = "mean",
-                  return_lse: bool = False, validate_labels: Optional[bool] = None) -> Tensor | tuple[Tensor, Tensor]:
-    """Fused softmax cross-entropy: ``loss_i = (1-s)(lse_i - z_iy) + s(lse_i - mean_j z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
+def _reduce_weighted(ce_rows: Tensor, z_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str, lead,
+                     target_weight: Optional[Tensor]) -> Tensor:
+    """With class weights: a mean divides the ce terms by the sum of the counted labels' weights
+    (``target_weight``, see :func:`_weight_sum`; torch's rule) and the z-loss terms (``z_rows``; empty without
+    a z-loss) by the number of counted labels."""
+    if reduction == "none":
+        return (ce_rows + z_rows if z_rows.numel() else ce_rows).view(lead)
+    if reduction == "sum":
+        return ce_rows.sum() + z_rows.sum()
+    loss = ce_rows.sum() / target_weight[0]
+    return loss + z_rows.sum() / _token_count(labels, ignore_index) if z_rows.numel() else loss
+
+
+def _check_class_weight_grad(name: str, class_weight: Optional[Tensor]) -> None:
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name}: class weights are constants (no gradient, as in "
+                         f"torch.nn.functional.cross_entropy, which refuses them too); pass {name}.detach()")
+
+
+def _extras_output(loss: Tensor, lse: Tensor, predicted: Tensor, labels: Tensor, ignore_index: int, lead,
+                   return_lse: bool, return_accuracy: bool, return_predicted: bool):
+    predicted = predicted.view(lead)
+    accuracy = (predicted == labels.view(lead)) & (labels.view(lead) != ignore_index) if return_accuracy else None
+    return CrossEntropyOutput(loss, lse.view(lead) if return_lse else None, accuracy,
+                              predicted if return_predicted else None)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, weight: Optional[Tensor] = None, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, logit_softcap: float = 0.0,
+                  reduction: str = "mean", return_lse: bool = False, return_accuracy: bool = False,
+                  return_predicted: bool = False, validate_labels: Optional[bool] = None
+                  ) -> Tensor | tuple[Tensor, Tensor] | CrossEntropyOutput:
+    """Fused softmax cross-entropy: ``loss_i = (1-s) w_y (lse_i - z_iy) + s/V sum_j w_j (lse_i - z_ij) + z_loss*lse_i^2``, ``z = cap*tanh(x/cap)``.
 
     One read of the logits forward (online softmax over the vocabulary, in fp32), one read and one write
     of the gradient backward. Runs on CUDA tensors or on the CPU (Triton interpreter).
@@ -348,6 +538,13 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     Args:
         logits: ``(..., V)`` float32 / float16 / bfloat16.
         labels: ``(...)`` int32 / int64 class indices in ``[0, V)``, or ``ignore_index``.
+        weight: optional class weights ``w``, ``(V,)`` of a float dtype, as in
+            ``torch.nn.functional.cross_entropy``: the label's term is scaled by ``w_y``, the smoothing term
+            weighs class ``j`` by ``w_j``, and "mean" divides by the sum of ``w_y`` over the rows not ignored.
+            Any values (negative ones too; a NaN makes the losses that read it NaN). The z-loss is not
+            class-weighted (as in liger-kernel): each row adds ``z_loss * lse^2`` and "mean" divides their
+            sum by the number of rows not ignored. Constants for autograd: a weight that requires grad is
+            refused (as torch does).
         ignore_index: label of rows that contribute nothing (no loss, zero gradient).
         label_smoothing: ``s`` in [0, 1): mixes the one-hot target with the uniform distribution (as
             ``torch.nn.functional.cross_entropy``).
@@ -356,6 +553,10 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
         reduction: "mean" (over rows whose label is not ignored; 0 with zero gradients when all are),
             "sum" or "none".
         return_lse: also return the float32 ``(...)`` log-sum-exp (not differentiable).
+        return_accuracy, return_predicted: also return, per row, whether the argmax of its logits is its
+            label (bool; False for ignored rows) and that argmax (the labels' dtype; ties to the lowest
+            index, as ``torch.argmax``; every row, ignored ones too), found in the forward's pass over the
+            vocabulary. A row with a NaN logit has a NaN loss and an unspecified argmax.
         validate_labels: True raises a ValueError naming ``labels`` when a label is outside ``[0, V)``
             and not ``ignore_index``; False never checks, and such a row gets a NaN loss and NaN gradients
             instead (as under torch.compile, where the check never runs). None (default): check labels on
@@ -363,34 +564,56 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
             out CUDA-graph capture), so there it runs only with True.
 
     Returns:
-        The float32 loss (a scalar, or ``(...)`` for "none"), and the lse with ``return_lse``.
+        The float32 loss (a scalar, or ``(...)`` for "none"), and the lse with ``return_lse``; with
+        ``return_accuracy`` or ``return_predicted`` a :class:`CrossEntropyOutput` ``(loss, lse, accuracy,
+        predicted)`` whose fields not asked for are None.
 
     Example::
 
         >>> logits = torch.randn(4, 10, requires_grad=True)
         >>> loss = cross_entropy(logits, torch.tensor([1, 2, -100, 9]))
         >>> loss.backward()
+        >>> out = cross_entropy(logits, torch.tensor([1, 2, -100, 9]), weight=torch.rand(10), return_accuracy=True)
+        >>> out.loss.backward()
+        >>> accuracy = out.accuracy.sum() / 3  # of the 3 labels not ignored
     """
-    device = check_tensors({"logits": logits, "labels": labels}, required=("logits", "labels"))
+    device = check_tensors({"logits": logits, "labels": labels, "weight": weight}, required=("logits", "labels"))
     n_rows, vocab = check_cross_entropy_args(
         logits=_shape_dtype(logits), labels=_shape_dtype(labels), ignore_index=ignore_index,
-        label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction)
+        label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction,
+        weight=_shape_dtype(weight))
     del device
+    _check_class_weight_grad("weight", weight)
     lead = tuple(labels.shape)
     x = logits.reshape(n_rows, vocab).contiguous()
     y = labels.reshape(n_rows).contiguous()
     _validate_label_values(y, vocab, ignore_index, validate_labels)
-    loss_rows, lse, _ = _ce_fwd(x, y, int(ignore_index), float(label_smoothing), float(z_loss),
-                                float(logit_softcap))
-    loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
-    return (loss, lse.view(lead)) if return_lse else loss
+    options = (int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap))
+    if weight is None and not (return_accuracy or return_predicted):
+        loss_rows, lse, _ = _ce_fwd(x, y, *options)
+        loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
+        return (loss, lse.view(lead)) if return_lse else loss
+    weight_sum = None if weight is None else _ce_weight_sum(weight, None, int(ignore_index))
+    loss_rows, lse, _, z_rows, predicted = _ce_fwd_ext(x, y, weight, weight_sum, *options,
+                                                       return_accuracy or return_predicted)
+    if weight is None:
+        loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
+    else:
+        target_weight = _ce_weight_sum(weight, y, int(ignore_index)) if reduction == "mean" else None
+        loss = _reduce_weighted(loss_rows, z_rows, y, ignore_index, reduction, lead, target_weight)
+    if not (return_accuracy or return_predicted):
+        return (loss, lse.view(lead)) if return_lse else loss
+    return _extras_output(loss, lse, predicted, y, ignore_index, lead, return_lse, return_accuracy,
+                          return_predicted)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
-                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                         logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                         return_lse: bool = False, validate_labels: Optional[bool] = None
-                         ) -> Tensor | tuple[Tensor, Tensor]:
+                         class_weight: Optional[Tensor] = None, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, logit_softcap: float = 0.0,
+                         reduction: str = "mean", chunk_size: Optional[int] = None, return_lse: bool = False,
+                         return_accuracy: bool = False, return_predicted: bool = False,
+                         validate_labels: Optional[bool] = None
+                         ) -> Tensor | tuple[Tensor, Tensor] | CrossEntropyOutput:
     """Cross-entropy of a vocabulary projection without the ``(N, V)`` logits: ``cross_entropy(hidden @ weight.T + bias, labels)``.
 
     The tokens are processed in chunks (see the module docstring for the design): the peak extra memory
@@ -402,15 +625,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         weight: ``(V, H)`` in hidden's dtype (the ``nn.Linear`` / tied-embedding layout).
         labels: ``(...)`` int32 / int64, hidden's leading shape.
         bias: optional ``(V,)`` in hidden's dtype.
-        ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, validate_labels: as in
-            :func:`cross_entropy`.
+        class_weight: optional class weights ``(V,)``: :func:`cross_entropy`'s ``weight`` (named apart from
+            the projection's weight).
+        ignore_index, label_smoothing, z_loss, logit_softcap, reduction, return_lse, return_accuracy,
+            return_predicted, validate_labels: as in :func:`cross_entropy` (the argmax is that of the
+            logits ``hidden @ weight.T + bias`` as computed, in hidden's dtype).
         chunk_size: tokens per chunk. None (as in JAX): when the weight's gradient is computed, chunks of H
             tokens whose logits live in its storage, the rest in chunks of ``max(64, H // 16)`` tokens
             (``core_kernels.cross_entropy.plan.plan_linear_cross_entropy``).
 
     Returns:
         The float32 loss (a scalar, or ``(...)`` for "none"), and the float32 lse ``(...)`` with
-        ``return_lse``.
+        ``return_lse``; with ``return_accuracy`` or ``return_predicted`` a :class:`CrossEntropyOutput`.
 
     Example::
 
@@ -419,30 +645,40 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         >>> loss = linear_cross_entropy(h, w, torch.randint(0, 1000, (6,)), chunk_size=4)
         >>> loss.backward()
     """
-    check_tensors({"hidden": hidden, "weight": weight, "labels": labels, "bias": bias},
-                  required=("hidden", "weight", "labels"))
+    check_tensors({"hidden": hidden, "weight": weight, "labels": labels, "bias": bias,
+                   "class_weight": class_weight}, required=("hidden", "weight", "labels"))
     n_rows, h, vocab = check_linear_cross_entropy_args(
         hidden=_shape_dtype(hidden), weight=_shape_dtype(weight), labels=_shape_dtype(labels),
         bias=_shape_dtype(bias), ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-        logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size)
+        logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size,
+        class_weight=_shape_dtype(class_weight))
+    _check_class_weight_grad("class_weight", class_weight)
     lead = tuple(labels.shape)
     h2 = hidden.reshape(n_rows, h).contiguous()
     w = weight.contiguous()
     y = labels.reshape(n_rows).contiguous()
     b = None if bias is None else bias.contiguous()
     _validate_label_values(y, vocab, ignore_index, validate_labels)
+    cw = None if class_weight is None else class_weight.contiguous()
+    weight_sum = None if cw is None else _ce_weight_sum(cw, None, int(ignore_index))
+    extras = return_accuracy or return_predicted
     grad_on = torch.is_grad_enabled()
-    loss, lse, _, _, _, _ = _lce_fwd(
+    loss, lse, _, _, _, _, predicted = _lce_fwd(
         h2, w, y, b, int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap), reduction,
         int(chunk_size or 0), grad_on and h2.requires_grad, grad_on and w.requires_grad,
-        grad_on and b is not None and b.requires_grad)
+        grad_on and b is not None and b.requires_grad, cw, weight_sum, extras)
     if reduction == "none":
         loss = loss.view(lead)
+    if extras:
+        return _extras_output(loss, lse, predicted, y, ignore_index, lead, return_lse, return_accuracy,
+                              return_predicted)
     return (loss, lse.view(lead)) if return_lse else loss
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
     """``nn.Module`` form of :func:`linear_cross_entropy`, called as ``loss_fn(hidden, weight, labels)``.
+    ``class_weight`` (optional, ``(V,)``) is registered as a buffer: it follows ``.to()`` and is saved in
+    the state dict, as ``nn.CrossEntropyLoss``'s ``weight``.
 
     Example::
 
@@ -453,22 +689,29 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  logit_softcap: float = 0.0, reduction: str = "mean", chunk_size: Optional[int] = None,
-                 return_lse: bool = False, validate_labels: Optional[bool] = None) -> None:
+                 return_lse: bool = False, validate_labels: Optional[bool] = None,
+                 class_weight: Optional[Tensor] = None, return_accuracy: bool = False,
+                 return_predicted: bool = False) -> None:
         super().__init__()
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.logit_softcap, self.reduction, self.chunk_size, self.return_lse = (
             logit_softcap, reduction, chunk_size, return_lse)
         self.validate_labels = validate_labels
+        self.return_accuracy, self.return_predicted = return_accuracy, return_predicted
+        self.register_buffer("class_weight", class_weight)
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
+                ) -> Tensor | tuple[Tensor, Tensor] | CrossEntropyOutput:
         return linear_cross_entropy(
-            hidden, weight, labels, bias=bias, ignore_index=self.ignore_index,
+            hidden, weight, labels, bias=bias, class_weight=self.class_weight, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, logit_softcap=self.logit_softcap,
             reduction=self.reduction, chunk_size=self.chunk_size, return_lse=self.return_lse,
+            return_accuracy=self.return_accuracy, return_predicted=self.return_predicted,
             validate_labels=self.validate_labels)
 
     def extra_repr(self) -> str:
+        extras = "".join(f", {name}=True" for name in ("return_accuracy", "return_predicted") if getattr(self, name))
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
                 f"z_loss={self.z_loss}, logit_softcap={self.logit_softcap}, reduction={self.reduction!r}, "
-                f"chunk_size={self.chunk_size}")
+                f"chunk_size={self.chunk_size}" + (", class_weight=(...)" if self.class_weight is not None else "")
+                + extras)

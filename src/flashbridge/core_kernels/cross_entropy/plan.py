@@ -6,9 +6,16 @@ Logits are viewed as ``(n_rows, V)``, C-contiguous (the front-ends copy non-cont
 * :func:`plan_ce_fwd`: logits, labels -> per-row loss, lse and lse_lo (float32); one read of the logits.
 * :func:`plan_ce_grad`: logits, labels, lse, lse_lo, weight -> the gradient of ``sum_i w_i * loss_i``
   with respect to the logits; one read of the logits, one write of the gradient.
+
+Options of both: ``class_weight`` (class weights ``(V,)`` and their sum ``(1,)`` as inputs; the forward's
+loss is then the class-weighted ce terms and its z-loss terms a result of their own, "zloss", whose upstream
+gradient is the gradient plan's "z_weight": a mean divides the two by different sums) and, for the
+forward, ``predicted_dtype`` (also the argmax of every row, "predicted", in that integer dtype). Without
+them the plans launch the kernels that have neither.
 * :func:`plan_ce_fwd_grad`: both launches back to back (the chunk step of the linear op, which computes
   its gradients during the forward).
 * :func:`plan_linear_logits`: ``hidden @ W^T (+ b)`` into a buffer the caller owns (the JAX linear op).
+* :func:`plan_class_weight_sum`: the sum of the class weights, or of the counted labels' weights.
 
 :func:`plan_linear_cross_entropy` orchestrates ``linear_cross_entropy``'s two passes for both front-ends;
 :func:`check_cross_entropy_args` and :func:`check_linear_cross_entropy_args` are the argument rules both
@@ -19,13 +26,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Any, NamedTuple
 
 from .._config import active_config
-from .._plan import DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
+from .._plan import (DTYPE_BYTES, FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2,
+                     pow2_divisor)
 
 _KERNELS = "cross_entropy.kernels"
 LABEL_DTYPES = ("int32", "int64")
 REDUCTIONS = ("mean", "sum", "none")
+CLASS_WEIGHT_DTYPES = FLOAT_DTYPES + ("float64",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +124,10 @@ def _check_labels(labels, lead: tuple[int, ...], what: str) -> None:
 def check_cross_entropy_args(
     *, logits: tuple[tuple[int, ...], str], labels: tuple[tuple[int, ...], str], ignore_index=-100,
     label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, reduction="mean",
+    weight: tuple[tuple[int, ...], str] | None = None,
 ) -> tuple[int, int]:
-    """Validate a ``cross_entropy`` call from (shape, dtype-name) pairs; returns ``(n_rows, V)``."""
+    """Validate a ``cross_entropy`` call from (shape, dtype-name) pairs (``weight``: the class weights);
+    returns ``(n_rows, V)``."""
     shape, dtype = logits
     check_float_dtype("logits", dtype)
     if len(shape) < 1:
@@ -125,6 +137,7 @@ def check_cross_entropy_args(
     if vocab < 1 or n_rows < 1:
         raise ValueError(f"logits: empty array of shape {tuple(shape)}; need at least one row and one class")
     _check_labels(labels, tuple(shape[:-1]), "logits")
+    _check_class_weight(weight, vocab, "weight")
     _check_options(ignore_index, label_smoothing, z_loss, logit_softcap, reduction)
     return n_rows, vocab
 
@@ -133,11 +146,12 @@ def check_linear_cross_entropy_args(
     *, hidden: tuple[tuple[int, ...], str], weight: tuple[tuple[int, ...], str],
     labels: tuple[tuple[int, ...], str], bias: tuple[tuple[int, ...], str] | None = None,
     ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=0.0, reduction="mean",
-    chunk_size=None, weight_transposed: bool = False,
+    chunk_size=None, weight_transposed: bool = False, class_weight: tuple[tuple[int, ...], str] | None = None,
 ) -> tuple[int, int, int]:
     """Validate a ``linear_cross_entropy`` call from (shape, dtype-name) pairs; returns ``(N, H, V)``.
 
-    ``weight`` is ``(V, H)``, or ``(H, V)`` with ``weight_transposed`` (a Flax ``nnx.Linear`` kernel).
+    ``weight`` is ``(V, H)``, or ``(H, V)`` with ``weight_transposed`` (a Flax ``nnx.Linear`` kernel);
+    ``class_weight`` the optional class weights ``(V,)``.
     """
     h_shape, h_dtype = hidden
     w_shape, w_dtype = weight
@@ -164,11 +178,42 @@ def check_linear_cross_entropy_args(
             raise ValueError(f"bias: expected shape ({vocab},), got {tuple(bias[0])}")
         if bias[1] != h_dtype:
             raise TypeError(f"bias: dtype {bias[1]} must match hidden's dtype {h_dtype}")
+    _check_class_weight(class_weight, vocab, "class_weight")
     _check_options(ignore_index, label_smoothing, z_loss, logit_softcap, reduction)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size: expected None or a positive int, got {chunk_size!r}")
     return n_rows, h, vocab
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy`` / ``linear_cross_entropy`` return (in both front-ends) when ``return_accuracy``
+    or ``return_predicted`` is set; the fields not asked for are None.
+
+    loss: float32, a scalar or ``(...)`` ("none").
+    lse: float32 ``(...)``, the log-sum-exp of each row (``return_lse``; not differentiable).
+    accuracy: bool ``(...)``, whether the row's argmax is its label (False for ignored rows).
+    predicted: ``(...)`` in the labels' dtype, the argmax over the vocabulary of each row's logits (ties to
+        the lowest index, as ``argmax``), for every row, ignored ones included.
+    """
+
+    loss: Any
+    lse: Any = None
+    accuracy: Any = None
+    predicted: Any = None
+
+
+def _check_class_weight(class_weight, vocab: int, name: str) -> None:
+    """Class weights: ``(V,)`` of a float dtype (the kernels read them as float32). Any values (torch requires
+    none either: negative weights are allowed, a NaN one makes the losses that read it NaN)."""
+    if class_weight is None:
+        return
+    shape, dtype = class_weight
+    if dtype not in CLASS_WEIGHT_DTYPES:
+        raise TypeError(f"{name}: dtype {dtype} is not supported for class weights; use one of "
+                        f"{', '.join(CLASS_WEIGHT_DTYPES)}")
+    if tuple(shape) != (vocab,):
+        raise ValueError(f"{name}: expected one weight per class, shape ({vocab},), got {tuple(shape)}")
 
 
 def bad_label_message(bad_count: int, example: int, vocab: int, ignore_index: int) -> str:
@@ -189,74 +234,140 @@ def _stages(config: CEConfig | None) -> int:
     return (config or active_config(CEConfig)).num_stages or 1
 
 
-def _fwd_launch(n_rows, vocab, logits, options, target, config) -> Launch:
-    block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
-    scalars, flags = _options(*options)
-    return Launch(
-        kernel=f"{_KERNELS}:ce_fwd_kernel", grid=(cdiv(n_rows, block_n),), inputs=(logits, "labels"),
-        scalars=(("n_rows", n_rows),) + scalars, outputs=("loss", "lse", "lse_lo"),
-        constexprs=(("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags,
-        num_warps=num_warps, num_stages=_stages(config))
+def _split_zloss(options, class_weight: bool) -> bool:
+    """With class weights and a z-loss the forward writes the z-loss terms apart (see the module docstring)."""
+    return class_weight and options[2] > 0
 
 
-def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config, col0=0, vocab_all=None) -> Launch:
+def _fwd_buffers(n_rows: int, options, class_weight: bool, predicted_dtype: str | None) -> tuple[Spec, ...]:
+    """The forward's buffers; the ext kernel's outputs of an option that is off are one-element placeholders
+    (never written, not results)."""
+    buffers = (Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32"),
+               Spec("lse_lo", (n_rows,), "float32"))
+    if class_weight or predicted_dtype:
+        buffers += (Spec("zloss", (n_rows if _split_zloss(options, class_weight) else 1,), "float32"),
+                    Spec("predicted", (n_rows,) if predicted_dtype else (1,), predicted_dtype or "int32"))
+    return buffers
+
+
+def _fwd_extras(options, class_weight: bool, predicted_dtype: str | None) -> tuple[str, ...]:
+    """The forward's results after (loss, lse, lse_lo)."""
+    return ("zloss",) * _split_zloss(options, class_weight) + ("predicted",) * bool(predicted_dtype)
+
+
+def _fwd_launch(n_rows, vocab, logits, options, target, config, class_weight=False, predicted_dtype=None) -> Launch:
     block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
     scalars, flags = _options(*options)
+    common = dict(grid=(cdiv(n_rows, block_n),), scalars=(("n_rows", n_rows),) + scalars,
+                  num_warps=num_warps, num_stages=_stages(config))
+    constexprs = (("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags
+    if not (class_weight or predicted_dtype):
+        return Launch(kernel=f"{_KERNELS}:ce_fwd_kernel", inputs=(logits, "labels"),
+                      outputs=("loss", "lse", "lse_lo"), constexprs=constexprs, **common)
+    weights = ("class_weight", "weight_sum") if class_weight else (logits, logits)  # placeholders: never read
+    return Launch(kernel=f"{_KERNELS}:ce_fwd_ext_kernel", inputs=(logits, "labels") + weights,
+                  outputs=("loss", "lse", "lse_lo", "zloss", "predicted"),
+                  constexprs=constexprs + (("HAS_CLASS_WEIGHT", class_weight),
+                                           ("HAS_ARGMAX", bool(predicted_dtype))), **common)
+
+
+def _grad_inputs(options, class_weight: bool) -> tuple[str, ...]:
+    """The gradient plan's inputs after (logits, labels, lse, lse_lo, weight)."""
+    if not class_weight:
+        return ()
+    return ("z_weight",) * _split_zloss(options, class_weight) + ("class_weight", "weight_sum")
+
+
+def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config, col0=0, vocab_all=None,
+                 class_weight=False) -> Launch:
+    block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
+    scalars, flags = _options(*options)
+    inputs = (logits, "labels", "lse", "lse_lo", "weight")
+    if class_weight:  # without a z-loss the kernel never reads z_weight: the upstream stands in
+        inputs += ("z_weight" if _split_zloss(options, class_weight) else "weight", "class_weight", "weight_sum")
     return Launch(
-        kernel=f"{_KERNELS}:ce_grad_kernel", grid=(cdiv(n_rows, block_n),),
-        inputs=(logits, "labels", "lse", "lse_lo", "weight"),
+        kernel=f"{_KERNELS}:{'ce_grad_weighted_kernel' if class_weight else 'ce_grad_kernel'}",
+        grid=(cdiv(n_rows, block_n),), inputs=inputs,
         scalars=(("n_rows", n_rows),) + scalars + (("col0", int(col0)),),
         outputs=("grad",),
         constexprs=(("V", vocab), ("V_ALL", vocab_all or vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
-                    ("PER_ROW_WEIGHT", per_row_weight)) + flags,
+                    ("PER_ROW_WEIGHT", per_row_weight)) + flags
+        + ((("COL0_ALIGN", pow2_divisor(int(col0))),) if class_weight else ()),
         num_warps=num_warps, num_stages=_stages(config))
 
 
 def plan_ce_fwd(n_rows: int, vocab: int, *, ignore_index: int, label_smoothing: float, z_loss: float,
-                logit_softcap: float, target: Target, config: CEConfig | None = None) -> Plan:
-    """Plan inputs: logits ``(n_rows, V)``, labels ``(n_rows,)``. Results: loss, lse, lse_lo (float32
+                logit_softcap: float, target: Target, config: CEConfig | None = None, class_weight: bool = False,
+                predicted_dtype: str | None = None) -> Plan:
+    """Plan inputs: logits ``(n_rows, V)``, labels ``(n_rows,)`` [, class_weight ``(V,)`` (any float dtype),
+    weight_sum (float32 ``(1,)``, the sum of the class weights)]. Results: loss, lse, lse_lo (float32
     ``(n_rows,)``; ``lse + lse_lo`` is the log-sum-exp to about twice float32's precision, which the
-    gradient kernel needs where one logit dominates)."""
+    gradient kernel needs where one logit dominates) [, zloss (float32 ``(n_rows,)``, with class weights and
+    a z-loss), predicted (``predicted_dtype``, ``(n_rows,)``)]: see the module docstring."""
+    assert predicted_dtype in (None,) + LABEL_DTYPES
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
-    return Plan(inputs=("logits", "labels"),
-                buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32"),
-                         Spec("lse_lo", (n_rows,), "float32")),
-                launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),),
-                results=("loss", "lse", "lse_lo"))
+    inputs = ("logits", "labels") + (("class_weight", "weight_sum") if class_weight else ())
+    return Plan(inputs=inputs, buffers=_fwd_buffers(n_rows, options, class_weight, predicted_dtype),
+                launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config, class_weight,
+                                      predicted_dtype),),
+                results=("loss", "lse", "lse_lo") + _fwd_extras(options, class_weight, predicted_dtype))
 
 
 def plan_ce_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
                  label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
-                 config: CEConfig | None = None, col0: int = 0, vocab_all: int | None = None) -> Plan:
+                 config: CEConfig | None = None, col0: int = 0, vocab_all: int | None = None,
+                 class_weight: bool = False) -> Plan:
     """Plan inputs: logits, labels, lse, lse_lo (float32 ``(n_rows,)``, from the forward), weight
-    (float32, ``(n_rows,)`` when ``per_row_weight`` else ``(1,)``). Result: grad ``(n_rows, V)`` in ``grad_dtype``.
+    (float32, ``(n_rows,)`` when ``per_row_weight`` else ``(1,)``) [, with ``class_weight``: z_weight (as
+    weight, the upstream gradient of the z-loss terms; only with a z-loss), class_weight ``(vocab_all,)``,
+    weight_sum (float32 ``(1,)``)]. Result: grad ``(n_rows, V)`` in ``grad_dtype``.
 
     ``logits`` may hold a slice of the vocabulary: columns ``col0 .. col0 + vocab`` of ``vocab_all`` (lse and
     labels of the whole rows)."""
     assert grad_dtype in FLOAT_DTYPES
     assert vocab_all is None or 0 <= col0 and col0 + vocab <= vocab_all
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
-    return Plan(inputs=("logits", "labels", "lse", "lse_lo", "weight"),
+    return Plan(inputs=("logits", "labels", "lse", "lse_lo", "weight") + _grad_inputs(options, class_weight),
                 buffers=(Spec("grad", (n_rows, vocab), grad_dtype),),
                 launches=(_grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config, col0,
-                                       vocab_all),),
+                                       vocab_all, class_weight),),
                 results=("grad",))
 
 
 def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight: bool, ignore_index: int,
                      label_smoothing: float, z_loss: float, logit_softcap: float, target: Target,
-                     config: CEConfig | None = None) -> Plan:
-    """Plan inputs: logits, labels, weight. Results: loss, lse (float32 ``(n_rows,)``), grad ``(n_rows, V)``
-    and lse_lo (see :func:`plan_ce_fwd`): the forward and the gradient in one plan (two launches, the logits
-    read twice)."""
+                     config: CEConfig | None = None, class_weight: bool = False,
+                     predicted_dtype: str | None = None) -> Plan:
+    """Plan inputs: logits, labels, weight [, z_weight, class_weight, weight_sum] (see :func:`plan_ce_grad`).
+    Results: loss, lse (float32 ``(n_rows,)``), grad ``(n_rows, V)`` and lse_lo (see :func:`plan_ce_fwd`)
+    [, zloss, predicted]: the forward and the gradient in one plan (two launches, the logits read twice)."""
     assert grad_dtype in FLOAT_DTYPES
+    assert predicted_dtype in (None,) + LABEL_DTYPES
     options = (ignore_index, label_smoothing, z_loss, logit_softcap)
-    return Plan(inputs=("logits", "labels", "weight"),
-                buffers=(Spec("loss", (n_rows,), "float32"), Spec("lse", (n_rows,), "float32"),
-                         Spec("lse_lo", (n_rows,), "float32"), Spec("grad", (n_rows, vocab), grad_dtype)),
-                launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config),
-                          _grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config)),
-                results=("loss", "lse", "grad", "lse_lo"))
+    return Plan(inputs=("logits", "labels", "weight") + _grad_inputs(options, class_weight),
+                buffers=_fwd_buffers(n_rows, options, class_weight, predicted_dtype)
+                + (Spec("grad", (n_rows, vocab), grad_dtype),),
+                launches=(_fwd_launch(n_rows, vocab, "logits", options, target, config, class_weight,
+                                      predicted_dtype),
+                          _grad_launch(n_rows, vocab, "logits", per_row_weight, options, target, config,
+                                       class_weight=class_weight)),
+                results=("loss", "lse", "grad", "lse_lo") + _fwd_extras(options, class_weight, predicted_dtype))
+
+
+def plan_class_weight_sum(n: int, vocab: int, *, of_labels: bool, ignore_index: int, target: Target) -> Plan:
+    """Plan inputs: class_weight ``(V,)`` [, labels ``(n,)`` with ``of_labels``]. Result: sum (float32
+    ``(1,)``): the sum of the class weights (the kernels' weight_sum input; ``n`` = V), or of the weights of
+    the labels a mean counts, 1 when none does (the mean's denominator). One program, a fixed order: the
+    front-ends use it rather than their own reductions so that they get the same bits."""
+    del target  # one program of 1024 lanes on either target
+    return Plan(inputs=("class_weight", "labels") if of_labels else ("class_weight",),
+                buffers=(Spec("sum", (1,), "float32"),),
+                launches=(Launch(kernel=f"{_KERNELS}:ce_class_weight_sum_kernel", grid=(1,),
+                                 inputs=("class_weight", "labels" if of_labels else "class_weight"),
+                                 scalars=(("n", int(n)), ("ignore_index", int(ignore_index))), outputs=("sum",),
+                                 constexprs=(("V", vocab), ("BLOCK", 1024), ("OF_LABELS", of_labels)),
+                                 num_warps=4, num_stages=1),),
+                results=("sum",))
 
 
 # GPU tile of linear_logits_kernel (block_m, block_n, block_k, num_warps, num_stages): the usual Hopper GEMM
@@ -356,6 +467,11 @@ class LinearCEPlan:
     2. ``slices`` (vocabulary slices over all tokens; empty unless dW or db is wanted): the slice's logits
        again, their gradient from pass 1's lse (:meth:`slice_plan`), ``dW[slice] = dlogits^T h`` and
        ``db[slice] = colsum(dlogits)``.
+
+    ``class_weight``: every kernel takes the class weights (``(V,)``, all of them: a slice's kernel offsets
+    them by its first column) and their sum, and the z-loss terms are a result of the forward and have an
+    upstream gradient of their own ("z_weight", per row like "weight") when there is a z-loss.
+    ``predicted_dtype``: pass 1's forward also writes each row's argmax ("predicted").
     """
 
     n_rows: int
@@ -370,6 +486,8 @@ class LinearCEPlan:
     chunks: tuple[ChunkRun, ...]
     slices: tuple[VocabSlice, ...]
     buffer_elements: int = 0
+    class_weight: bool = False
+    predicted_dtype: str | None = None
 
     def chunk_bounds(self):
         """(start, stop, in_dw) of every pass-1 chunk, in order."""
@@ -380,16 +498,22 @@ class LinearCEPlan:
     def _kw(self, target: Target) -> dict:
         ignore_index, label_smoothing, z_loss, logit_softcap = self.options
         return dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                    logit_softcap=logit_softcap, target=target, config=self.config)
+                    logit_softcap=logit_softcap, target=target, config=self.config, class_weight=self.class_weight)
+
+    @property
+    def split_zloss(self) -> bool:
+        """The z-loss terms are a result (and have an upstream gradient) of their own."""
+        return _split_zloss(self.options, self.class_weight)
 
     def chunk_plan(self, rows: int, target: Target) -> Plan:
         """The kernels of one pass-1 chunk: :func:`plan_ce_fwd_grad` (inputs logits, labels, weight),
-        :func:`plan_ce_fwd` (logits, labels) or, in the backward, :func:`plan_ce_grad`."""
+        :func:`plan_ce_fwd` (logits, labels) or, in the backward, :func:`plan_ce_grad` (the class weights'
+        inputs after these)."""
         if self.forward and self.chunk_grads:
             return plan_ce_fwd_grad(rows, self.vocab, grad_dtype=self.dtype, per_row_weight=self.per_row_weight,
-                                    **self._kw(target))
+                                    predicted_dtype=self.predicted_dtype, **self._kw(target))
         if self.forward:
-            return plan_ce_fwd(rows, self.vocab, **self._kw(target))
+            return plan_ce_fwd(rows, self.vocab, predicted_dtype=self.predicted_dtype, **self._kw(target))
         return plan_ce_grad(rows, self.vocab, grad_dtype=self.dtype, per_row_weight=self.per_row_weight,
                             **self._kw(target))
 
@@ -408,7 +532,8 @@ class LinearCEPlan:
 def plan_linear_cross_entropy(n_rows: int, hidden: int, vocab: int, *, dtype: str, forward: bool, want_dh: bool,
                               want_dw: bool, want_db: bool, chunk_size: int | None, logits_into_dw_rows: bool,
                               per_row_weight: bool, ignore_index: int, label_smoothing: float, z_loss: float,
-                              logit_softcap: float, target: Target, config: CEConfig | None = None) -> LinearCEPlan:
+                              logit_softcap: float, target: Target, config: CEConfig | None = None,
+                              class_weight: bool = False, predicted_dtype: str | None = None) -> LinearCEPlan:
     """The passes of a linear cross-entropy call: the forward (``forward``: loss and lse, and the gradients
     wanted, computed there when the reduction allows) or the backward's recomputation from the saved lse.
 
@@ -419,6 +544,8 @@ def plan_linear_cross_entropy(n_rows: int, hidden: int, vocab: int, *, dtype: st
     Pass 2 runs when ``want_dw`` or ``want_db``. ``logits_into_dw_rows``: the runtime can write a GEMM's output
     into dW's storage (torch); the slices then live in dW's rows not yet written while they fit, the rest in
     one small buffer. Otherwise (JAX) each slice's logits are an array of their own.
+
+    ``class_weight`` / ``predicted_dtype``: see :class:`LinearCEPlan` (the argmax only in the forward).
     """
     config = config or active_config(CEConfig)
     chunks: list[ChunkRun] = []
@@ -452,4 +579,5 @@ def plan_linear_cross_entropy(n_rows: int, hidden: int, vocab: int, *, dtype: st
             slices += [VocabSlice(c, min(c + width, vocab), "buffer") for c in range(c0, vocab, width)]
     return LinearCEPlan(n_rows, hidden, vocab, dtype, forward, want_dh, per_row_weight,
                         (int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap)), config,
-                        tuple(chunks), tuple(slices), buffer_elements)
+                        tuple(chunks), tuple(slices), buffer_elements, bool(class_weight),
+                        predicted_dtype if forward else None)
