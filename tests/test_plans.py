@@ -21,7 +21,10 @@ from flashbridge.core_kernels._loader import check_launch_signature
 from flashbridge.core_kernels.cross_entropy import plan as C
 from flashbridge.core_kernels.decode import plan as D
 from flashbridge.core_kernels.flash_attn import plan as A
+from flashbridge.core_kernels.mla import plan as M
 from flashbridge.core_kernels.norms import plan as N
+from flashbridge.core_kernels.rotary import plan as R
+from flashbridge.core_kernels.swiglu import plan as G
 
 H200 = Target(interpret=False, num_sms=132)
 CE_OPTS = dict(ignore_index=-100, label_smoothing=0.1, z_loss=1e-4, logit_softcap=0.0)
@@ -101,9 +104,37 @@ def _cross_entropy_plans(target):
             yield linear.slice_plan(130, s.c0, s.c1, target)
 
 
+def _rotary_plans(target):
+    for x, k, extra in ((((2, 33, 4, 64), "bfloat16"), None, {}),
+                        (((50, 4, 80), "float16"), ((50, 2, 80), "float16"), {"cu_seqlens": ((3,), "int32")})):
+        shape = R.check_rotary_args(x=x, k=k, cos=((64, 24), "float32"), sin=((64, 24), "float32"), **extra)
+        for interleaved, inplace in ((False, False), (True, True)):
+            yield R.plan_rotary(shape, dtype=x[1], interleaved=interleaved, conjugate=inplace, inplace=inplace,
+                                target=target)
+
+
+def _swiglu_plans(target):
+    for fused in (False, True):
+        yield G.plan_swiglu_fwd(37, 1000, dtype="bfloat16", fused=fused, target=target)
+        yield G.plan_swiglu_bwd(37, 1000, dtype="bfloat16", fused=fused, target=target)
+
+
+def _mla_plans(target):
+    q, kv = ((2, 70, 16, 576), "bfloat16"), ((2, 130, 576), "bfloat16")
+    for causal, indices in ((True, None), (False, ((2, 70, 40), "int32"))):
+        shape, options = M.check_mla_args(q=q, kv=kv, causal=causal, indices=indices)
+        yield M.plan_mla_fwd(shape, options, target=target)
+        yield M.plan_mla_bwd(shape, options, target=target, has_dlse=causal)
+    shape, options, _ = M.check_mla_decode_args(q=((4, 1, 16, 576), "bfloat16"), kv_cache=((40, 64, 576), "bfloat16"),
+                                                cache_seqlens=((4,), "int32"), block_table=((4, 10), "int32"))
+    for splits in (1, 4):
+        yield M.plan_mla_fwd(shape, options, target=target, num_splits=splits)
+
+
 def _all_plans():
     for target in (H200, INTERPRETER):
-        for family in (_attention_plans, _decode_plans, _norm_plans, _cross_entropy_plans):
+        for family in (_attention_plans, _decode_plans, _norm_plans, _cross_entropy_plans, _rotary_plans,
+                       _swiglu_plans, _mla_plans):
             yield from family(target)
 
 
@@ -150,10 +181,12 @@ def test_a_broken_launch_is_refused_by_name():
     with pytest.raises(ValueError, match="attn_fwd_kernel: runtime scalar 1 of the launch is 'total_q', the "
                                          "kernel's parameter at that position is 'seqlen_k'"):
         _rebuilt(plan, scalars=tuple(scalars))
-    with pytest.raises(ValueError, match=r"attn_fwd_kernel: the launch passes 7 inputs, 22 scalars and 2 outputs "
-                                         r"\(31 positional arguments\); the kernel takes 32"):
+    n_in, n_sc, n_out = len(launch.inputs), len(launch.scalars), len(launch.outputs)
+    with pytest.raises(ValueError, match=rf"attn_fwd_kernel: the launch passes {n_in} inputs, {n_sc - 1} scalars and "
+                                         rf"{n_out} outputs \({n_in + n_sc + n_out - 1} positional arguments\); the "
+                                         rf"kernel takes {n_in + n_sc + n_out}"):
         _rebuilt(plan, scalars=launch.scalars[:-1])
-    with pytest.raises(ValueError, match=r"the launch passes 6 inputs"):
+    with pytest.raises(ValueError, match=rf"the launch passes {n_in - 1} inputs"):
         _rebuilt(plan, inputs=launch.inputs[:-1])
     without = tuple(c for c in launch.constexprs if c[0] != "HEAD_GROUP")
     with pytest.raises(ValueError, match=r"constexprs do not match the kernel's: missing \['HEAD_GROUP'\], "

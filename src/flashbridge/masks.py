@@ -39,6 +39,8 @@ from typing import Optional
 
 import numpy as np
 
+from ._extras import require
+
 __all__ = ["BlockMask", "MaskTerms", "bigbird", "causal", "document", "from_blocks", "from_dense", "longformer",
            "sliding_window", "streaming"]
 
@@ -253,8 +255,8 @@ class BlockMask:
     def plot(self, b: int = 0, h: int = 0, ax=None):
         """Draw the block grid of (batch b, head h) with matplotlib (full, partial, not visited); returns the
         axes."""
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
+        plt = require("matplotlib.pyplot", "bench", "BlockMask.plot")
+        ListedColormap = require("matplotlib.colors", "bench", "BlockMask.plot").ListedColormap
 
         if ax is None:
             _, ax = plt.subplots(figsize=(5, 5))

@@ -105,7 +105,7 @@ class SwiGLUMLP(nnx.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool = False, fused: bool = False,
                  dtype: Optional[Any] = None, param_dtype: Any = jnp.float32,
                  kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs) -> None:
         self.fused = fused
 
         def linear(n_in, n_out):
@@ -119,7 +119,7 @@ class SwiGLUMLP(nnx.Module):
             self.up_proj = linear(hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, hidden_size)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         if self.fused:
             return self.down_proj(swiglu(self.gate_up_proj(x)))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

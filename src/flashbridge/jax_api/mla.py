@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +232,7 @@ def _block_mask_attention(q, kv, block_mask, shape, options):
 
 def mla_attention(q: Array, kv: Array, *, head_dim_v: int = 512, causal: bool = False,
                   softmax_scale: Optional[float] = None, indices: Optional[Array] = None, block_mask=None,
-                  return_lse: bool = False):
+                  return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
     """Multi-head latent attention (DeepSeek MLA, absorbed form): every query head attends to one shared
     latent KV head whose first ``head_dim_v`` dims are the values. Same arguments and semantics as
     :func:`flashbridge.torch_api.mla_attention`: q ``(B, Sq, H, Dqk)``, kv ``(B, Sk, Dqk)``; ``causal``
@@ -275,7 +275,7 @@ def mla_attention(q: Array, kv: Array, *, head_dim_v: int = 512, causal: bool = 
 
 def mla_decode(q: Array, kv_cache: Array, *, cache_seqlens: Array, block_table: Optional[Array] = None,
                head_dim_v: int = 512, softmax_scale: Optional[float] = None, indices: Optional[Array] = None,
-               kv_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+               kv_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
     """MLA decode over a latent cache, the same arguments and semantics as
     :func:`flashbridge.torch_api.mla_decode`: q ``(B, Sq, H, Dqk)``; kv_cache ``(B, S_max, Dqk)`` or paged
     ``(num_pages, page_size, Dqk)`` with int32 ``block_table``; int32 ``cache_seqlens`` ``(B,)``; an FP8

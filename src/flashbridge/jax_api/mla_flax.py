@@ -48,7 +48,7 @@ class MultiHeadLatentAttention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, *, rope_theta: float = 10000.0,
                  rms_norm_eps: float = 1e-6, attention_bias: bool = False, softmax_scale: Optional[float] = None,
-                 dtype: Optional[Any] = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 dtype: Optional[Any] = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim: must be even (RoPE turns pairs of dims), got {qk_rope_head_dim}")
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -97,7 +97,7 @@ class MultiHeadLatentAttention(nnx.Module):
                                                  self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
-    def __call__(self, hidden_states, positions=None):
+    def __call__(self, hidden_states: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
         b, s, _ = hidden_states.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -284,7 +284,7 @@ def _info(a):
 
 def ring_attention(q: Array, k: Array, v: Array, *, axis_name, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
-                   layout: str = "zigzag", return_lse: bool = False):
+                   layout: str = "zigzag", return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
     """Attention over a sequence sharded along the mesh axis ``axis_name`` of an enclosing ``shard_map``:
     equal to :func:`flash_attention` on the gathered sequence (to rounding), forward and backward, without
     gathering it. Call it inside the shard_map'd function, on the local shards.

@@ -11,7 +11,7 @@ view whose last dimension is contiguous works.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -225,7 +225,7 @@ def _(q, kv_cache, cache_seqlens, block_table, indices, kv_scale, head_dim_v, so
 
 def mla_attention(q: Tensor, kv: Tensor, *, head_dim_v: int = 512, causal: bool = False,
                   softmax_scale: Optional[float] = None, indices: Optional[Tensor] = None, block_mask=None,
-                  return_lse: bool = False):
+                  return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Multi-head latent attention (DeepSeek MLA, absorbed form): every query head attends to one shared
     latent KV head, whose first ``head_dim_v`` dims are the values:
     ``out[b, i, h] = softmax_j(softmax_scale * q[b, i, h] . kv[b, j]) kv[b, j, :head_dim_v]``.
@@ -280,7 +280,7 @@ def mla_attention(q: Tensor, kv: Tensor, *, head_dim_v: int = 512, causal: bool 
 
 def mla_decode(q: Tensor, kv_cache: Tensor, *, cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
                head_dim_v: int = 512, softmax_scale: Optional[float] = None, indices: Optional[Tensor] = None,
-               kv_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False):
+               kv_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """MLA decode (absorbed form) over a latent cache: a few query tokens per sequence, every query head
     against the one latent head, causal over the first ``cache_seqlens[b]`` rows (query i sits on row
     ``cache_seqlens[b] - Sq + i``, as :func:`decode_attention`).
@@ -377,7 +377,7 @@ class MultiHeadLatentAttention(torch.nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, *, rope_theta: float = 10000.0,
                  rms_norm_eps: float = 1e-6, attention_bias: bool = False, softmax_scale: Optional[float] = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None) -> None:
         super().__init__()
         from .modules import RMSNorm
 

@@ -137,7 +137,7 @@ class SwiGLUMLP(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, fused: bool = False,
-                 device=None, dtype=None):
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

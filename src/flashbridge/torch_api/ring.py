@@ -14,7 +14,7 @@ Nothing gathers the whole sequence.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -298,7 +298,7 @@ def _check_ranks_agree(q: Tensor, k: Tensor, v: Tensor, fields: dict, group) -> 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
-                   layout: str = "zigzag", return_lse: bool = False):
+                   layout: str = "zigzag", return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of ``group``: equal to :func:`flash_attention` on
     the gathered sequence (to rounding), forward and backward, without gathering it.
 
