@@ -275,7 +275,8 @@ def mla_attention(q: Array, kv: Array, *, head_dim_v: int = 512, causal: bool = 
 
 def mla_decode(q: Array, kv_cache: Array, *, cache_seqlens: Array, block_table: Optional[Array] = None,
                head_dim_v: int = 512, softmax_scale: Optional[float] = None, indices: Optional[Array] = None,
-               kv_scale: Optional[Array] = None, num_splits: Optional[int] = None, return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
+               kv_scale: Optional[Array] = None, num_splits: Optional[int] = None,
+               return_lse: bool = False) -> Union[Array, tuple[Array, Array]]:
     """MLA decode over a latent cache, the same arguments and semantics as
     :func:`flashbridge.torch_api.mla_decode`: q ``(B, Sq, H, Dqk)``; kv_cache ``(B, S_max, Dqk)`` or paged
     ``(num_pages, page_size, Dqk)`` with int32 ``block_table``; int32 ``cache_seqlens`` ``(B,)``; an FP8

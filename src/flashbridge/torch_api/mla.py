@@ -280,7 +280,8 @@ def mla_attention(q: Tensor, kv: Tensor, *, head_dim_v: int = 512, causal: bool 
 
 def mla_decode(q: Tensor, kv_cache: Tensor, *, cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
                head_dim_v: int = 512, softmax_scale: Optional[float] = None, indices: Optional[Tensor] = None,
-               kv_scale: Optional[Tensor] = None, num_splits: Optional[int] = None, return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+               kv_scale: Optional[Tensor] = None, num_splits: Optional[int] = None,
+               return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """MLA decode (absorbed form) over a latent cache: a few query tokens per sequence, every query head
     against the one latent head, causal over the first ``cache_seqlens[b]`` rows (query i sits on row
     ``cache_seqlens[b] - Sq + i``, as :func:`decode_attention`).
