@@ -28,6 +28,7 @@ from ..core_kernels._plan import DTYPE_BYTES, Target, cdiv, next_power_of_2
 from .profiles import KB, GPUProfile
 
 MAX_SURVIVORS = 5
+MIN_SURVIVORS = 3  # dominated candidates fill up to this many survivors (the tuning sweep's candidates)
 BASE_REGS = 40  # addresses, loop counters, masks, softmax statistics: the share of a thread no tile pays for
 # Little's law for memory-bound kernels: bytes in flight per SM to cover this latency at full bandwidth
 MEMORY_LATENCY_S = 1.0e-6
@@ -168,17 +169,24 @@ def build_report(model: KernelModel, shape, gpu: GPUProfile, *, keep: int = MAX_
         row = Row(tile, est, "pruned" if reason else "kept", reason, default=tile == default)
         row.merits = model.merits(tile, est, shape, gpu)
         rows.append(row)
-    alive = [r for r in rows if r.verdict == "kept"]
-    for r in alive:  # dominance: another candidate at least as good on every merit, better on one
-        better = [o for o in alive if o is not r and all(a >= b for a, b in zip(o.merits, r.merits))
+    passed = sorted((r for r in rows if r.verdict == "kept"), key=lambda r: r.merits, reverse=True)
+    front = []
+    for r in passed:  # dominance: another candidate at least as good on every merit, better on one
+        better = [o for o in passed if o is not r and all(a >= b for a, b in zip(o.merits, r.merits))
                   and o.merits != r.merits]
         if better:
             best = max(better, key=lambda o: o.merits)
-            r.verdict, r.reason = "pruned", f"dominated by {best.tile}: {_why_better(model, best, r)}"
-    alive = sorted((r for r in rows if r.verdict == "kept"), key=lambda r: r.merits, reverse=True)
-    for i, r in enumerate(alive):
-        if i >= keep:
-            r.verdict, r.reason = "pruned", f"ranked {i + 1}: below the {keep} kept ({model.rule})"
+            r.reason = f"dominated by {best.tile}: {_why_better(model, best, r)}"
+        else:
+            front.append(r)
+    alive = front[:keep] + [r for r in passed if r not in front][:max(0, MIN_SURVIVORS - len(front))]
+    alive.sort(key=lambda r: r.merits, reverse=True)
+    for i, r in enumerate(passed):
+        if r in alive:
+            r.reason = "kept to time: " + r.reason if r.reason else ""
+        else:
+            r.verdict = "pruned"
+            r.reason = r.reason or f"ranked {i + 1}: below the {keep} kept ({model.rule})"
     if alive:
         alive[0].choice = True
     order = {id(r): i for i, r in enumerate(alive)}
@@ -305,15 +313,16 @@ def _dkdv_estimate(tile: Tile, case: AttnCase, gpu: GPUProfile) -> Estimate:
     dqk, dv, b = _attn_dims(case)
     split = _col_split(case, gpu)
     kv = tile.block_n * (dqk + dv) * b  # k and v stay resident (the A operands of the score dots)
-    stream = tile.num_stages * tile.block_m * (dqk + dv) * b  # q and dout, pipelined
-    smem = kv + stream
+    stream = tile.num_stages * tile.block_m * (dqk + dv) * b  # q and dout, pipelined (dot operands)
+    rows = (tile.num_stages - 1) * tile.block_m * 8  # lse and delta (float32): plain loads keep stages - 1 buffers
+    smem = kv + stream + rows
     threads = tile.num_warps * gpu.warp_size
     acc = tile.block_n * (dqk + dv) // split  # float32 dK and dV accumulators
     scores = 2 * tile.block_m * tile.block_n  # p^T and dp^T in float32, then 16-bit p^T, ds^T
     regs = BASE_REGS + (acc + scores + scores * b // 4) // threads
     blocks, limiter = occupancy(smem, regs, tile.num_warps, gpu)
     intensity = 2 * tile.block_n * 4 / (4 * b)  # each streamed query row meets block_n keys in 4 products
-    parts = (("k+v resident", kv), (f"q+dout x {tile.num_stages} stages", stream))
+    parts = (("k+v resident", kv), (f"q+dout x {tile.num_stages} stages", stream), ("lse+delta", rows))
     return Estimate(smem, regs, threads, blocks, limiter, intensity, 0, parts)
 
 
@@ -465,16 +474,19 @@ def _decode_hard(tile: Tile, est: Estimate, case: DecodeCase, gpu: GPUProfile) -
 
 
 def _decode_merits(tile: Tile, est: Estimate, case: DecodeCase, gpu: GPUProfile) -> tuple:
-    # memory-bound: enough bytes in flight passed the hard rule; then the smallest footprint (more programs
-    # resident, more splits possible), fewer warps (less per-step synchronisation), fewer stages
-    return (-est.smem, -tile.num_warps, -tile.num_stages)
+    # memory-bound: enough bytes in flight passed the hard rule; then every program resident at once (no
+    # second wave), then wide key steps (each step is a dependent chain: load, dot, softmax, dot), then up to
+    # 3 stages, fewer warps, the smaller footprint
+    one_wave = est.blocks_per_sm * gpu.sms >= _programs(case, tile, gpu)
+    return (int(one_wave), min(tile.block_n, 128), min(tile.num_stages, 3), -tile.num_warps, -est.smem)
 
 
 DECODE = KernelModel(
     name="decode", title="decode (decode_fwd_kernel): block_m packed (token x GQA head) rows, block_n keys a step",
     op="decode", space=_decode_space, estimate=_decode_estimate, hard=_decode_hard, merits=_decode_merits,
-    merit_names=("-smem", "-warps", "-stages"),
-    rule="enough bytes in flight to cover memory latency, then the smallest shared-memory footprint",
+    merit_names=("one wave", "step(<=128)", "stages(<=3)", "-warps", "-smem"),
+    rule="enough bytes in flight to cover memory latency, then one wave of programs, then the widest key "
+         "step, then up to 3 stages",
     config=_decode_config, launch=_decode_launch, tile_of=_tile_from,
     describe=lambda c: (f"B={c.shape.batch} cache={c.shape.cache.capacity} Hq={c.shape.heads_q} "
                         f"Hkv={c.shape.heads_kv} D={c.shape.head_dim_qk} {c.shape.dtype}"))
@@ -520,27 +532,31 @@ def _norm_config(tile: Tile):
 
 def _norm_space(case: RowsCase, gpu: GPUProfile) -> list[Tile]:
     n = next_power_of_2(case.cols)
-    stages = 1 if not case.backward else 1
-    return [Tile(m, n, w, stages) for m in (1, 2, 4, 8, 16) for w in (2, 4, 8, 16)]
+    return [Tile(m, n, w, 1) for m in (1, 2, 4, 8, 16) for w in (2, 4, 8, 16)]
 
 
-def _rowwise_estimate(tile: Tile, case: RowsCase, gpu: GPUProfile, *, live: int, reductions: int) -> Estimate:
-    """Row tiles held in registers: ``live`` float32 copies of the tile per thread; each row reduction
-    crosses warps through ``warps`` float32 slots per row of shared memory."""
+def _rowwise_estimate(tile: Tile, case: RowsCase, gpu: GPUProfile, *, regs: Callable[[int, int], int],
+                      convert_bytes: int = 0) -> Estimate:
+    """Row tiles held in registers. Shared memory: a row reduction crosses the warps that split a row, one
+    float32 slot per (row, warp); ``convert_bytes`` per thread of layout-conversion scratch (the norm
+    backward's) shares the pool. ``regs(elements a thread holds, row-vector elements a thread holds)``."""
     threads = tile.num_warps * gpu.warp_size
     elems = tile.block_m * tile.block_n
-    regs = BASE_REGS // 2 + live * elems // threads
-    warps_per_row = max(1, min(tile.num_warps, tile.block_n * tile.num_warps // max(elems // threads, 1)
-                               // max(tile.block_n, 1)))
-    smem = reductions * tile.block_m * tile.num_warps * 4 if tile.num_warps > 1 else 0
-    blocks, limiter = occupancy(smem, regs, tile.num_warps, gpu)
+    vec = 16 // DTYPE_BYTES[case.dtype]  # a thread's 16-byte vector
+    warps_per_row = max(1, min(tile.num_warps, tile.block_n // (vec * gpu.warp_size)))
+    reduction = tile.block_m * warps_per_row * 4 if tile.num_warps > 1 else 0
+    smem = max(reduction, convert_bytes * threads)
+    est_regs = regs(max(1, elems // threads), max(1, tile.block_n // threads))
+    blocks, limiter = occupancy(smem, est_regs, tile.num_warps, gpu)
     inflight = elems * DTYPE_BYTES[case.dtype]
-    del warps_per_row
-    return Estimate(smem, regs, threads, blocks, limiter, 0.0, inflight, (("reduction scratch", smem),))
+    parts = (("row reduction", reduction),) + ((("layout conversion", convert_bytes * threads),) if convert_bytes else ())
+    return Estimate(smem, est_regs, threads, blocks, limiter, 0.0, inflight, parts)
 
 
 def _norm_estimate(tile: Tile, case: RowsCase, gpu: GPUProfile) -> Estimate:
-    return _rowwise_estimate(tile, case, gpu, live=3 if case.backward else 2, reductions=1)
+    if case.backward:  # dy, h and the products in float32, plus the persistent dweight partial row
+        return _rowwise_estimate(tile, case, gpu, regs=lambda e, row: 3 * e + 2 * row, convert_bytes=32)
+    return _rowwise_estimate(tile, case, gpu, regs=lambda e, row: 16 + 5 * e // 4)
 
 
 def _rowwise_hard(tile: Tile, est: Estimate, case: RowsCase, gpu: GPUProfile) -> str:
@@ -558,20 +574,28 @@ def _rowwise_hard(tile: Tile, est: Estimate, case: RowsCase, gpu: GPUProfile) ->
     return ""
 
 
-def _rowwise_merits(tile: Tile, est: Estimate, case: RowsCase, gpu: GPUProfile) -> tuple:
-    programs = cdiv(case.rows, tile.block_m)
-    waves_ok = programs >= 2 * gpu.sms  # every SM gets two programs: no idle SMs in the last wave
-    per_thread = tile.block_m * tile.block_n // est.threads
-    enough = min(est.blocks_per_sm, max(1, programs // gpu.sms)) * est.inflight >= _needed_inflight(gpu)
-    # bytes in flight first, then every SM busy, then about 16 elements a thread (4 x 16-byte loads in bf16)
-    return (int(enough), int(waves_ok), -abs(math.log2(max(per_thread, 1)) - 4), -tile.num_warps)
+def _rowwise_merits(per_thread_target: int, program_elems: int):
+    def merits(tile: Tile, est: Estimate, case: RowsCase, gpu: GPUProfile) -> tuple:
+        programs = cdiv(case.rows, tile.block_m)
+        waves_ok = programs >= 2 * gpu.sms  # every SM gets two programs: no idle SMs in the last wave
+        per_thread = tile.block_m * tile.block_n // est.threads
+        enough = min(est.blocks_per_sm, max(1, programs // gpu.sms)) * est.inflight >= _needed_inflight(gpu)
+        # bytes in flight first, then every SM busy, then the elements a thread holds (its 16-byte loads in
+        # flight), then the work of a program up to program_elems (fewer programs), fewer warps, fewer stages
+        return (int(enough), int(waves_ok), -abs(math.log2(max(per_thread, 1)) - math.log2(per_thread_target)),
+                min(tile.block_m * tile.block_n, program_elems), -tile.num_warps, -tile.num_stages)
+    return merits
+
+
+_ROW_MERITS = ("inflight", "2 programs/SM", "elements/thread", "elements/program", "-warps", "-stages")
 
 
 NORM_FWD = KernelModel(
     name="norm_fwd", title="RMSNorm / LayerNorm forward (norm_fwd_kernel): block_m whole rows a program",
-    op="norm_fwd", space=_norm_space, estimate=_norm_estimate, hard=_rowwise_hard, merits=_rowwise_merits,
-    merit_names=("inflight", "2 waves", "~16/thread", "-warps"),
-    rule="enough bytes in flight, then two programs per SM, then about 16 elements per thread",
+    op="norm_fwd", space=_norm_space, estimate=_norm_estimate, hard=_rowwise_hard,
+    merits=_rowwise_merits(32, 8192), merit_names=_ROW_MERITS,
+    rule="enough bytes in flight, then two programs per SM, then about 32 elements per thread, then up to 8K "
+         "elements per program",
     config=_norm_config, launch=_norm_launch, tile_of=_norm_tile,
     describe=lambda c: f"{c.rows} x {c.cols} {c.dtype}{' backward' if c.backward else ''}")
 NORM_BWD = dataclasses.replace(
@@ -579,7 +603,10 @@ NORM_BWD = dataclasses.replace(
                                      "step", op="norm_bwd",
     space=lambda c, g: _norm_space(dataclasses.replace(c, backward=True), g),
     estimate=lambda t, c, g: _norm_estimate(t, dataclasses.replace(c, backward=True), g),
-    launch=lambda c, t, cfg: _norm_launch(dataclasses.replace(c, backward=True), t, cfg))
+    launch=lambda c, t, cfg: _norm_launch(dataclasses.replace(c, backward=True), t, cfg),
+    merits=_rowwise_merits(32, 16384),
+    rule="enough bytes in flight, then two programs per SM, then about 32 elements per thread, then up to 16K "
+         "elements a step")
 
 
 # -------------------------------------------------------------------------------------------- cross-entropy
@@ -612,7 +639,7 @@ def _ce_space(case: RowsCase, gpu: GPUProfile) -> list[Tile]:
 
 
 def _ce_estimate(tile: Tile, case: RowsCase, gpu: GPUProfile) -> Estimate:
-    est = _rowwise_estimate(tile, case, gpu, live=2 * tile.num_stages, reductions=2)
+    est = _rowwise_estimate(tile, case, gpu, regs=lambda e, row: 8 + 2 * e)
     return dataclasses.replace(est, inflight=est.inflight * tile.num_stages)
 
 
@@ -620,6 +647,9 @@ CROSS_ENTROPY = dataclasses.replace(
     NORM_FWD, name="cross_entropy", title="cross-entropy forward (ce_fwd_kernel): block_m rows a program, "
                                           "block_n vocabulary columns a step",
     op="cross_entropy", space=_ce_space, estimate=_ce_estimate, config=_ce_config, launch=_ce_launch,
+    merits=_rowwise_merits(16, 4096),
+    rule="enough bytes in flight, then two programs per SM, then about 16 elements per thread, then up to 4K "
+         "elements a tile",
     tile_of=_ce_tile, describe=lambda c: f"{c.rows} rows x vocab {c.cols} {c.dtype}")
 
 
