@@ -199,7 +199,11 @@ def _tune_ops() -> tuple[str, ...]:
 
 def run(args) -> int:
     if args.command == "tiles":
-        gpu = resolve_gpu(args.gpu)
+        try:
+            gpu = resolve_gpu(args.gpu)
+        except ValueError as e:
+            print(f"flashbridge tiles: {e}", file=sys.stderr)
+            return 2
         from rich.console import Console
 
         console = Console(width=160)

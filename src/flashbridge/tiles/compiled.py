@@ -54,7 +54,7 @@ def available(capability: int = 90) -> str:
 def compile_launch(launch, dtypes: dict, capability: int = 90) -> Compiled:
     """Compile one Launch for ``sm_<capability>`` as Triton's launcher would specialise it (pointers 16-byte
     aligned, integers equal to 1 folded) and read its resources. ``dtypes`` maps the launch's tensor names to
-    dtype names. Triton's on-disk cache makes a repeated compile cheap."""
+    dtype names; a name it lacks is float32 (the plans' scratch: partial results, statistics). Triton's on-disk cache makes a repeated compile cheap."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -66,8 +66,8 @@ def compile_launch(launch, dtypes: dict, capability: int = 90) -> Compiled:
     backend = make_backend(target)
     fn = get_kernel(launch.kernel, False)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    args = ([_FakeTensor(dtypes[n]) for n in launch.inputs] + launch.scalar_values()
-            + [_FakeTensor(dtypes[n]) for n in launch.outputs])
+    args = ([_FakeTensor(dtypes.get(n, "float32")) for n in launch.inputs] + launch.scalar_values()
+            + [_FakeTensor(dtypes.get(n, "float32")) for n in launch.outputs])
     kwargs = {**launch.constexpr_dict(), "num_warps": launch.num_warps, "num_stages": launch.num_stages,
               "enable_fp_fusion": True, "debug": False}
     if hasattr(triton.knobs.compilation, "instrumentation_mode"):

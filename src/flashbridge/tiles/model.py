@@ -435,19 +435,23 @@ def _decode_space(case: DecodeCase, gpu: GPUProfile) -> list[Tile]:
 
 
 def _decode_estimate(tile: Tile, case: DecodeCase, gpu: GPUProfile) -> Estimate:
+    """A decode program has at most a few dozen rows: its dots run on mma.sync (wgmma needs 64 rows a
+    warpgroup), whose pipelined loads keep ``stages - 1`` buffers of k and v; q stays in shared memory and
+    the probabilities pass through it on their way to the second dot's operand layout."""
     s = case.shape
     dqk, dv = _pad(s.head_dim_qk), _pad(s.head_dim_v)
     b, cb = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.cache.dtype]
     q = tile.block_m * dqk * b
-    kv = tile.num_stages * tile.block_n * (dqk + dv) * cb
-    smem = q + kv
+    p = tile.block_m * tile.block_n * b
+    kv = (tile.num_stages - 1) * tile.block_n * (dqk + dv) * cb
+    smem = q + p + kv
     threads = tile.num_warps * gpu.warp_size
-    regs = BASE_REGS + (tile.block_m * dv + tile.block_m * tile.block_n * (4 + b) // 4) // threads
+    fragments = min(tile.block_n, 64) * (dqk + dv) * cb // 4  # k / v operand fragments, up to 64 keys at a time
+    regs = BASE_REGS + (tile.block_m * dv + tile.block_m * tile.block_n * (4 + b) // 4 + fragments) // threads
     blocks, limiter = occupancy(smem, regs, tile.num_warps, gpu)
     rows = min(tile.block_m, s.seqlen_q * s.group)
-    inflight = (tile.num_stages - 1) * tile.block_n * (dqk + dv) * cb
-    return Estimate(smem, regs, threads, blocks, limiter, 2 * rows / cb, inflight,
-                    (("q", q), (f"k+v x {tile.num_stages} stages", kv)))
+    return Estimate(smem, regs, threads, blocks, limiter, 2 * rows / cb, kv,
+                    (("q", q), ("p", p), (f"k+v x {tile.num_stages - 1} buffers", kv)))
 
 
 def _programs(case: DecodeCase, tile: Tile, gpu: GPUProfile) -> int:
@@ -639,7 +643,7 @@ def _ce_space(case: RowsCase, gpu: GPUProfile) -> list[Tile]:
 
 
 def _ce_estimate(tile: Tile, case: RowsCase, gpu: GPUProfile) -> Estimate:
-    est = _rowwise_estimate(tile, case, gpu, regs=lambda e, row: 8 + 2 * e)
+    est = _rowwise_estimate(tile, case, gpu, regs=lambda e, row: 4 + 2 * e)
     return dataclasses.replace(est, inflight=est.inflight * tile.num_stages)
 
 
