@@ -97,7 +97,7 @@ def _row_cells(r: Row, rep: Report) -> list[str]:
     mark = ("*" if r.choice else "") + ("D" if r.default else "")
     return [mark, str(r.tile), f"{e.smem / KB:.1f}", str(e.regs), f"{e.blocks_per_sm} ({e.limiter})",
             f"{e.intensity:.0f}" if e.intensity else f"{e.inflight / KB:.0f} KB",
-            r.verdict if not r.reason else f"{r.verdict}: {r.reason}"]
+            (r.verdict if not r.reason else f"{r.verdict}: {r.reason}") + (f" ({r.note})" if r.note else "")]
 
 
 def print_report(rep: Report, *, show_all: bool = False, console=None) -> None:

@@ -73,6 +73,10 @@ class Row:
     default: bool = False
     choice: bool = False
     merits: tuple = ()
+    note: str = ""  # a caveat on a kept candidate (near the register cap)
+
+
+NEAR_CAP = 0.75  # estimates above this share of the register cap: ptxas may spill a few bytes (or not)
 
 
 @dataclasses.dataclass
@@ -168,6 +172,9 @@ def build_report(model: KernelModel, shape, gpu: GPUProfile, *, keep: int = MAX_
             reason = f"does not fit an SM ({est.limiter})"
         row = Row(tile, est, "pruned" if reason else "kept", reason, default=tile == default)
         row.merits = model.merits(tile, est, shape, gpu)
+        cap = reg_cap(tile.num_warps, gpu)
+        if not reason and est.regs >= NEAR_CAP * cap:
+            row.note = f"near the register cap (~{est.regs} of {cap}): ptxas may spill a few bytes"
         rows.append(row)
     passed = sorted((r for r in rows if r.verdict == "kept"), key=lambda r: r.merits, reverse=True)
     front = []
@@ -302,7 +309,9 @@ def _fwd_estimate(tile: Tile, case: AttnCase, gpu: GPUProfile) -> Estimate:
     acc = tile.block_m * dv  # float32 output accumulator
     scores = tile.block_m * tile.block_n  # float32 scores, then 16-bit probabilities (the second dot's A)
     q_regs = 0 if gpu.wgmma else tile.block_m * dqk * b // 4  # mma.sync keeps its A operand in registers
-    regs = BASE_REGS + (acc + scores + scores * b // 4) // threads + q_regs // threads
+    # causal / windowed calls: the masked segments' positions and boolean mask, 1.5 registers per score
+    masked = _fwd_loops(tile, case, gpu)[1][0] * tile.block_m * 3 // 2 if case.options.has_local else 0
+    regs = BASE_REGS + (acc + scores + scores * b // 4 + masked) // threads + q_regs // threads
     blocks, limiter = occupancy(smem, regs, tile.num_warps, gpu)
     intensity = 2 * tile.block_m / b  # FLOP per byte of K and V streamed: each key serves block_m rows
     parts = (("q", q), (f"k+v x {s_w} stages of {n_w} keys", kv))
