@@ -25,7 +25,7 @@ import pytest
 from flashbridge import tiles
 from flashbridge.core_kernels import Target
 from flashbridge.tiles import cache, cli
-from flashbridge.tiles.model import MODELS, OPS, Tile, build_report
+from flashbridge.tiles.model import MODELS, Tile, build_report
 
 REGS_TOLERANCE = (0.7, 1.4)  # estimate / ptxas registers, where ptxas is below its cap ...
 REGS_SLACK = 16  # ... or within this many registers (small kernels: addressing dominates)

@@ -54,7 +54,8 @@ def available(capability: int = 90) -> str:
 def compile_launch(launch, dtypes: dict, capability: int = 90) -> Compiled:
     """Compile one Launch for ``sm_<capability>`` as Triton's launcher would specialise it (pointers 16-byte
     aligned, integers equal to 1 folded) and read its resources. ``dtypes`` maps the launch's tensor names to
-    dtype names; a name it lacks is float32 (the plans' scratch: partial results, statistics). Triton's on-disk cache makes a repeated compile cheap."""
+    dtype names; a name it lacks is float32 (the plans' scratch: partial results, statistics). Triton's
+    on-disk cache makes a repeated compile cheap."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend

@@ -292,8 +292,6 @@ def _attn_space(kind: str):
 def _fwd_loops(tile: Tile, case: AttnCase, gpu: GPUProfile) -> list[tuple[int, int]]:
     """(key block width, stages) of the forward's loops: the visible segment and the masked ones (their
     width and depth from the plan's MASKED_BLOCK_N / MASKED_STAGES for this tile)."""
-    from ..core_kernels.flash_attn.plan import AttentionConfig
-
     launch = _attn_plan_launch("fwd")(case, Target(False, gpu.sms), _attn_config("")(tile))
     c = launch.constexpr_dict()
     return [(tile.block_n, tile.num_stages), (c["MASKED_BLOCK_N"], c["MASKED_STAGES"] or tile.num_stages)]
@@ -562,7 +560,9 @@ def _rowwise_estimate(tile: Tile, case: RowsCase, gpu: GPUProfile, *, regs: Call
     est_regs = regs(max(1, elems // threads), max(1, tile.block_n // threads))
     blocks, limiter = occupancy(smem, est_regs, tile.num_warps, gpu)
     inflight = elems * DTYPE_BYTES[case.dtype]
-    parts = (("row reduction", reduction),) + ((("layout conversion", convert_bytes * threads),) if convert_bytes else ())
+    parts = (("row reduction", reduction),)
+    if convert_bytes:
+        parts += (("layout conversion", convert_bytes * threads),)
     return Estimate(smem, est_regs, threads, blocks, limiter, 0.0, inflight, parts)
 
 
