@@ -456,8 +456,8 @@ def _decode_estimate(tile: Tile, case: DecodeCase, gpu: GPUProfile) -> Estimate:
     fragments = min(tile.block_n, 64) * (dqk + dv) * cb // 4  # k / v operand fragments, up to 64 keys at a time
     regs = BASE_REGS + (tile.block_m * dv + tile.block_m * tile.block_n * (4 + b) // 4 + fragments) // threads
     blocks, limiter = occupancy(smem, regs, tile.num_warps, gpu)
-    rows = min(tile.block_m, s.seqlen_q * s.group)
-    return Estimate(smem, regs, threads, blocks, limiter, 2 * rows / cb, kv,
+    # memory-bound (2 x group / bytes FLOP per cache byte): the bytes in flight are the figure that matters
+    return Estimate(smem, regs, threads, blocks, limiter, 0.0, kv,
                     (("q", q), ("p", p), (f"k+v x {tile.num_stages - 1} buffers", kv)))
 
 
