@@ -1,4 +1,5 @@
-"""Command line: ``python -m flashbridge check`` (also installed as the ``flashbridge`` script)."""
+"""Command line: ``python -m flashbridge check | tiles | tune | warmup`` (also installed as the ``flashbridge``
+script)."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--family", action="append", choices=FAMILIES, metavar="FAMILY",
                        help=f"only this op family (repeatable): {', '.join(FAMILIES)}")
     check.add_argument("--json", metavar="PATH", help="also write the results to this JSON file")
+    from .tiles import cli as tiles_cli
+
+    tiles_cli.add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in tiles_cli.COMMANDS:
+        return tiles_cli.run(args)
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
     from .checks.runner import default_device, installed_frameworks, run_checks
