@@ -501,6 +501,48 @@ def test_jax_mla_decode_matches_torch_bitwise(name):
     np.testing.assert_array_equal(np64(lse), np64(want_lse))
 
 
+def test_configure_sets_the_mla_plans_config_in_both_front_ends():
+    """MLAConfig goes through core_kernels.configure like every family's config: the plans read it (an
+    explicit config= wins), and both public decode ops plan with it -- 32-key steps move the split
+    boundaries, so the bits change, and torch and JAX still agree bit for bit."""
+    from flashbridge.core_kernels import INTERPRETER, configure
+    from flashbridge.core_kernels.mla.plan import (MLAConfig, check_mla_args, check_mla_decode_args, plan_mla_bwd,
+                                                   plan_mla_fwd)
+
+    q, cache, kw = make_cache(31, lens=(60, 7, 45), h=4, topk=0)
+    dv = kw.pop("head_dim_v")
+    info = {n: (tuple(t.shape), str(t.dtype).split(".")[-1]) for n, t in kw.items()}
+    shape, options, _ = check_mla_decode_args(q=(tuple(q.shape), "float32"), kv_cache=(tuple(cache.shape), "float32"),
+                                              head_dim_v=dv, **info)
+
+    def block_n(**extra):
+        return plan_mla_fwd(shape, options, target=INTERPRETER, **extra).launches[0].constexpr_dict()["BLOCK_N"]
+
+    default = block_n()
+    with configure(MLAConfig(block_n=32)):
+        assert block_n() == 32 and block_n(config=MLAConfig()) == default
+        prefill, prefill_options = check_mla_args(q=((1, 8, 2, 40), "float32"), kv=((1, 8, 40), "float32"),
+                                                  head_dim_v=32)
+        with configure(MLAConfig(dkv_block_n=32)):  # the innermost wins
+            bwd = plan_mla_bwd(prefill, prefill_options, target=INTERPRETER)
+            assert [la.constexpr_dict()["BLOCK_N"] for la in bwd.launches if "dkv" in la.kernel] == [32]
+            assert block_n() == default
+    assert block_n() == default
+
+    def both():
+        out_t = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=3)
+        out_j = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=3))(
+            torch_to_jax(q), torch_to_jax(cache), _j(kw))
+        np.testing.assert_array_equal(np64(out_j), np64(out_t))
+        return np64(out_t)
+
+    base = both()
+    with configure(MLAConfig(block_n=32)):
+        other = both()
+    assert not np.array_equal(other, base)
+    np.testing.assert_allclose(other, base, atol=2e-6, rtol=1e-5)
+
+
 def test_jax_mla_decode_against_reference():
     q, cache, kw = make_cache(21, **DECODE_CASES["sparse-contig"])
     check_decode(q, cache, kw, api=_JaxAsTorch())
