@@ -372,6 +372,52 @@ def test_torch_decode_split_counts_agree_and_fixed_split_is_reproducible():
         assert torch.equal(out, tapi.mla_decode(q, cache, **kw, num_splits=splits))
 
 
+def _no_host_reads(monkeypatch):
+    """Make every way of reading a tensor's values on the host raise, and stub the launches (the
+    interpreter itself reads its arguments on the host): what remains is the ops' own host path."""
+    from flashbridge.torch_api._runtime import TORCH_DTYPES as dtypes
+
+    def forbidden(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called on the op's hot path (a host sync)")
+        return read
+
+    for name in ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+    monkeypatch.setattr(torch, "nonzero", forbidden("nonzero"))
+    launched = []
+
+    def execute(plan, inputs, out=None):
+        launched.append(plan)
+        return tuple(torch.empty(plan.spec(n).shape, dtype=dtypes[plan.spec(n).dtype]) for n in plan.results)
+
+    monkeypatch.setattr(tapi, "execute", execute)
+    return launched
+
+
+@pytest.mark.parametrize("name", ["sparse-paged4-sq2", "fp8-sparse", "paged4"])
+def test_torch_decode_reads_no_values_while_a_cuda_graph_is_captured(name, monkeypatch):
+    """Under CUDA-graph capture (simulated: the CPU tensors stand in for device ones) mla_decode and the
+    sparse mla_attention read no tensor values on the host -- not even to check them: indices with a
+    repeated key pass unchecked -- and launch their plans. Outside capture the same call checks them."""
+    q, cache, kw = make_cache(zlib_seed(name), **DECODE_CASES[name])
+    if "indices" in kw:  # a repeated visible key: rejected when the values are read
+        kw["indices"][0, -1, :2] = 0
+        with pytest.raises(ValueError, match="more than once"):
+            tapi.mla_decode(q, cache, **kw)
+    with pytest.raises(ValueError, match="more than once"):
+        tapi.mla_attention(q, q[:, :, 0], head_dim_v=kw["head_dim_v"], indices=torch.zeros(
+            q.shape[0], q.shape[1], 2, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    launched = _no_host_reads(monkeypatch)
+    out, lse = tapi.mla_decode(q, cache, **kw, return_lse=True)
+    assert out.shape == (*q.shape[:3], kw["head_dim_v"]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    tapi.mla_attention(q, q[:, :, 0], head_dim_v=kw["head_dim_v"], indices=torch.zeros(
+        q.shape[0], q.shape[1], 2, dtype=torch.int32))
+    assert len(launched) == 2
+
+
 def test_torch_decode_of_full_cache_equals_causal_prefill():
     q, kv = _make(3, 2, 4, 13, 3, 40)
     lens = torch.tensor([13, 13], dtype=torch.int32)

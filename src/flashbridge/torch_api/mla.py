@@ -22,7 +22,7 @@ from ..core_kernels.mla.plan import (MLAConfig, check_decode_values, check_index
 from ..masks import BlockMask
 from ._checks import check_tensors
 from .block_sparse import _layout as _mask_layout, mask_tensors
-from ._ops import fused_op
+from ._ops import fused_op, underlying
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -47,11 +47,19 @@ def _kv_strides(kv: Tensor) -> tuple[int, int]:
     return (kv.stride(0), kv.stride(1))
 
 
+def _capturing() -> bool:
+    """A CUDA graph is being captured on this thread's current stream (never on a CPU-only build)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _host(t: Optional[Tensor]):
-    """A tensor's values when reading them is free (CPU, eager), else None."""
-    if t is None or t.device.type != "cpu" or torch.compiler.is_compiling():
+    """A tensor's values when reading them is free, else None: a plain CPU tensor in eager mode. Device
+    tensors are never read (a copy to the host waits for the GPU and breaks CUDA-graph capture), nor is
+    anything while torch.compile traces, under a torch.func transform (wrapped tensors have no data of
+    their own) or while a CUDA graph is captured on this thread; the kernels then clamp every access."""
+    if t is None or t.device.type != "cpu" or torch.compiler.is_compiling() or underlying(t) is not t:
         return None
-    return t.numpy()
+    return None if _capturing() else t.numpy()
 
 
 # -------------------------------------------------------------------------------------------------- ops
