@@ -14,7 +14,7 @@ values its first 512 dims, bf16, paged caches of 64-row pages. Rows:
   (visible pairs) (576 + 512); the backward is timed and reported (2.5x the forward's FLOPs). Baseline:
   ``flash_attention`` on the un-absorbed form (per-head keys of 192 dims, values of 128: the same attention
   output after W_UV), same run.
-* prefill with a block mask, S=4096 (not in --quick): top-k key blocks per query block
+* prefill with a block mask, S=4096 (with --all): top-k key blocks per query block
   (``masks.from_blocks``, 64x64 blocks, 32 of 64 key blocks drawn per query block with a fixed seed: about
   the causal row's work), H=128 and the seed's one head (q ``[4096 x 576]``); TFLOP/s counted on the visited
   blocks, forward and backward, torch and JAX, beside the dense causal row.
@@ -24,8 +24,8 @@ mode, so that JAX's runtime threads, alive once a JAX row ran, cannot invalidate
 ``do_bench``. A row that fails is recorded with its error and the run goes on; the JSON is written after
 every row.
 
-    python benchmarks/bench_mla.py            # every row, JSON (results/mla_h200.json) and plot
-    python benchmarks/bench_mla.py --quick    # the bar's rows (no block masks, two H=16 shapes): ~3 minutes
+    python benchmarks/bench_mla.py            # the bars' rows, JSON (results/mla_h200.json) and plot (~3 min)
+    python benchmarks/bench_mla.py --all      # also block masks, H=16 at every shape, JAX on every decode shape
     python benchmarks/bench_mla.py --only decode,sparse   # sections: decode h16 sparse prefill mask
     python benchmarks/bench_mla.py --sweep    # tile variants (MLAConfig through configure) on the key rows
     python benchmarks/bench_mla.py --ptxas    # no GPU needed: compile the default plans for sm_90
@@ -46,8 +46,8 @@ L2_BYTES = 60 * 2**20
 JAX_STEPS = 64  # decode steps per jitted call of the JAX rows (a call's fixed host cost amortised)
 GRAPH_CALLS = 16  # decode calls per captured CUDA graph (the graph's launch amortised)
 DECODE_ROWS = [(64, 4096), (64, 32768), (128, 4096), (128, 32768)]
-H16_QUICK_ROWS = [(64, 4096), (64, 32768)]
-JAX_DECODE_ROWS = [(64, 4096), (128, 32768)]  # the JAX rows of --quick (every row otherwise)
+H16_QUICK_ROWS = [(64, 4096), (64, 32768)]  # H=16 without --all
+JAX_DECODE_ROWS = [(64, 4096), (128, 32768)]  # the JAX decode rows without --all
 SECTIONS = ("decode", "h16", "sparse", "prefill", "mask")
 TARGETS = {"decode_tflops": 350.0, "h16_copy_fraction": 0.8, "fp8_speedup": 1.6, "sparse_ratio": 1.2,
            "prefill_tflops": 350.0, "jax_ratio": 0.95}
@@ -564,8 +564,10 @@ def ptxas_report():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the bar's rows, no block masks, two H=16 shapes")
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--all", action="store_true",
+                        help="also the block-mask rows, H=16 at every shape, JAX on every decode shape")
+    parser.add_argument("--quick", action="store_true", help="the default rows (kept for scripts)")
+    parser.add_argument("--only", default=None, help=f"comma-separated sections of {SECTIONS}")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="tile variants on the key rows")
     parser.add_argument("--ptxas", action="store_true", help="compile the default plans for sm_90 (no GPU)")
@@ -577,24 +579,26 @@ def main():
         result = sweep()
         print(f"wrote {save('mla_sweep_h200', {'sweep': result})}")
         return
-    sections = [x for x in args.only.split(",") if x]
-    unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown:
-        parser.error(f"--only: unknown sections {unknown}; choose from {SECTIONS}")
-    if args.quick and "mask" in sections and args.only == ",".join(SECTIONS):
-        sections.remove("mask")
+    if args.only:
+        sections = [x for x in args.only.split(",") if x]
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            parser.error(f"--only: unknown sections {unknown}; choose from {SECTIONS}")
+    else:
+        sections = list(SECTIONS if args.all else SECTIONS[:-1])
+    quick = not args.all
     print(json.dumps(environment()))
     copy_tbs = measure_copy_ceiling()
     print(f"device-to-device copy: {copy_tbs:.2f} TB/s")
-    name = "mla_h200_quick" if args.quick else "mla_h200" if args.only == ",".join(SECTIONS) else "mla_h200_partial"
+    name = "mla_h200_partial" if args.only else "mla_h200_all" if args.all else "mla_h200"
     run = Run(name, copy_tbs)
     with_jax = not args.no_jax
     start = time.perf_counter()
     for section in sections:
         if section == "decode":
-            decode_rows(run, args.quick, with_jax)
+            decode_rows(run, quick, with_jax)
         elif section == "h16":
-            h16_rows(run, args.quick, with_jax)
+            h16_rows(run, quick, with_jax)
         elif section == "sparse":
             sparse_rows(run, with_jax)
         elif section == "prefill":
