@@ -10,6 +10,7 @@ call, no host time, no L2 flush); ``do_bench`` figures of eager calls are printe
     python benchmarks/bench_fused_block.py           # Llama-3-8B shapes, plot
     python benchmarks/bench_fused_block.py --quick   # a quarter of the tokens, fewer input sets
     python benchmarks/bench_fused_block.py --tune    # also block-size candidates for the plan defaults
+    python benchmarks/bench_fused_block.py --only rope   # the RoPE rows alone (fused_block_h200_rope.json)
 """
 from __future__ import annotations
 
@@ -317,16 +318,19 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a quarter of the tokens, half the input sets")
     parser.add_argument("--tune", action="store_true", help="also time block-size candidates of our kernels")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--only", choices=("rope", "swiglu"), help="the rows of one op (swiglu: split and fused)")
     args = parser.parse_args()
     ceiling = measure_copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s; {environment()}")
     payload = {"copy_ceiling_tbps": ceiling, "bar_of_ceiling": BAR, "quick": args.quick, "rows": []}
-    name = "fused_block_h200" + ("_quick" if args.quick else "")
+    name = "fused_block_h200" + ("_quick" if args.quick else "") + (f"_{args.only}" if args.only else "")
     if args.tune:
         payload["tune"] = tune(args.quick)
         save(name, payload)
     table = []
     for op, backward in ROWS:
+        if args.only and not op.startswith(args.only):
+            continue
         case = Case(op, backward, args.quick)
         res = time_case(case, with_jax=not args.no_jax)
         payload["rows"].append({"op": op, "direction": "bwd" if backward else "fwd", "label": case.label,
