@@ -6,7 +6,9 @@ B=1, H=16, D=128, S=16384, bf16; rows: causal, sliding window 4096 and 1024, str
 document (16 random lengths), BigBird at ~10% density. Per row: the mask's block density d (visited /
 all 128 x 128 blocks), forward and backward ms of every provider, and the bars: ours <= Flex, ours <= (d +
 0.05) x our dense time, JAX within 5% of torch. TFLOP/s counts the visible (query, key) pairs exactly
-(4 * H * pairs * D forward, 2.5x backward).
+(4 * H * pairs * D forward, 2.5x backward). Causal and sliding-window masks are bands (``BlockMask.band``):
+ours runs them on the dense kernels' window path; "flashbridge lists (band walked)" times the same mask
+walked as lists.
 
     python benchmarks/bench_block_sparse.py            # every row, both frameworks, plot
     python benchmarks/bench_block_sparse.py --quick    # three rows (causal, window 1024, BigBird), torch only
@@ -159,6 +161,17 @@ def torch_providers(row: str, mask):
             q, k, v = bshd()
             return _time_fwd_bwd(lambda: flash_attention(q, k, v, causal=True, window_size=window), (q, k, v))
         out["flashbridge dense (causal / window)"] = dense_masked
+    if mask.band:  # ours runs such a mask on the dense kernels' window path; its list walk for comparison
+        from flashbridge import masks
+
+        walked = masks.BlockMask(seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k, q_block=mask.q_block,
+                                 kv_block=mask.kv_block, terms=mask.terms, band=False,
+                                 **dict(zip(mask.array_names, mask.arrays)))
+
+        def lists():
+            q, k, v = bshd()
+            return _time_fwd_bwd(lambda: flash_attention(q, k, v, block_mask=walked), (q, k, v))
+        out["flashbridge lists (band walked)"] = lists
     return out
 
 

@@ -10,12 +10,14 @@ call, no host time, no L2 flush); ``do_bench`` figures of eager calls are printe
     python benchmarks/bench_fused_block.py           # Llama-3-8B shapes, plot
     python benchmarks/bench_fused_block.py --quick   # a quarter of the tokens, fewer input sets
     python benchmarks/bench_fused_block.py --tune    # also block-size candidates for the plan defaults
+    python benchmarks/bench_fused_block.py --only rope   # the RoPE rows alone (fused_block_h200_rope.json)
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import gc
+import traceback
 
 from _common import (environment, measure_copy_ceiling, print_table, save, save_figure, time_jax, time_jax_steady,
                      time_torch, time_torch_steady)
@@ -195,51 +197,70 @@ def to_jax(t):
 # ---------------------------------------------------------------------------------------------- timing
 
 def time_case(case: Case, with_jax: bool) -> dict:
-    """Every provider on one row: {name: {"ms", "steady_ms"}} (ms: do_bench of one eager call)."""
+    """Every provider on one row: {name: {"ms", "steady_ms"}} (ms: do_bench of one eager call); a provider
+    that raises gets {"error"} (with the traceback printed) and is tried once more after the others."""
     results = {}
     jax_sets = None
     if with_jax:  # copied first: liger-kernel's backward overwrites its torch inputs
         try:
             jax_sets = case.jax_sets()
+            # JAX runs asynchronously: its copies and the vjp's forward (whose first call compiles and loads
+            # kernels on JAX's threads) finish before any torch provider warms up and captures a graph
+            import jax
+            jax.block_until_ready([args for _, args in jax_sets])
         except Exception as exc:
-            print(f"jax {case.label}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            results["flashbridge-jax"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    torch.cuda.synchronize()
     per_set = [case.torch_providers(a) for a in case.sets]
-    for name in per_set[0]:
-        try:
-            if not case.backward:
-                with torch.no_grad():
-                    steady = time_torch_steady(lambda fn: fn(), [(p[name],) for p in per_set])
-                    single = time_torch(per_set[0][name])
-            else:
-                graphs = []
-                for a, p in zip(case.sets, per_set):
-                    for t in a["grad_inputs"]:
-                        t.requires_grad_(True)
-                    graphs.append((p[name](), a["grad_inputs"], a["grads"]))
-                step = lambda o, i, g: torch.autograd.grad(o, i, g, retain_graph=True)  # noqa: E731
-                steady = time_torch_steady(step, graphs)
-                single = time_torch(lambda: step(*graphs[0]))
-                del graphs
-            results[name] = {"ms": single, "steady_ms": steady}
-        except Exception as exc:
-            print(f"{name} {case.label}: {type(exc).__name__}: {exc}")
-        finally:
-            for a in case.sets:
-                for t in a["grad_inputs"]:
-                    t.requires_grad_(False)
-            gc.collect()
-            torch.cuda.empty_cache()
+    names = list(per_set[0])
+    for name in names:
+        results[name] = _time_provider(case, per_set, name)
+    for name in [n for n in names if "error" in results[n]]:  # once more, after every other provider ran
+        results[name] = {"first_error": results[name]["error"], **_time_provider(case, per_set, name)}
     if jax_sets is not None:
         try:
             fn, args = jax_sets[0]
             results["flashbridge-jax"] = {"ms": time_jax(fn, *args),
                                           "steady_ms": time_jax_steady(fn, [args for _, args in jax_sets])}
         except Exception as exc:
-            print(f"jax {case.label}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            results["flashbridge-jax"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     for r in results.values():
         for key in ("ms", "steady_ms"):
-            r[key.replace("ms", "tbps")] = case.amount / (r[key] * 1e-3) / 1e12
+            if key in r:
+                r[key.replace("ms", "tbps")] = case.amount / (r[key] * 1e-3) / 1e12
     return results
+
+
+def _time_provider(case: Case, per_set: list, name: str) -> dict:
+    """{"ms", "steady_ms"} of one torch provider on every input set of ``case``, or {"error"}."""
+    try:
+        if not case.backward:
+            with torch.no_grad():
+                steady = time_torch_steady(lambda fn: fn(), [(p[name],) for p in per_set])
+                single = time_torch(per_set[0][name])
+        else:
+            graphs = []
+            for a, p in zip(case.sets, per_set):
+                for t in a["grad_inputs"]:
+                    t.requires_grad_(True)
+                graphs.append((p[name](), a["grad_inputs"], a["grads"]))
+            step = lambda o, i, g: torch.autograd.grad(o, i, g, retain_graph=True)  # noqa: E731
+            steady = time_torch_steady(step, graphs)
+            single = time_torch(lambda: step(*graphs[0]))
+            del graphs
+        return {"ms": single, "steady_ms": steady}
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"{name} {case.label}: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        for a in case.sets:
+            for t in a["grad_inputs"]:
+                t.requires_grad_(False)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def tune(quick: bool) -> list:
@@ -297,22 +318,28 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a quarter of the tokens, half the input sets")
     parser.add_argument("--tune", action="store_true", help="also time block-size candidates of our kernels")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--only", choices=("rope", "swiglu"), help="the rows of one op (swiglu: split and fused)")
     args = parser.parse_args()
     ceiling = measure_copy_ceiling()
     print(f"copy ceiling: {ceiling:.2f} TB/s; {environment()}")
     payload = {"copy_ceiling_tbps": ceiling, "bar_of_ceiling": BAR, "quick": args.quick, "rows": []}
-    name = "fused_block_h200" + ("_quick" if args.quick else "")
+    name = "fused_block_h200" + ("_quick" if args.quick else "") + (f"_{args.only}" if args.only else "")
     if args.tune:
         payload["tune"] = tune(args.quick)
         save(name, payload)
     table = []
     for op, backward in ROWS:
+        if args.only and not op.startswith(args.only):
+            continue
         case = Case(op, backward, args.quick)
         res = time_case(case, with_jax=not args.no_jax)
         payload["rows"].append({"op": op, "direction": "bwd" if backward else "fwd", "label": case.label,
                                 "bytes": case.amount, "sets": len(case.sets), "results": res})
         save(name, payload)  # after every row: a run cut short keeps what it measured
         for provider, r in res.items():
+            if "error" in r:
+                table.append([case.label, provider, r["error"][:60], "-", "-", "-", "-"])
+                continue
             table.append([case.label, provider, r["steady_ms"], r["steady_tbps"], r["steady_tbps"] / ceiling,
                           r["ms"], r["tbps"]])
         del case

@@ -3,10 +3,10 @@
 Shapes: H=128 query heads (H=16: one tensor-parallel shard), one 576-dim latent head (512 + 64 RoPE), the
 values its first 512 dims, bf16, paged caches of 64-row pages. Rows:
 
-* decode B in {64, 128}, S in {4096, 32768}: ours (torch, CUDA graph; JAX, a decode loop in one jitted call)
-  against the generic decode kernel on the same cache (``flashbridge::decode_attn`` with ``v_cache =
-  k_cache[..., :512]``, what ``decode_attention`` ran before the MLA path). TFLOP/s = 2 B H S (576 + 512)
-  per step.
+* decode B in {64, 128}, S in {4096, 32768}: ours (torch, CUDA graph; JAX, a decode loop in one jitted call,
+  on the same cache through DLPack) against the generic decode kernel on the same cache
+  (``flashbridge::decode_attn`` with ``v_cache = k_cache[..., :512]``, what ``decode_attention`` ran before
+  the MLA path). TFLOP/s = 2 B H S (576 + 512) per step.
 * H=16 (memory-bound): TB/s = latent bytes read (B S 576 x itemsize) per step, against the device-to-device
   copy measured in the same run; the FP8 cache's speed-up over bf16.
 * sparse decode, top-k 2048 of S=32768: time per step against dense decode over S=2048 (the same work).
@@ -14,32 +14,41 @@ values its first 512 dims, bf16, paged caches of 64-row pages. Rows:
   (visible pairs) (576 + 512); the backward is timed and reported (2.5x the forward's FLOPs). Baseline:
   ``flash_attention`` on the un-absorbed form (per-head keys of 192 dims, values of 128: the same attention
   output after W_UV), same run.
-* prefill with a block mask, S=4096: top-k key blocks per query block (``masks.from_blocks``, 64x64 blocks, 32
-  of 64 key blocks drawn per query block with a fixed seed: about the causal row's work), H=128 and the
-  seed's one head (q ``[4096 x 576]``); TFLOP/s counted on the visited blocks, forward and backward, torch
-  and JAX, beside the dense causal row.
+* prefill with a block mask, S=4096 (with --all): top-k key blocks per query block
+  (``masks.from_blocks``, 64x64 blocks, 32 of 64 key blocks drawn per query block with a fixed seed: about
+  the causal row's work), H=128 and the seed's one head (q ``[4096 x 576]``); TFLOP/s counted on the visited
+  blocks, forward and backward, torch and JAX, beside the dense causal row.
 
-    python benchmarks/bench_mla.py            # every row, JSON (results/mla_h200.json) and plot
-    python benchmarks/bench_mla.py --quick    # one row of each kind
-    python benchmarks/bench_mla.py --sweep    # tile variants (MLAConfig) on the key rows
+Decode steps are timed from CUDA graphs of several calls (``time_torch_steady``: captured in thread_local
+mode, so that JAX's runtime threads, alive once a JAX row ran, cannot invalidate the capture); prefill with
+``do_bench``. A row that fails is recorded with its error and the run goes on; the JSON is written after
+every row.
+
+    python benchmarks/bench_mla.py            # the bars' rows, JSON (results/mla_h200.json) and plot (~3 min)
+    python benchmarks/bench_mla.py --all      # also block masks, H=16 at every shape, JAX on every decode shape
+    python benchmarks/bench_mla.py --only decode,sparse   # sections: decode h16 sparse prefill mask
+    python benchmarks/bench_mla.py --sweep    # tile variants (MLAConfig through configure) on the key rows
     python benchmarks/bench_mla.py --ptxas    # no GPU needed: compile the default plans for sm_90
-    python benchmarks/bench_mla.py --prefill-only   # the prefill rows alone
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
+import time
 import traceback
 
 from _common import (compile_launch_sm90, environment, measure_copy_ceiling, print_table, save, save_figure,
-                     time_jax, time_torch)
+                     time_jax, time_torch, time_torch_steady)
 
 H, DQK, DV, PAGE = 128, 576, 512, 64
 L2_BYTES = 60 * 2**20
 JAX_STEPS = 64  # decode steps per jitted call of the JAX rows (a call's fixed host cost amortised)
+GRAPH_CALLS = 16  # decode calls per captured CUDA graph (the graph's launch amortised)
 DECODE_ROWS = [(64, 4096), (64, 32768), (128, 4096), (128, 32768)]
+H16_QUICK_ROWS = [(64, 4096), (64, 32768)]  # H=16 without --all
+JAX_DECODE_ROWS = [(64, 4096), (128, 32768)]  # the JAX decode rows without --all
+SECTIONS = ("decode", "h16", "sparse", "prefill", "mask")
 TARGETS = {"decode_tflops": 350.0, "h16_copy_fraction": 0.8, "fp8_speedup": 1.6, "sparse_ratio": 1.2,
            "prefill_tflops": 350.0, "jax_ratio": 0.95}
 MASK_BLOCK, MASK_SEED = 64, 0  # the block-mask rows: 64-token blocks, half the key blocks of each query block
@@ -49,12 +58,47 @@ def decode_flops(b, s, heads=H):
     return 2 * b * heads * s * (DQK + DV)
 
 
-def _graph_time(fn):
-    import torch
-    from triton.testing import do_bench_cudagraph
+class Run:
+    """The rows measured so far; each row is measured by a function that may fail: its error is recorded
+    instead, and the JSON is written after every row."""
 
-    torch.cuda.synchronize()
-    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    def __init__(self, name: str, copy_tbs: float):
+        self.name, self.copy_tbs, self.rows = name, copy_tbs, []
+
+    def add(self, case: str, provider: str, measure) -> dict:
+        start = time.perf_counter()
+        try:
+            row = {"case": case, "provider": provider, **measure()}
+        except Exception as exc:  # noqa: BLE001 -- a failing row is recorded, the run goes on
+            traceback.print_exc()
+            row = {"case": case, "provider": provider, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        row["wall_s"] = round(time.perf_counter() - start, 1)
+        self.rows.append(row)
+        print(json.dumps(row))
+        self.save()
+        return row
+
+    def get(self, case: str, provider: str) -> dict:
+        return next((r for r in self.rows if r["case"] == case and r["provider"] == provider), {})
+
+    def save(self):
+        save(self.name, {"copy_tbs": self.copy_tbs, "rows": self.rows, "verdicts": verdicts(self.rows, self.copy_tbs),
+                         "targets": TARGETS})
+
+
+def _generator(seed):
+    import torch
+
+    # inputs come from generators of their own: a failed capture leaves torch's default CUDA generator
+    # unusable for the rest of the process (see flashbridge._timing)
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def graph_ms(fn, arg_sets) -> float:
+    """ms per call of ``fn(*args)``, the sets replayed back to back from one CUDA graph of at least
+    GRAPH_CALLS calls."""
+    arg_sets = list(arg_sets)
+    return time_torch_steady(fn, arg_sets * max(1, math.ceil(GRAPH_CALLS / len(arg_sets))))
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -63,7 +107,7 @@ def make_cache(b, s, *, fp8=False, copies=1, seed=0):
     """``copies`` paged latent caches of B full sequences (64-row pages in a shuffled pool)."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = _generator(seed)
     out = []
     for _ in range(copies):
         pages = b * s // PAGE
@@ -85,7 +129,7 @@ def topk_indices(b, sq, s, topk, *, causal, seed=0):
     ``s``); -1 where fewer are visible."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = _generator(seed)
     out = torch.empty(b, sq, topk, dtype=torch.int32, device="cuda")
     for i in range(b):
         for t0 in range(0, sq, 512):
@@ -98,136 +142,124 @@ def topk_indices(b, sq, s, topk, *, causal, seed=0):
     return out
 
 
+class DecodeInputs:
+    """One decode shape's inputs, shared by its providers: full paged caches (rotated when smaller than
+    4 x the L2), a query, the lengths, top-k indices."""
+
+    def __init__(self, b, s, *, heads=H, fp8=False, topk=0):
+        import torch
+
+        self.b, self.s, self.heads, self.fp8 = b, s, heads, fp8
+        self.caches = make_cache(b, s, fp8=fp8, copies=n_copies(b * s * DQK * (1 if fp8 else 2)))
+        self.q = torch.randn(b, 1, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=_generator(1))
+        self.lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        self.idx = topk_indices(b, 1, s, topk, causal=True) if topk else None
+
+
 # ----------------------------------------------------------------------------------------------- decode
 
-def torch_decode(b, s, *, heads=H, fp8=False, topk=0, generic=False, config=None):
-    """ms per step of one decode provider on full paged caches (rotated when smaller than the L2 x 4)."""
-    import torch
-
+def torch_decode_ms(inp: DecodeInputs, *, generic=False):
+    """(ms per step, one step's output) of our MLA decode or of the generic decode kernel on ``inp``."""
     from flashbridge.torch_api import decode as tdecode
     from flashbridge.torch_api.mla import mla_decode
 
-    nbytes = b * s * DQK * (1 if fp8 else 2)
-    caches = make_cache(b, s, fp8=fp8, copies=n_copies(nbytes))
-    q = torch.randn(b, 1, heads, DQK, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    idx = topk_indices(b, 1, s, topk, causal=True) if topk else None
-    it = itertools.cycle(caches)
-    if config is not None:
-        return _planned_decode_ms(q, caches, lens, idx, config)
-
-    def step():
-        cache, extra = next(it)
+    def step(cache, extra):
         if generic:  # the generic kernel as decode_attention ran MLA shapes before (no routing)
             k = cache.unsqueeze(2)
             scale = extra.get("kv_scale")
-            return tdecode._decode_attn(q, k, k[..., :DV], lens, extra["block_table"], None, None, scale, scale,
-                                        "NHD", DQK ** -0.5, True, None, 0, 0.0, None)[0]
-        return mla_decode(q, cache, cache_seqlens=lens, head_dim_v=DV, indices=idx, **extra)
+            return tdecode._decode_attn(inp.q, k, k[..., :DV], inp.lens, extra["block_table"], None, None, scale,
+                                        scale, "NHD", DQK ** -0.5, True, None, 0, 0.0, None)[0]
+        return mla_decode(inp.q, cache, cache_seqlens=inp.lens, head_dim_v=DV, indices=inp.idx, **extra)
 
-    out = step()
-    return _graph_time(step), out
-
-
-def _planned_decode_ms(q, caches, lens, idx, config):
-    """ms per step of the MLA decode plan with an explicit MLAConfig (the sweep), through the torch runtime."""
-    from flashbridge.core_kernels.mla.plan import check_mla_decode_args, plan_mla_fwd
-    from flashbridge.torch_api._runtime import dtype_name, execute, target_for
-
-    cache0, extra0 = caches[0]
-    info = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
-    shape, options, _ = check_mla_decode_args(q=info(q), kv_cache=info(cache0), cache_seqlens=info(lens),
-                                              block_table=info(extra0["block_table"]), head_dim_v=DV,
-                                              indices=info(idx), kv_scale=info(extra0.get("kv_scale")))
-    plan = plan_mla_fwd(shape, options, target=target_for(q.device), config=config)
-    it = itertools.cycle(caches)
-
-    def step():
-        cache, extra = next(it)
-        given = {"q": q, "kv": cache, "cache_seqlens": lens, "block_table": extra["block_table"], "indices": idx,
-                 "kv_scale": extra.get("kv_scale")}
-        return execute(plan, {n: given[n] for n in plan.inputs})[0]
-
-    out = step()
-    return _graph_time(step), out
+    out = step(*inp.caches[0])
+    return graph_ms(step, inp.caches), out
 
 
-def jax_decode(b, s, *, heads=H, fp8=False, steps=JAX_STEPS):
-    """ms per step of the JAX decode: a loop of ``steps`` steps in one jitted call, each step waiting for
-    the previous one (a dependency chain, as in generation)."""
+def jax_decode_ms(inp: DecodeInputs, steps=JAX_STEPS):
+    """ms per step of the JAX decode on ``inp``'s first cache (through DLPack, no copy): a loop of ``steps``
+    steps in one jitted call, each step waiting for the previous one (a dependency chain, as in generation)."""
     import jax
-    import jax.numpy as jnp
 
     from flashbridge.jax_api.mla import mla_decode
 
-    key = jax.random.key(0)
-    k1, k2, k3 = jax.random.split(key, 3)
-    pages = b * s // PAGE
-    cache = jax.random.normal(k1, (pages, PAGE, DQK), jnp.bfloat16)
-    extra = {"block_table": jax.random.permutation(k2, pages).astype(jnp.int32).reshape(b, -1)}
-    if fp8:
-        cache = cache.astype(jnp.float8_e4m3fn)
-        extra["kv_scale"] = jnp.ones((), jnp.float32)
-    q = jax.random.normal(k3, (b, 1, heads, DQK), jnp.bfloat16)
-    lens = jnp.full((b,), s, jnp.int32)
+    cache, extra = inp.caches[0]
+    as_jax = jax.dlpack.from_dlpack
+    args = (as_jax(inp.q), as_jax(cache), as_jax(inp.lens), {n: as_jax(v) for n, v in extra.items()},
+            None if inp.idx is None else as_jax(inp.idx))
 
-    def many(q, cache, lens, extra):
+    def many(q, cache, lens, extra, idx):
         def one(_, lens):
-            out = mla_decode(q, cache, cache_seqlens=lens, head_dim_v=DV, **extra)
+            out = mla_decode(q, cache, cache_seqlens=lens, head_dim_v=DV, indices=idx, **extra)
             # the next step waits for this one through its lengths (unchanged: |out| is never 1e30), a
             # dependency that costs one tiny op instead of rewriting the (B, 1, H, 576) query
             return lens + (out[0, 0, 0, 0] > 1e30).astype(lens.dtype)
         return jax.lax.fori_loop(0, steps, one, lens)
 
-    return time_jax(many, q, cache, lens, extra) / steps
+    return time_jax(many, *args) / steps
 
 
-def decode_rows(quick=False, with_jax=True):
-    rows = []
-    for b, s in (DECODE_ROWS[:1] if quick else DECODE_ROWS):
+def decode_rows(run: Run, quick=False, with_jax=True):
+    for b, s in DECODE_ROWS:
         case = f"decode H{H} B{b} S{s}"
-        ms, out = torch_decode(b, s)
-        g_ms, g_out = torch_decode(b, s, generic=True)
-        err = float((out.float() - g_out.float()).abs().max())
-        rows.append({"case": case, "provider": "ours torch", "ms": ms, "tflops": decode_flops(b, s) / ms / 1e9,
-                     "max_diff_vs_generic": err})
-        rows.append({"case": case, "provider": "generic decode", "ms": g_ms,
-                     "tflops": decode_flops(b, s) / g_ms / 1e9})
-        if with_jax:
-            _try(rows, case, "ours jax", lambda: (lambda ms: {"ms": ms, "tflops": decode_flops(b, s) / ms / 1e9})(
-                jax_decode(b, s)))
-        print(rows[-3:])
-    return rows
+        inp = DecodeInputs(b, s)
+        ours = {}
+
+        def measure_ours():
+            ms, ours["out"] = torch_decode_ms(inp)
+            return {"ms": ms, "tflops": decode_flops(b, s) / ms / 1e9}
+
+        def measure_generic():
+            ms, out = torch_decode_ms(inp, generic=True)
+            diff = float((out.float() - ours["out"].float()).abs().max()) if "out" in ours else None
+            return {"ms": ms, "tflops": decode_flops(b, s) / ms / 1e9, "max_diff_vs_ours": diff}
+
+        run.add(case, "ours torch", measure_ours)
+        run.add(case, "generic decode", measure_generic)
+        if with_jax and (not quick or (b, s) in JAX_DECODE_ROWS):
+            run.add(case, "ours jax", lambda: (lambda ms: {"ms": ms, "tflops": decode_flops(b, s) / ms / 1e9})(
+                jax_decode_ms(inp)))
 
 
-def h16_rows(copy_tbs, quick=False, with_jax=True):
-    rows = []
-    for b, s in (DECODE_ROWS[:1] if quick else DECODE_ROWS):
+def h16_rows(run: Run, quick=False, with_jax=True):
+    for b, s in (H16_QUICK_ROWS if quick else DECODE_ROWS):
         case = f"decode H16 B{b} S{s}"
-        for fp8 in (False, True):
-            ms, _ = torch_decode(b, s, heads=16, fp8=fp8)
-            tbs = b * s * DQK * (1 if fp8 else 2) / ms / 1e9
-            rows.append({"case": case, "provider": "ours torch fp8" if fp8 else "ours torch", "ms": ms, "tbs": tbs,
-                         "copy_fraction": tbs / copy_tbs})
-        rows[-1]["fp8_speedup"] = rows[-2]["ms"] / rows[-1]["ms"]
-        g_ms, _ = torch_decode(b, s, heads=16, generic=True)
-        rows.append({"case": case, "provider": "generic decode", "ms": g_ms, "tbs": b * s * DQK * 2 / g_ms / 1e9})
-        if with_jax:
-            _try(rows, case, "ours jax", lambda: (lambda ms: {"ms": ms, "tbs": b * s * DQK * 2 / ms / 1e9})(
-                jax_decode(b, s, heads=16)))
-        print(rows[-4:])
-    return rows
+        nbytes = b * s * DQK * 2
+        inp = DecodeInputs(b, s, heads=16)
+        run.add(case, "ours torch", lambda: (lambda ms: {"ms": ms, "tbs": nbytes / ms / 1e9,
+                                                         "copy_fraction": nbytes / ms / 1e9 / run.copy_tbs})(
+            torch_decode_ms(inp)[0]))
+        run.add(case, "generic decode", lambda: (lambda ms: {"ms": ms, "tbs": nbytes / ms / 1e9})(
+            torch_decode_ms(inp, generic=True)[0]))
+        if with_jax and (not quick or (b, s) == H16_QUICK_ROWS[-1]):
+            run.add(case, "ours jax", lambda: (lambda ms: {"ms": ms, "tbs": nbytes / ms / 1e9})(jax_decode_ms(inp)))
+        inp = DecodeInputs(b, s, heads=16, fp8=True)
+        bf16 = run.get(case, "ours torch")
+
+        def measure_fp8():
+            ms = torch_decode_ms(inp)[0]
+            return {"ms": ms, "tbs": nbytes / 2 / ms / 1e9, "copy_fraction": nbytes / 2 / ms / 1e9 / run.copy_tbs,
+                    "fp8_speedup": bf16["ms"] / ms if "ms" in bf16 else None}
+
+        run.add(case, "ours torch fp8", measure_fp8)
 
 
-def sparse_rows():
+def sparse_rows(run: Run, with_jax=True):
     b, s, topk = 64, 32768, 2048
-    ms, _ = torch_decode(b, s, topk=topk)
-    dense_ms, _ = torch_decode(b, topk)
+    dense_case = f"decode H{H} B{b} S{topk}"
+    inp = DecodeInputs(b, topk)
+    run.add(dense_case, "ours torch", lambda: (lambda ms: {"ms": ms, "tflops": decode_flops(b, topk) / ms / 1e9})(
+        torch_decode_ms(inp)[0]))
+    dense = run.get(dense_case, "ours torch")
     case = f"sparse decode H{H} B{b} top-k {topk} of S{s}"
-    return [{"case": case, "provider": "ours torch", "ms": ms, "tflops": decode_flops(b, topk) / ms / 1e9,
-             "ratio_to_dense_2048": ms / dense_ms},
-            {"case": f"decode H{H} B{b} S{topk}", "provider": "ours torch", "ms": dense_ms,
-             "tflops": decode_flops(b, topk) / dense_ms / 1e9}]
+    inp = DecodeInputs(b, s, topk=topk)
+
+    def measure(ms):
+        return {"ms": ms, "tflops": decode_flops(b, topk) / ms / 1e9,
+                "ratio_to_dense_2048": ms / dense["ms"] if "ms" in dense else None}
+
+    run.add(case, "ours torch", lambda: measure(torch_decode_ms(inp)[0]))
+    if with_jax:
+        run.add(case, "ours jax", lambda: measure(jax_decode_ms(inp)))
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -260,49 +292,50 @@ def mask_pairs(mask) -> int:
     return int(np.asarray(mask.to_dense(), np.int64).sum())
 
 
-def prefill_rows(s=4096, with_jax=True):
+def prefill_rows(run: Run, s=4096, with_jax=True):
     import torch
 
     from flashbridge.torch_api.attention import flash_attention
     from flashbridge.torch_api.mla import mla_attention
 
     b = 1
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = _generator(2)
     q = torch.randn(b, s, H, DQK, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(b, s, DQK, device="cuda", dtype=torch.bfloat16, generator=g)
-    rows = []
     for topk in (0, 2048):
         idx = topk_indices(b, s, s, topk, causal=True) if topk else None
         case = f"prefill H{H} S{s} causal" + (f" top-k {topk}" if topk else "")
         flops = 2 * H * visible_pairs(s, topk) * (DQK + DV) * b
-        fwd = time_torch(lambda: mla_attention(q, kv, head_dim_v=DV, causal=True, indices=idx))
-        qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
-        out = mla_attention(qg, kvg, head_dim_v=DV, causal=True, indices=idx)
-        dout = torch.randn_like(out)
-        bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kvg), dout, retain_graph=True))
-        rows.append({"case": case, "provider": "ours torch", "fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9,
-                     "bwd_ms": bwd, "bwd_tflops": 2.5 * flops / bwd / 1e9})
+
+        def measure():
+            fwd = time_torch(lambda: mla_attention(q, kv, head_dim_v=DV, causal=True, indices=idx))
+            qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+            out = mla_attention(qg, kvg, head_dim_v=DV, causal=True, indices=idx)
+            dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=_generator(3))
+            bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kvg), dout, retain_graph=True))
+            return {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "bwd_ms": bwd,
+                    "bwd_tflops": 2.5 * flops / bwd / 1e9}
+
+        run.add(case, "ours torch", measure)
         if with_jax:
-            _try(rows, case, "ours jax", lambda: _jax_prefill(q, kv, idx, flops))
-        print(rows[-2:])
-    # baseline: the un-absorbed form (per-head keys of 192 dims, values of 128), dense causal
-    qu = torch.randn(b, s, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    ku = torch.randn(b, s, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    vu = torch.randn(b, s, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    fwd = time_torch(lambda: flash_attention(qu, ku, vu, causal=True))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (qu, ku, vu))
-    out = flash_attention(qg, kg, vg, causal=True)
-    dout = torch.randn_like(out)
-    bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True))
-    flops = 2 * H * visible_pairs(s) * (192 + 128) * b
-    rows.append({"case": f"prefill H{H} S{s} causal", "provider": "flash_attention un-absorbed (192/128)",
-                 "fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "bwd_ms": bwd, "bwd_tflops": 2.5 * flops / bwd / 1e9})
-    del qu, ku, vu, qg, kg, vg, out, dout
-    rows += block_mask_rows(s, with_jax=with_jax)
-    return rows
+            run.add(case, "ours jax", lambda: _jax_prefill(q, kv, idx, flops))
+
+    def unabsorbed():  # the un-absorbed form (per-head keys of 192 dims, values of 128), dense causal
+        qu = torch.randn(b, s, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
+        ku = torch.randn(b, s, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
+        vu = torch.randn(b, s, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        fwd = time_torch(lambda: flash_attention(qu, ku, vu, causal=True))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (qu, ku, vu))
+        out = flash_attention(qg, kg, vg, causal=True)
+        dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+        bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True))
+        flops = 2 * H * visible_pairs(s) * (192 + 128) * b
+        return {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "bwd_ms": bwd, "bwd_tflops": 2.5 * flops / bwd / 1e9}
+
+    run.add(f"prefill H{H} S{s} causal", "flash_attention un-absorbed (192/128)", unabsorbed)
 
 
-def block_mask_rows(s=4096, with_jax=True):
+def block_mask_rows(run: Run, s=4096, with_jax=True):
     """Prefill over a top-k block mask (32 of 64 key blocks of 64 per query block at S=4096): H=128 and the
     seed's one head. FLOPs: 2 H (pairs in visited blocks) (576 + 512); backward 2.5x."""
     import torch
@@ -310,26 +343,27 @@ def block_mask_rows(s=4096, with_jax=True):
     from flashbridge.torch_api.mla import mla_attention
 
     mask = topk_block_mask(s)
-    rows = []
     for heads in (H, 1):
-        g = torch.Generator(device="cuda").manual_seed(1)
+        g = _generator(4)
         q = torch.randn(1, s, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=g)
         kv = torch.randn(1, s, DQK, device="cuda", dtype=torch.bfloat16, generator=g)
         n_q, n_k = mask.num_blocks
         case = (f"prefill H{heads} S{s} block mask {n_k // 2} of {n_k} ({MASK_BLOCK}x{MASK_BLOCK})"
                 + (" = the seed's Q [4096 x 576]" if heads == 1 and s == 4096 else ""))
         flops = 2 * heads * mask_pairs(mask) * (DQK + DV)
-        fwd = time_torch(lambda: mla_attention(q, kv, head_dim_v=DV, block_mask=mask))
-        qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
-        out = mla_attention(qg, kvg, head_dim_v=DV, block_mask=mask)
-        dout = torch.randn_like(out)
-        bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kvg), dout, retain_graph=True))
-        rows.append({"case": case, "provider": "ours torch", "fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9,
-                     "bwd_ms": bwd, "bwd_tflops": 2.5 * flops / bwd / 1e9, "density": mask.density})
+
+        def measure():
+            fwd = time_torch(lambda: mla_attention(q, kv, head_dim_v=DV, block_mask=mask))
+            qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+            out = mla_attention(qg, kvg, head_dim_v=DV, block_mask=mask)
+            dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+            bwd = time_torch(lambda: torch.autograd.grad(out, (qg, kvg), dout, retain_graph=True))
+            return {"fwd_ms": fwd, "fwd_tflops": flops / fwd / 1e9, "bwd_ms": bwd,
+                    "bwd_tflops": 2.5 * flops / bwd / 1e9, "density": mask.density}
+
+        run.add(case, "ours torch", measure)
         if with_jax:
-            _try(rows, case, "ours jax", lambda: _jax_prefill_masked(q, kv, mask, flops))
-        print(rows[-2:])
-    return rows
+            run.add(case, "ours jax", lambda: _jax_prefill_masked(q, kv, mask, flops))
 
 
 def _jax_prefill_masked(q, kv, mask, flops):
@@ -354,35 +388,36 @@ def _jax_prefill(q, kv, idx, flops):
     return {"fwd_ms": ms, "fwd_tflops": flops / ms / 1e9}
 
 
-def _try(rows, case, provider, fn):
-    try:
-        rows.append({"case": case, "provider": provider, **fn()})
-    except Exception as exc:  # noqa: BLE001 -- a failing provider is reported, the run goes on
-        traceback.print_exc()
-        rows.append({"case": case, "provider": provider, "error": repr(exc)[:300]})
-
-
 # ----------------------------------------------------------------------------------------------- verdicts
 
 def verdicts(rows, copy_tbs):
+    """One line per bar of the MLA issue, from the rows measured (failed rows skipped)."""
     lines = []
-    by = {(r["case"], r["provider"]): r for r in rows}
+    by = {(r["case"], r["provider"]): r for r in rows if "error" not in r}
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']} {r['provider']}: FAILED ({r['error'][:120]})")
+            continue
         if r["provider"] == "ours torch" and r["case"].startswith(f"decode H{H} ") and "tflops" in r:
             ok = r["tflops"] >= TARGETS["decode_tflops"]
+            generic = by.get((r["case"], "generic decode"), {}).get("tflops", 0)
             lines.append(f"{r['case']}: {r['tflops']:.0f} TFLOP/s (bar {TARGETS['decode_tflops']:.0f}) "
-                         f"{'met' if ok else 'MISSED'}; generic {by.get((r['case'], 'generic decode'), {}).get('tflops', 0):.0f}")
-            j = by.get((r["case"], "ours jax"))
-            if j and "ms" in j:
-                lines.append(f"  JAX / torch speed {r['ms'] / j['ms']:.3f} (bar {TARGETS['jax_ratio']})")
+                         f"{'met' if ok else 'MISSED'}; generic {generic:.0f}")
+        if r["provider"] == "ours jax" and "ms" in r and (r["case"], "ours torch") in by:
+            lines.append(f"{r['case']}: JAX / torch speed {by[(r['case'], 'ours torch')]['ms'] / r['ms']:.3f} "
+                         f"(bar {TARGETS['jax_ratio']})")
+        if r["provider"] == "ours jax" and "fwd_ms" in r and "fwd_ms" in by.get((r["case"], "ours torch"), {}):
+            lines.append(f"{r['case']}: JAX / torch forward speed "
+                         f"{by[(r['case'], 'ours torch')]['fwd_ms'] / r['fwd_ms']:.3f} (bar {TARGETS['jax_ratio']})")
         if r["case"].startswith("decode H16") and "copy_fraction" in r:
+            speedup = r.get("fp8_speedup")
             lines.append(f"{r['case']} {r['provider']}: {r['tbs']:.2f} TB/s = {r['copy_fraction']:.2f} of copy "
-                         f"{copy_tbs:.2f}" + (f", FP8 speed-up {r['fp8_speedup']:.2f}x (bar {TARGETS['fp8_speedup']})"
-                                              if "fp8_speedup" in r else ""))
-        if "ratio_to_dense_2048" in r:
-            lines.append(f"{r['case']}: {r['ratio_to_dense_2048']:.2f}x dense decode over 2048 keys "
+                         f"{copy_tbs:.2f} (bar {TARGETS['h16_copy_fraction']})"
+                         + (f", FP8 speed-up {speedup:.2f}x (bar {TARGETS['fp8_speedup']})" if speedup else ""))
+        if r.get("ratio_to_dense_2048"):
+            lines.append(f"{r['case']} {r['provider']}: {r['ratio_to_dense_2048']:.2f}x dense decode over 2048 keys "
                          f"(bar {TARGETS['sparse_ratio']})")
-        if r["case"].startswith("prefill") and r["provider"] == "ours torch":
+        if r["case"].startswith("prefill") and r["provider"] == "ours torch" and "fwd_tflops" in r:
             lines.append(f"{r['case']}: forward {r['fwd_tflops']:.0f} TFLOP/s (bar {TARGETS['prefill_tflops']:.0f}), "
                          f"backward {r['bwd_tflops']:.0f}")
             dense = by.get((f"prefill H{H} S4096 causal", "ours torch"))
@@ -424,7 +459,7 @@ def plot(rows, name):
 
 # -------------------------------------------------------------------------------------------------- sweep
 
-SWEEP = {  # case -> (kwargs of torch_decode, MLAConfig field dicts)
+SWEEP = {  # case -> (kwargs of DecodeInputs, MLAConfig field dicts)
     "H128 B64 S4096": (dict(b=64, s=4096), [{}, {"block_n": 32}, {"block_n": 32, "num_stages": 3},
                                             {"num_stages": 1}, {"block_m": 32}, {"block_m": 32, "block_n": 32}]),
     "H16 B64 S32768": (dict(b=64, s=32768, heads=16), [{}, {"num_stages": 3}, {"num_stages": 7}, {"block_n": 32},
@@ -442,50 +477,43 @@ SWEEP = {  # case -> (kwargs of torch_decode, MLAConfig field dicts)
 MASK_BWD_SWEEP = {1: [{}, {"dkv_block_m": 32}, {"dkv_num_stages": 1}], H: [{}, {"dkv_block_m": 32}]}
 
 
-def _planned_mask_bwd_ms(heads, config, s=4096):
-    """ms of the block-mask backward plan with an explicit MLAConfig, through the torch runtime."""
+def _mask_bwd_ms(heads, s=4096):
+    """ms of the block-mask backward (S=4096, 32 of 64 blocks of 64) through the public op."""
     import torch
 
-    from flashbridge.core_kernels.block_sparse.plan import layout_of
-    from flashbridge.core_kernels.mla.plan import check_mla_args, plan_mla_bwd, plan_mla_fwd
-    from flashbridge.masks import BlockMask
-    from flashbridge.torch_api._runtime import execute, target_for
-    from flashbridge.torch_api.block_sparse import mask_tensors
+    from flashbridge.torch_api.mla import mla_attention
 
     mask = topk_block_mask(s)
-    layout = layout_of(mask)
-    q = torch.randn(1, s, heads, DQK, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, s, DQK, device="cuda", dtype=torch.bfloat16)
-    shape, options = check_mla_args(q=(tuple(q.shape), "bfloat16"), kv=(tuple(kv.shape), "bfloat16"), head_dim_v=DV)
-    target = target_for(q.device)
-    given = {"q": q, "kv": kv, **dict(zip(BlockMask.array_names, mask_tensors(mask, q.device)))}
-    fwd = plan_mla_fwd(shape, options, target=target, sparse=layout, config=config)
-    out, lse = execute(fwd, {n: given[n] for n in fwd.inputs})
-    given.update(out=out, lse=lse, dout=torch.randn_like(out))
-    bwd = plan_mla_bwd(shape, options, target=target, sparse=layout, config=config)
-    return time_torch(lambda: execute(bwd, {n: given[n] for n in bwd.inputs}))
+    g = _generator(5)
+    q = torch.randn(1, s, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(1, s, DQK, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    out = mla_attention(q, kv, head_dim_v=DV, block_mask=mask)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    return time_torch(lambda: torch.autograd.grad(out, (q, kv), dout, retain_graph=True))
 
 
 def sweep():
+    """Tile variants on the key rows, each through the public ops inside ``configure(MLAConfig(...))``."""
+    from flashbridge.core_kernels import configure
     from flashbridge.core_kernels.mla.plan import MLAConfig
 
     results = []
+
+    def one(case, fields, measure):
+        try:
+            with configure(MLAConfig(**fields)):  # the forward and its backward planned with it
+                results.append({"case": case, "config": fields, "ms": measure()})
+        except Exception as exc:  # noqa: BLE001
+            results.append({"case": case, "config": fields, "error": repr(exc)[:300]})
+        print(results[-1])
+
     for case, (kwargs, configs) in SWEEP.items():
+        inp = DecodeInputs(**kwargs)
         for fields in configs:
-            try:
-                ms, _ = torch_decode(**kwargs, config=MLAConfig(**fields))
-                results.append({"case": case, "config": fields, "ms": ms})
-            except Exception as exc:  # noqa: BLE001
-                results.append({"case": case, "config": fields, "error": repr(exc)[:300]})
-            print(results[-1])
+            one(case, fields, lambda: torch_decode_ms(inp)[0])
     for heads, configs in MASK_BWD_SWEEP.items():
         for fields in configs:
-            case = f"block mask bwd H{heads} S4096"
-            try:
-                results.append({"case": case, "config": fields, "ms": _planned_mask_bwd_ms(heads, MLAConfig(**fields))})
-            except Exception as exc:  # noqa: BLE001
-                results.append({"case": case, "config": fields, "error": repr(exc)[:300]})
-            print(results[-1])
+            one(f"block mask bwd H{heads} S4096", fields, lambda: _mask_bwd_ms(heads))
     return results
 
 
@@ -536,11 +564,13 @@ def ptxas_report():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one row of each kind")
+    parser.add_argument("--all", action="store_true",
+                        help="also the block-mask rows, H=16 at every shape, JAX on every decode shape")
+    parser.add_argument("--quick", action="store_true", help="the default rows (kept for scripts)")
+    parser.add_argument("--only", default=None, help=f"comma-separated sections of {SECTIONS}")
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="tile variants on the key rows")
     parser.add_argument("--ptxas", action="store_true", help="compile the default plans for sm_90 (no GPU)")
-    parser.add_argument("--prefill-only", action="store_true", help="the prefill rows alone (dense, top-k, block mask)")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
@@ -549,24 +579,41 @@ def main():
         result = sweep()
         print(f"wrote {save('mla_sweep_h200', {'sweep': result})}")
         return
+    if args.only:
+        sections = [x for x in args.only.split(",") if x]
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            parser.error(f"--only: unknown sections {unknown}; choose from {SECTIONS}")
+    else:
+        sections = list(SECTIONS if args.all else SECTIONS[:-1])
+    quick = not args.all
     print(json.dumps(environment()))
     copy_tbs = measure_copy_ceiling()
     print(f"device-to-device copy: {copy_tbs:.2f} TB/s")
+    name = "mla_h200_partial" if args.only else "mla_h200_all" if args.all else "mla_h200"
+    run = Run(name, copy_tbs)
     with_jax = not args.no_jax
-    rows = []
-    if not args.prefill_only:
-        rows += decode_rows(args.quick, with_jax)
-        rows += h16_rows(copy_tbs, args.quick, with_jax)
-        rows += sparse_rows()
-    rows += prefill_rows(with_jax=with_jax)
+    start = time.perf_counter()
+    for section in sections:
+        if section == "decode":
+            decode_rows(run, quick, with_jax)
+        elif section == "h16":
+            h16_rows(run, quick, with_jax)
+        elif section == "sparse":
+            sparse_rows(run, with_jax)
+        elif section == "prefill":
+            prefill_rows(run, with_jax=with_jax)
+        else:
+            block_mask_rows(run, with_jax=with_jax)
+        print(f"{section}: done after {time.perf_counter() - start:.0f} s")
+    rows = run.rows
     table = [[r["case"], r["provider"], r.get("ms", r.get("fwd_ms", "-")), r.get("tflops", r.get("fwd_tflops", "-")),
-              r.get("tbs", "-"), r.get("bwd_ms", "-")] for r in rows]
+              r.get("tbs", "-"), r.get("bwd_ms", "-"), r.get("error", "")[:60]] for r in rows]
     print_table("MLA, bf16 unless said, Dqk=576 Dv=512, paged 64", ["case", "provider", "ms", "TFLOP/s", "TB/s",
-                                                                     "bwd ms"], table)
-    lines = verdicts(rows, copy_tbs)
-    print("\n".join(lines))
-    name = "mla_h200_quick" if args.quick else "mla_prefill_h200" if args.prefill_only else "mla_h200"
-    print(f"wrote {save(name, {'copy_tbs': copy_tbs, 'rows': rows, 'verdicts': lines, 'targets': TARGETS})}")
+                                                                     "bwd ms", "error"], table)
+    print("\n".join(verdicts(rows, copy_tbs)))
+    run.save()
+    print(f"wrote {name}.json after {time.perf_counter() - start:.0f} s")
     plot(rows, name)
 
 

@@ -313,6 +313,93 @@ def test_attention_matches_reference(case):
     check_attention(build(), **kw)
 
 
+# ----------------------------------------------------------------------------------- bands run dense
+
+def _every_block(sq, sk, block):
+    return masks.from_blocks(np.ones((-(-sq // block), -(-sk // block)), bool), seq_len_q=sq, seq_len_k=sk,
+                             block_size=block)
+
+
+def test_band_flag_marks_exactly_the_masks_that_are_their_band():
+    rng = np.random.default_rng(12)
+    band = [masks.causal(63, block_size=16), masks.causal(17, 40, block_size=16), masks.causal(40, 17, block_size=16),
+            masks.sliding_window(63, 10, 3, block_size=(16, 32)), masks.causal(40, block_size=16)
+            & masks.causal(40, block_size=16), masks.causal(40, block_size=16) & _every_block(40, 40, 16),
+            masks.sliding_window(40, 5, block_size=16) | masks.sliding_window(40, 5, block_size=16)]
+    not_band = [masks.causal(40, block_size=16) & masks.from_blocks(rng.random((3, 3)) < 0.5, seq_len_q=40,
+                                                                     seq_len_k=40, block_size=16),
+                masks.causal(40, block_size=16) & masks.from_blocks(rng.random((2, 3, 3)) < 2, seq_len_q=40,
+                                                                     seq_len_k=40, block_size=16),  # per head
+                masks.streaming(63, 3, 8, block_size=16), masks.document([20, 20], block_size=16),
+                masks.longformer(40, 5, [0], block_size=16), masks.from_dense(np.tril(np.ones((40, 40), bool)),
+                                                                             block_size=16),
+                _every_block(40, 40, 16), masks.causal(40, block_size=16) | masks.sliding_window(40, 4, 4,
+                                                                                               block_size=16)]
+    assert all(m.band for m in band), [m.band for m in band]
+    assert not any(m.band for m in not_band), [m.band for m in not_band]
+
+
+def test_band_masks_plan_the_dense_window_kernels():
+    """The shared plans turn a band mask into the dense plan of its window (the same launches, no mask
+    arrays); a mask with the band's terms but fewer blocks keeps its lists."""
+    from flashbridge.core_kernels import INTERPRETER, Target
+    from flashbridge.core_kernels.block_sparse.plan import check_block_mask, layout_of
+    from flashbridge.core_kernels.flash_attn import plan as P
+
+    h200 = Target(interpret=False, num_sms=132)
+    for m, causal, window in ((masks.causal(4096), True, (-1, -1)), (masks.sliding_window(4096, 1024), False,
+                                                                     (1024, 0)),
+                              (masks.sliding_window(4096, 100, 30, block_size=64), False, (100, 30)),
+                              (masks.causal(1000, 4000), True, (-1, -1))):
+        info = dict(q=((1, m.seq_len_q, 16, 128), "bfloat16"), k=((1, m.seq_len_k, 4, 128), "bfloat16"),
+                    v=((1, m.seq_len_k, 4, 128), "bfloat16"))
+        shape, options = P.check_attention_args(**info)
+        _, dense_options = P.check_attention_args(**info, causal=causal, window_size=window)
+        layout = check_block_mask(m, shape, options)
+        assert layout.band
+        for target in (h200, INTERPRETER):
+            assert P.plan_attention_fwd(shape, options, target=target, sparse=layout) == P.plan_attention_fwd(
+                shape, dense_options, target=target)
+            assert P.plan_attention_bwd(shape, options, target=target, sparse=layout) == P.plan_attention_bwd(
+                shape, dense_options, target=target)
+    fewer = masks.causal(4096) & masks.from_blocks(np.eye(32, dtype=bool), seq_len_q=4096, seq_len_k=4096)
+    shape, options = P.check_attention_args(q=((1, 4096, 16, 128), "bfloat16"), k=((1, 4096, 16, 128), "bfloat16"),
+                                            v=((1, 4096, 16, 128), "bfloat16"))
+    plan = P.plan_attention_fwd(shape, options, target=h200, sparse=layout_of(fewer))
+    assert plan.launches[0].constexpr_dict()["BLOCK_SPARSE"] and "kv_indices" in plan.inputs
+
+
+@pytest.mark.parametrize("name,build,dense_kw", [
+    ("causal-gqa", lambda: masks.causal(63, block_size=16), dict(causal=True)),
+    ("causal-long-q", lambda: masks.causal(40, 17, block_size=(16, 32)), dict(causal=True)),
+    ("window-10-3", lambda: masks.sliding_window(63, 10, 3, block_size=(16, 32)), dict(window_size=(10, 3))),
+    ("window-5-and-every-block", lambda: masks.sliding_window(40, 5, block_size=16) & _every_block(40, 40, 16),
+     dict(window_size=(5, 0))),
+])
+def test_band_masks_give_the_dense_window_bits_in_both_frameworks(name, build, dense_kw):
+    """A band mask through flash_attention: the float64 reference (forward, lse, every gradient), the bits of
+    the dense call with the same window, and the JAX front-end's bits (jitted, the mask an argument)."""
+    m = build()
+    assert m.band
+    hq, hkv = (4, 2) if "gqa" in name else (2, 1)
+    out, lse = check_attention(m, hq=hq, hkv=hkv, seed=len(name), jax_parity=True)
+    q, k, v = make_qkv(len(name), 1, m.seq_len_q, m.seq_len_k, hq, hkv, 16)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    got, got_lse = torch_api.flash_attention(q, k, v, block_mask=m, return_lse=True)
+    want, want_lse = torch_api.flash_attention(*leaves, return_lse=True, **dense_kw)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse) and torch.equal(got, out)
+    dout = torch.randn(got.shape, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        assert torch.equal(a, b)
+
+
+def test_masks_with_the_band_terms_but_fewer_blocks_keep_their_lists():
+    m = masks.causal(40, block_size=16) & masks.from_blocks(np.eye(3, dtype=bool) | np.eye(3, k=-2, dtype=bool),
+                                                             seq_len_q=40, seq_len_k=40, block_size=16)
+    assert m.terms == masks.causal(40).terms and not m.band
+    check_attention(m, jax_parity=True)
+
+
 def test_rows_that_see_nothing_output_zero():
     dense = np.zeros((40, 40), bool)
     dense[20:, :10] = True

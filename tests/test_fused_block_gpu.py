@@ -197,6 +197,46 @@ def test_gpu_torch_compile_inductor_fullgraph():
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("op", ["rope", "swiglu"])
+def test_gpu_backward_captures_in_a_cuda_graph_as_the_benchmark_does(op):
+    """The benchmark's steady backward rows: forward eagerly on the default stream, then
+    ``torch.autograd.grad`` of several input sets captured in one CUDA graph (thread_local mode, after a JAX
+    call left JAX's runtime threads running) -- replays give the eager gradients bit for bit."""
+    from flashbridge._timing import _capture
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(3):
+        if op == "rope":
+            q = torch.randn(2, 512, 32, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+            k = torch.randn(2, 512, 8, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+            angles = torch.outer(torch.arange(512, device="cuda", dtype=torch.float32),
+                                 10000.0 ** (-torch.arange(0, 128, 2, device="cuda") / 128))
+            outs, leaves = ft.rotary_embedding_qk(q, k, angles.cos(), angles.sin()), [q, k]
+        else:
+            gate = torch.randn(1024, 4096, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+            up = torch.randn(1024, 4096, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+            outs, leaves = (ft.swiglu(gate, up),), [gate, up]
+        grads = [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in outs]
+        sets.append((outs, leaves, grads))
+    jax.block_until_ready(fj.swiglu(jnp.ones((8, 64), jnp.float32), jnp.ones((8, 64), jnp.float32)))
+    step = lambda o, i, d: torch.autograd.grad(o, i, d, retain_graph=True)  # noqa: E731
+    eager = [step(*s) for s in sets]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in sets:
+            step(*s)
+    torch.cuda.current_stream().wait_stream(side)
+    results = []
+    graph = _capture(lambda *s: results.append(step(*s)), sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    for want, got in zip(eager, results):
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+
+
 def test_gpu_swiglu_mlp_modules():
     import torch.nn.functional as F
     from flax import nnx

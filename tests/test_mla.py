@@ -372,6 +372,52 @@ def test_torch_decode_split_counts_agree_and_fixed_split_is_reproducible():
         assert torch.equal(out, tapi.mla_decode(q, cache, **kw, num_splits=splits))
 
 
+def _no_host_reads(monkeypatch):
+    """Make every way of reading a tensor's values on the host raise, and stub the launches (the
+    interpreter itself reads its arguments on the host): what remains is the ops' own host path."""
+    from flashbridge.torch_api._runtime import TORCH_DTYPES as dtypes
+
+    def forbidden(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called on the op's hot path (a host sync)")
+        return read
+
+    for name in ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+    monkeypatch.setattr(torch, "nonzero", forbidden("nonzero"))
+    launched = []
+
+    def execute(plan, inputs, out=None):
+        launched.append(plan)
+        return tuple(torch.empty(plan.spec(n).shape, dtype=dtypes[plan.spec(n).dtype]) for n in plan.results)
+
+    monkeypatch.setattr(tapi, "execute", execute)
+    return launched
+
+
+@pytest.mark.parametrize("name", ["sparse-paged4-sq2", "fp8-sparse", "paged4"])
+def test_torch_decode_reads_no_values_while_a_cuda_graph_is_captured(name, monkeypatch):
+    """Under CUDA-graph capture (simulated: the CPU tensors stand in for device ones) mla_decode and the
+    sparse mla_attention read no tensor values on the host -- not even to check them: indices with a
+    repeated key pass unchecked -- and launch their plans. Outside capture the same call checks them."""
+    q, cache, kw = make_cache(zlib_seed(name), **DECODE_CASES[name])
+    if "indices" in kw:  # a repeated visible key: rejected when the values are read
+        kw["indices"][0, -1, :2] = 0
+        with pytest.raises(ValueError, match="more than once"):
+            tapi.mla_decode(q, cache, **kw)
+    with pytest.raises(ValueError, match="more than once"):
+        tapi.mla_attention(q, q[:, :, 0], head_dim_v=kw["head_dim_v"], indices=torch.zeros(
+            q.shape[0], q.shape[1], 2, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    launched = _no_host_reads(monkeypatch)
+    out, lse = tapi.mla_decode(q, cache, **kw, return_lse=True)
+    assert out.shape == (*q.shape[:3], kw["head_dim_v"]) and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    tapi.mla_attention(q, q[:, :, 0], head_dim_v=kw["head_dim_v"], indices=torch.zeros(
+        q.shape[0], q.shape[1], 2, dtype=torch.int32))
+    assert len(launched) == 2
+
+
 def test_torch_decode_of_full_cache_equals_causal_prefill():
     q, kv = _make(3, 2, 4, 13, 3, 40)
     lens = torch.tensor([13, 13], dtype=torch.int32)
@@ -499,6 +545,48 @@ def test_jax_mla_decode_matches_torch_bitwise(name):
         torch_to_jax(q), torch_to_jax(cache), _j(kw))
     np.testing.assert_array_equal(np64(out), np64(want))
     np.testing.assert_array_equal(np64(lse), np64(want_lse))
+
+
+def test_configure_sets_the_mla_plans_config_in_both_front_ends():
+    """MLAConfig goes through core_kernels.configure like every family's config: the plans read it (an
+    explicit config= wins), and both public decode ops plan with it -- 32-key steps move the split
+    boundaries, so the bits change, and torch and JAX still agree bit for bit."""
+    from flashbridge.core_kernels import INTERPRETER, configure
+    from flashbridge.core_kernels.mla.plan import (MLAConfig, check_mla_args, check_mla_decode_args, plan_mla_bwd,
+                                                   plan_mla_fwd)
+
+    q, cache, kw = make_cache(31, lens=(60, 7, 45), h=4, topk=0)
+    dv = kw.pop("head_dim_v")
+    info = {n: (tuple(t.shape), str(t.dtype).split(".")[-1]) for n, t in kw.items()}
+    shape, options, _ = check_mla_decode_args(q=(tuple(q.shape), "float32"), kv_cache=(tuple(cache.shape), "float32"),
+                                              head_dim_v=dv, **info)
+
+    def block_n(**extra):
+        return plan_mla_fwd(shape, options, target=INTERPRETER, **extra).launches[0].constexpr_dict()["BLOCK_N"]
+
+    default = block_n()
+    with configure(MLAConfig(block_n=32)):
+        assert block_n() == 32 and block_n(config=MLAConfig()) == default
+        prefill, prefill_options = check_mla_args(q=((1, 8, 2, 40), "float32"), kv=((1, 8, 40), "float32"),
+                                                  head_dim_v=32)
+        with configure(MLAConfig(dkv_block_n=32)):  # the innermost wins
+            bwd = plan_mla_bwd(prefill, prefill_options, target=INTERPRETER)
+            assert [la.constexpr_dict()["BLOCK_N"] for la in bwd.launches if "dkv" in la.kernel] == [32]
+            assert block_n() == default
+    assert block_n() == default
+
+    def both():
+        out_t = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=3)
+        out_j = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=3))(
+            torch_to_jax(q), torch_to_jax(cache), _j(kw))
+        np.testing.assert_array_equal(np64(out_j), np64(out_t))
+        return np64(out_t)
+
+    base = both()
+    with configure(MLAConfig(block_n=32)):
+        other = both()
+    assert not np.array_equal(other, base)
+    np.testing.assert_allclose(other, base, atol=2e-6, rtol=1e-5)
 
 
 def test_jax_mla_decode_against_reference():

@@ -151,6 +151,31 @@ def test_gpu_decode_cuda_graph_and_compile():
     torch.testing.assert_close(out, mla_decode(q * 0.5, cache, **kw), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["h128-sparse-2048", "h128-fp8", "h16-sparse"])
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_gpu_decode_captures_in_a_cuda_graph(name, mode):
+    """Sparse / FP8 / paged decode captured in a CUDA graph (both capture modes: global refuses any host
+    sync or pageable copy on any thread) replays the eager bits, with new queries and new lengths."""
+    from flashbridge.torch_api.mla import mla_decode
+
+    q, cache, kw = paged_case(zlib.crc32(name.encode()) + 1, **DECODE[name])
+    static_q, lens = q.clone(), kw.pop("cache_seqlens")
+    static_lens = lens.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) on a side stream, as capture requires
+        mla_decode(static_q, cache, cache_seqlens=static_lens, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        out = mla_decode(static_q, cache, cache_seqlens=static_lens, **kw)
+    shorter = torch.clamp(lens - 3, min=1)
+    static_q.copy_(q * 0.5)
+    static_lens.copy_(shorter)
+    graph.replay()
+    torch.testing.assert_close(out, mla_decode(q * 0.5, cache, cache_seqlens=shorter, **kw), atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------ prefill
 
 def prefill_case(seed, *, s=1024, heads=H, topk=0, causal=True, dtype=torch.bfloat16):

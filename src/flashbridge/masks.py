@@ -98,7 +98,10 @@ class BlockMask:
 
     Attributes: the arrays listed in the module docstring (NumPy, or JAX arrays / tracers inside a JAX
     transformation: the JAX front-end registers BlockMask as a pytree of them), ``seq_len_q``, ``seq_len_k``,
-    ``block_size`` ``(q_block, kv_block)`` and ``terms`` (:class:`MaskTerms`).
+    ``block_size`` ``(q_block, kv_block)``, ``terms`` (:class:`MaskTerms`) and ``band``: True when the mask is
+    exactly the band of its terms (``causal``, ``sliding_window``, and ``&`` / ``|`` results equal to one),
+    shared by batch and heads; flash_attention then runs the dense kernel's causal / window iteration, which
+    walks no lists (the same results, faster).
 
     Example::
 
@@ -107,13 +110,16 @@ class BlockMask:
         ((1, 1, 1000, 1000), 0.328)
     """
 
-    __slots__ = (*_ARRAYS, "seq_len_q", "seq_len_k", "q_block", "kv_block", "terms", "_cache")
+    __slots__ = (*_ARRAYS, "seq_len_q", "seq_len_k", "q_block", "kv_block", "terms", "band", "_cache")
 
     def __init__(self, *, seq_len_q: int, seq_len_k: int, q_block: int, kv_block: int, terms: MaskTerms,
-                 **arrays):
+                 band: bool = False, **arrays):
         self.seq_len_q, self.seq_len_k = seq_len_q, seq_len_k
         self.q_block, self.kv_block = q_block, kv_block
         self.terms = terms
+        # static: the mask is exactly its band -- every block of the band listed, nothing else, shared by
+        # batch and heads (set when built; the attention plans then run the dense kernel's window path)
+        self.band = bool(band)
         for name in _ARRAYS:
             setattr(self, name, arrays.pop(name, None))
         if arrays:
@@ -322,12 +328,15 @@ def _longest_first(work: np.ndarray, *, later_first: bool) -> np.ndarray:
 
 
 def _build(status: np.ndarray, *, seq_len_q: int, seq_len_k: int, q_block: int, kv_block: int, terms: MaskTerms,
-           bits: Optional[np.ndarray] = None, tokens_q=None, tokens_k=None, full_width: bool = False) -> BlockMask:
+           bits: Optional[np.ndarray] = None, tokens_q=None, tokens_k=None, full_width: bool = False,
+           band: Optional[bool] = None) -> BlockMask:
     """A BlockMask from its block status grid ``(B|1, H|1, nQ, nK)`` (0 / 1 partial / 2 full). ``bits``:
     bool ``(n, q_block, kv_block)``, the element values of the partial blocks in ``np.nonzero`` order.
     ``full_width``: lists as wide as the grid (nK / nQ), whatever the counts, so that every such mask of one
-    size has the same array shapes."""
+    size has the same array shapes. ``band``: whether the grid is exactly its band's (None: compared)."""
     status = np.ascontiguousarray(status, np.int8)
+    if band is None:
+        band = _is_band(status, terms, seq_len_q, seq_len_k, q_block, kv_block)
     partial, full = status == PARTIAL, status == FULL
     partial_t, full_t = partial.swapaxes(-1, -2), full.swapaxes(-1, -2)
     if full_width:
@@ -361,9 +370,18 @@ def _build(status: np.ndarray, *, seq_len_q: int, seq_len_k: int, q_block: int, 
         arrays["tokens_q"] = np.ascontiguousarray(tokens_q, np.int32)
         arrays["tokens_k"] = np.ascontiguousarray(tokens_k, np.int32)
     mask = BlockMask(seq_len_q=seq_len_q, seq_len_k=seq_len_k, q_block=q_block, kv_block=kv_block, terms=terms,
-                     **arrays)
+                     band=band, **arrays)
     mask._cache["status"] = status
     return mask
+
+
+def _is_band(status, terms: MaskTerms, seq_len_q, seq_len_k, q_block, kv_block) -> bool:
+    """The grid (shared by batch and heads) is exactly the band of ``terms``, which hold a band alone."""
+    if not terms.has_band or terms.has_tokens or terms.bits or status.shape[:2] != (1, 1):
+        return False
+    lo, hi = _band_bounds(seq_len_q, seq_len_k, terms.window_left, terms.window_right)
+    return bool(np.array_equal(status[0, 0], _status_grid(*_interval_status(lo, hi, seq_len_q, seq_len_k, q_block,
+                                                                             kv_block))))
 
 
 def _block_edges(seq_len_q, seq_len_k, q_block, kv_block):
@@ -406,7 +424,7 @@ def _band_mask(seq_len_q, seq_len_k, left, right, block_size):
     lo, hi = _band_bounds(seq_len_q, seq_len_k, left, right)
     any_, full = _interval_status(lo, hi, seq_len_q, seq_len_k, q_block, kv_block)
     return _build(_status_grid(any_, full)[None, None], seq_len_q=seq_len_q, seq_len_k=seq_len_k,
-                  q_block=q_block, kv_block=kv_block, terms=MaskTerms(window_left=left, window_right=right))
+                  q_block=q_block, kv_block=kv_block, terms=MaskTerms(window_left=left, window_right=right), band=True)
 
 
 # --------------------------------------------------------------------------------------------- builders

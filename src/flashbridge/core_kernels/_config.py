@@ -1,9 +1,9 @@
 """Experiment switches: the one way to run the kernels with other tiles or launch settings than the defaults.
 
 Each family keeps its tunable settings in one frozen dataclass whose ``None`` fields mean "the default for
-the target" (``AttentionConfig``, ``DecodeConfig``, ``CEConfig``, ``NormConfig``). A plan function takes it
-as ``config=``; with ``config=None`` (the default) it uses the one set by the innermost :func:`configure`
-around the call, else the defaults. The public ops take no config: benchmarks and tests that go through
+the target" (``AttentionConfig``, ``DecodeConfig``, ``CEConfig``, ``NormConfig``, ``MLAConfig``, ...). A plan
+function takes it as ``config=``; with ``config=None`` (the default) it uses the one set by the innermost
+:func:`configure` around the call, else the defaults. The public ops take no config: benchmarks and tests that go through
 them wrap the call in ``configure(...)``.
 """
 from __future__ import annotations

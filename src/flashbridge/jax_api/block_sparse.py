@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import masks as _masks
-from ..core_kernels.block_sparse.plan import SparseLayout, check_block_mask, layout_of
+from ..core_kernels.block_sparse.plan import SparseLayout, band_arrays, check_block_mask, layout_of
 from ..core_kernels.flash_attn.plan import AttnOptions, check_attention_args, plan_attention_bwd, plan_attention_fwd
 from ._runtime import dtype_name, execute, match_varying
 
@@ -29,13 +29,13 @@ _LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"
 
 
 def _flatten(mask: _masks.BlockMask):
-    return mask.arrays, (mask.seq_len_q, mask.seq_len_k, mask.q_block, mask.kv_block, mask.terms)
+    return mask.arrays, (mask.seq_len_q, mask.seq_len_k, mask.q_block, mask.kv_block, mask.terms, mask.band)
 
 
 def _unflatten(aux, arrays):
-    seq_len_q, seq_len_k, q_block, kv_block, terms = aux
+    seq_len_q, seq_len_k, q_block, kv_block, terms, *band = aux
     return _masks.BlockMask(seq_len_q=seq_len_q, seq_len_k=seq_len_k, q_block=q_block, kv_block=kv_block,
-                            terms=terms, **dict(zip(_NAMES, arrays)))
+                            terms=terms, band=bool(band and band[0]), **dict(zip(_NAMES, arrays)))
 
 
 jax.tree_util.register_pytree_node(_masks.BlockMask, _flatten, _unflatten)
@@ -241,12 +241,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def block_sparse_attention(q, k, v, block_mask, shape, options: AttnOptions, alibi_slopes, sinks):
     """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse)."""
-    check_block_mask(block_mask, shape, options)
+    layout = check_block_mask(block_mask, shape, options)
     static = _Static(options, block_mask.seq_len_q, block_mask.seq_len_k, block_mask.q_block, block_mask.kv_block,
                      block_mask.terms)
-    if all(a is None or isinstance(a, np.ndarray) for a in block_mask.arrays):  # a host mask: copied once
-        block_mask = mask_to_device(block_mask)
-    arrays = block_mask.arrays
+    host = all(a is None or isinstance(a, np.ndarray) for a in block_mask.arrays)  # a host mask: copied once
+    arrays = band_arrays(layout, lambda: (mask_to_device(block_mask) if host else block_mask).arrays)  # band: none
     q, k, v, alibi_slopes, sinks, *arrays = match_varying(q, k, v, alibi_slopes, sinks, *arrays)
     return _attention(q, k, v, alibi_slopes, sinks, tuple(arrays), static)
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import masks as _masks
-from ..core_kernels.block_sparse.plan import SparseLayout, check_block_mask, layout_of
+from ..core_kernels.block_sparse.plan import SparseLayout, band_arrays, check_block_mask, layout_of
 from ..core_kernels.flash_attn.plan import AttnOptions, check_attention_args, plan_attention_bwd, plan_attention_fwd
 from ._ops import fused_op
 from ._runtime import dtype_name, execute, target_for
@@ -157,7 +157,8 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, shape, o
     """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse)."""
     layout = check_block_mask(block_mask, shape, options)
     t = block_mask.terms
-    return _sparse_fwd(q, k, v, alibi_slopes, sinks, mask_tensors(block_mask, q.device), layout.q_block,
+    arrays = band_arrays(layout, lambda: mask_tensors(block_mask, q.device))  # none for a band: run dense
+    return _sparse_fwd(q, k, v, alibi_slopes, sinks, arrays, layout.q_block,
                        layout.kv_block, t.window_left, t.window_right, t.global_tokens, t.document,
                        float(options.softmax_scale), float(options.softcap))
 

@@ -16,12 +16,13 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ..core_kernels.mla.plan import (check_decode_values, check_index_values, check_mla_args, check_mla_block_mask,
-                                     check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
+from ..core_kernels._config import active_config, configure
+from ..core_kernels.mla.plan import (MLAConfig, check_decode_values, check_index_values, check_mla_args,
+                                     check_mla_block_mask, check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
 from ..masks import BlockMask
 from ._checks import check_tensors
 from .block_sparse import _layout as _mask_layout, mask_tensors
-from ._ops import fused_op
+from ._ops import fused_op, underlying
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -46,18 +47,26 @@ def _kv_strides(kv: Tensor) -> tuple[int, int]:
     return (kv.stride(0), kv.stride(1))
 
 
+def _capturing() -> bool:
+    """A CUDA graph is being captured on this thread's current stream (never on a CPU-only build)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _host(t: Optional[Tensor]):
-    """A tensor's values when reading them is free (CPU, eager), else None."""
-    if t is None or t.device.type != "cpu" or torch.compiler.is_compiling():
+    """A tensor's values when reading them is free, else None: a plain CPU tensor in eager mode. Device
+    tensors are never read (a copy to the host waits for the GPU and breaks CUDA-graph capture), nor is
+    anything while torch.compile traces, under a torch.func transform (wrapped tensors have no data of
+    their own) or while a CUDA graph is captured on this thread; the kernels then clamp every access."""
+    if t is None or t.device.type != "cpu" or torch.compiler.is_compiling() or underlying(t) is not t:
         return None
-    return t.numpy()
+    return None if _capturing() else t.numpy()
 
 
 # -------------------------------------------------------------------------------------------------- ops
 
-@functools.lru_cache(maxsize=256)
-def _fwd_plan(shape, options, target, q_strides, kv_strides):
-    return plan_mla_fwd(shape, options, target=target, strides={"q": q_strides, "kv": kv_strides})
+@functools.lru_cache(maxsize=256)  # keyed on the config too: core_kernels.configure() changes it
+def _fwd_plan(shape, options, target, q_strides, kv_strides, config):
+    return plan_mla_fwd(shape, options, target=target, strides={"q": q_strides, "kv": kv_strides}, config=config)
 
 
 @fused_op("mla_fwd")
@@ -67,7 +76,8 @@ def _mla_fwd(q: Tensor, kv: Tensor, indices: Optional[Tensor], head_dim_v: int, 
     shape, options = check_mla_args(q=_info(q), kv=_info(kv), head_dim_v=head_dim_v, causal=causal,
                                     softmax_scale=softmax_scale, indices=_info(indices))
     q, kv = _prepare(q), _prepare(kv)
-    plan = _fwd_plan(shape, options, target_for(q.device), _q_strides(q), _kv_strides(kv))
+    plan = _fwd_plan(shape, options, target_for(q.device), _q_strides(q), _kv_strides(kv),
+                     active_config(MLAConfig))
     given = {"q": q, "kv": kv, "indices": None if indices is None else indices.contiguous()}
     return execute(plan, {n: given[n] for n in plan.inputs})
 
@@ -104,13 +114,15 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, kv, out, lse, indices)
     ctx.options = (head_dim_v, softmax_scale, causal)
+    ctx.config = active_config(MLAConfig)  # the backward may run on autograd's device thread, outside configure()
 
 
 def _backward(ctx, dout, dlse):
     q, kv, out, lse, indices = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    dq, dkv = _mla_bwd(dout, q, kv, out, lse, dlse, indices, *ctx.options)
+    with configure(ctx.config):
+        dq, dkv = _mla_bwd(dout, q, kv, out, lse, dlse, indices, *ctx.options)
     return dq, dkv, None, None, None, None
 
 
@@ -123,8 +135,9 @@ _MASK_NAMES = BlockMask.array_names
 
 
 @functools.lru_cache(maxsize=256)
-def _mask_fwd_plan(shape, options, layout, target, q_strides, kv_strides):
-    return plan_mla_fwd(shape, options, target=target, sparse=layout, strides={"q": q_strides, "kv": kv_strides})
+def _mask_fwd_plan(shape, options, layout, target, q_strides, kv_strides, config):
+    return plan_mla_fwd(shape, options, target=target, sparse=layout, strides={"q": q_strides, "kv": kv_strides},
+                        config=config)
 
 
 @fused_op("mla_block_mask_fwd")
@@ -135,7 +148,8 @@ def _mla_mask_fwd(q: Tensor, kv: Tensor, mask_arrays: list[Optional[Tensor]], he
     shape, options = check_mla_args(q=_info(q), kv=_info(kv), head_dim_v=head_dim_v, softmax_scale=softmax_scale)
     layout = _mask_layout(q, kv, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens, document)
     q, kv = _prepare(q), _prepare(kv)
-    plan = _mask_fwd_plan(shape, options, layout, target_for(q.device), _q_strides(q), _kv_strides(kv))
+    plan = _mask_fwd_plan(shape, options, layout, target_for(q.device), _q_strides(q), _kv_strides(kv),
+                          active_config(MLAConfig))
     given = {"q": q, "kv": kv, **dict(zip(_MASK_NAMES, mask_arrays))}
     return execute(plan, {n: given[n] if n in ("q", "kv") else given[n].contiguous() for n in plan.inputs})
 
@@ -174,13 +188,15 @@ def _mask_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, kv, out, lse, *mask_arrays)
     ctx.static = tuple(static)
+    ctx.config = active_config(MLAConfig)
 
 
 def _mask_backward(ctx, dout, dlse):
     q, kv, out, lse, *mask_arrays = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    dq, dkv = _mla_mask_bwd(dout, q, kv, out, lse, dlse, list(mask_arrays), *ctx.static)
+    with configure(ctx.config):
+        dq, dkv = _mla_mask_bwd(dout, q, kv, out, lse, dlse, list(mask_arrays), *ctx.static)
     return (dq, dkv, None, *([None] * len(ctx.static)))
 
 
@@ -196,9 +212,9 @@ def _block_mask_attention(q: Tensor, kv: Tensor, block_mask, shape, options) -> 
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_plan(shape, options, target, num_splits, q_strides, kv_strides):
+def _decode_plan(shape, options, target, num_splits, q_strides, kv_strides, config):
     return plan_mla_fwd(shape, options, target=target, num_splits=num_splits,
-                        strides={"q": q_strides, "kv": kv_strides})
+                        strides={"q": q_strides, "kv": kv_strides}, config=config)
 
 
 @fused_op("mla_decode")
@@ -209,7 +225,8 @@ def _mla_decode(q: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, block_table:
         q=_info(q), kv_cache=_info(kv_cache), cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
         head_dim_v=head_dim_v, softmax_scale=softmax_scale, indices=_info(indices), kv_scale=_info(kv_scale))
     q, kv_cache = _prepare(q), _prepare(kv_cache)
-    plan = _decode_plan(shape, options, target_for(q.device), num_splits, _q_strides(q), _kv_strides(kv_cache))
+    plan = _decode_plan(shape, options, target_for(q.device), num_splits, _q_strides(q), _kv_strides(kv_cache),
+                        active_config(MLAConfig))
     given = {"q": q, "kv": kv_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
              "indices": indices, "kv_scale": kv_scale}
     return execute(plan, {n: given[n] if n in ("q", "kv") else given[n].contiguous() for n in plan.inputs})

@@ -48,6 +48,7 @@ class SparseLayout:
     document: bool
     bits: bool
     tokens_batch: int  # batch extent of tokens_q / tokens_k (0 without them)
+    band: bool = False  # exactly the band of (window_left, window_right): see :func:`route_band`
 
     @property
     def n_q(self) -> int:
@@ -71,14 +72,41 @@ class SparseLayout:
 
 
 def layout_of(mask) -> SparseLayout:
-    """The SparseLayout of a BlockMask whose arrays may be NumPy, torch or JAX arrays (only shapes are read)."""
+    """The SparseLayout of a BlockMask whose arrays may be NumPy, torch or JAX arrays (only shapes are read).
+    A mask without arrays is a band whose arrays were left out (see :func:`band_arrays`)."""
     t = mask.terms
+    common = dict(seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k, q_block=mask.q_block, kv_block=mask.kv_block,
+                  window_left=t.window_left, window_right=t.window_right, global_tokens=t.global_tokens,
+                  document=t.document, bits=t.bits)
+    if mask.kv_num_blocks is None:
+        if not t.has_band or t.has_tokens or t.bits:
+            raise ValueError("block_mask: only a band's arrays may be left out (its terms are a window alone)")
+        return SparseLayout(**common, batch=1, heads=1, max_kv=0, max_q=0, tokens_batch=0, band=True)
     b, h, _ = tuple(mask.kv_num_blocks.shape)
-    return SparseLayout(
-        seq_len_q=mask.seq_len_q, seq_len_k=mask.seq_len_k, q_block=mask.q_block, kv_block=mask.kv_block,
-        batch=int(b), heads=int(h), max_kv=int(mask.kv_indices.shape[-1]), max_q=int(mask.q_indices.shape[-1]),
-        window_left=t.window_left, window_right=t.window_right, global_tokens=t.global_tokens, document=t.document,
-        bits=t.bits, tokens_batch=int(mask.tokens_q.shape[0]) if mask.tokens_q is not None else 0)
+    return SparseLayout(**common, batch=int(b), heads=int(h), max_kv=int(mask.kv_indices.shape[-1]),
+                        max_q=int(mask.q_indices.shape[-1]),
+                        tokens_batch=int(mask.tokens_q.shape[0]) if mask.tokens_q is not None else 0,
+                        band=bool(getattr(mask, "band", False)))
+
+
+def route_band(options, sparse: Optional[SparseLayout]):
+    """(options, sparse) for the attention plans: a mask that is exactly a band (``causal``,
+    ``sliding_window``: a window alone, every block of the band listed and nothing else, shared by batch and
+    heads) runs the dense kernels' causal / window iteration -- the same visible keys and element test,
+    with block ranges computed instead of lists read (faster on the H200, docs/performance.md) -- so it
+    becomes the window of ``options`` and no layout; any other mask is kept. ``options`` is an
+    ``AttnOptions`` (window_left / window_right / causal)."""
+    if sparse is None or not sparse.band:
+        return options, sparse
+    return dataclasses.replace(options, causal=sparse.causal, window_left=sparse.window_left,
+                               window_right=sparse.window_right), None
+
+
+def band_arrays(layout: SparseLayout, arrays) -> list:
+    """The mask arrays (BlockMask.array_names order) a front-end passes to its op: all None for a band (see
+    :func:`route_band`: the plans read none of them, so the mask is not even copied to the device), else
+    ``arrays()``, called only then."""
+    return [None] * len(BWD_ARRAYS) if layout.band else list(arrays())
 
 
 def check_layout(layout: SparseLayout, *, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int,

@@ -515,13 +515,15 @@ def _tail_blocks(shape: AttnShape, options: AttnOptions, loop_len: int, block: i
     return bool(options.causal or options.has_local or shape.varlen or loop_len % block)
 
 
-def _sparse_options(options: AttnOptions, sparse: Optional[bsp.SparseLayout]) -> AttnOptions:
-    """A block-sparse call's options: the mask's band is the window the kernels' element test uses (and a
-    causal band orders programs longest first, as causal attention does)."""
+def _sparse_options(options: AttnOptions, sparse: Optional[bsp.SparseLayout]):
+    """A block-sparse call's (options, layout): the mask's band is the window the kernels' element test uses
+    (and a causal band orders programs longest first, as causal attention does); a mask that is exactly its
+    band runs the dense kernels' window iteration instead of its lists (``block_sparse.plan.route_band``)."""
+    options, sparse = bsp.route_band(options, sparse)
     if sparse is None:
-        return options
+        return options, None
     return dataclasses.replace(options, causal=sparse.causal, window_left=sparse.window_left,
-                               window_right=sparse.window_right)
+                               window_right=sparse.window_right), sparse
 
 
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
@@ -534,7 +536,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
     Results: out (q's dtype, ``shape.out_shape``) and lse (float32, ``shape.lse_shape``).
     """
     config = config or active_config(AttentionConfig)
-    options = _sparse_options(options, sparse)
+    options, sparse = _sparse_options(options, sparse)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
@@ -590,7 +592,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
     """
     config = config or active_config(AttentionConfig)
-    options = _sparse_options(options, sparse)
+    options, sparse = _sparse_options(options, sparse)
     strides = strides or {}
     st = {n: strides.get(n) or contiguous_strides(s)
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .._config import active_config
 from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape,
                      next_power_of_2, pow2_divisor)
 from ..block_sparse import plan as bsp
@@ -45,7 +46,9 @@ DKV_MASK_ARRAYS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_ind
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """Tiles and launch parameters; ``None`` picks the default for the target (see :func:`fwd_tiles`).
+    """Tiles and launch parameters; ``None`` picks the default for the target (see :func:`fwd_tiles`). The
+    plans take it as ``config=``, else from ``core_kernels.configure(MLAConfig(...))`` around the call (the
+    one mechanism of every family, see ``core_kernels/_config.py``), else the defaults.
 
     * ``block_m``: (token, head) rows per program (at most 64 on a GPU: a 64 x 512 float32 accumulator
       already takes 128 registers per thread at 8 warps); ``block_n``: keys (or top-k entries) per step.
@@ -95,8 +98,6 @@ class MLAConfig:
         return DecodeConfig(merge_block_elements=self.merge_block_elements,
                             merge_block_states=self.merge_block_states)
 
-
-DEFAULT_CONFIG = MLAConfig()
 
 
 # ------------------------------------------------------------------------------------------------ shapes
@@ -369,7 +370,7 @@ def _rows_per_block(shape: MLAShape) -> int:
     return shape.heads if shape.sparse else shape.seqlen_q * shape.heads
 
 
-def fwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFIG) -> Tiles:
+def fwd_tiles(shape: MLAShape, target: Target, config: Optional[MLAConfig] = None) -> Tiles:
     """The forward's tiles (``MLAConfig`` fields override them one by one).
 
     Interpreter: up to 64 rows, 16 keys per step (several steps and a ragged tail at the tests' lengths), no
@@ -392,6 +393,7 @@ def fwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
     (16 rows: 179 registers, 87 KB, 728 instructions per 32-key step). One program per SM in every case
     (registers or shared memory).
     float32 queries (IEEE dots keep their operands in registers): 16 x 16 tiles, 8 warps, 2 stages."""
+    config = config or active_config(MLAConfig)
     rows = _rows_per_block(shape)
     bm = min(64, max(16, next_power_of_2(rows)))
     gathered = shape.cache.paged or shape.sparse  # a page id or top-k positions read before each step's rows
@@ -421,7 +423,7 @@ def row_blocks(shape: MLAShape, block_m: int, sparse: Optional[bsp.SparseLayout]
 
 
 def choose_num_splits(shape: MLAShape, options: MLAOptions, tiles: Tiles, target: Target,
-                      config: MLAConfig = DEFAULT_CONFIG) -> int:
+                      config: Optional[MLAConfig] = None) -> int:
     """The automatic split count of a decode call (prefill: 1). ``base = batch x row blocks`` programs
     exist without splits and ``slots = SMs x programs per SM`` run at once; the count is the smallest one
     whose last wave is at least 92% full among the counts that keep every split at least 4 steps long (one in
@@ -429,6 +431,7 @@ def choose_num_splits(shape: MLAShape, options: MLAOptions, tiles: Tiles, target
     H=16 (64 programs) 2; B=1 (2 programs) 61. Static (shapes only), so it traces under jit."""
     if not options.decode:
         return 1
+    config = config or active_config(MLAConfig)
     base = shape.batch * row_blocks(shape, tiles.block_m)
     slots = target.num_sms * tiles.programs_per_sm
     steps = cdiv(shape.topk, tiles.block_n) if shape.sparse else cdiv(shape.cache.capacity, tiles.block_n)
@@ -490,12 +493,13 @@ def _check_sparse(shape: MLAShape, options: MLAOptions, sparse: Optional[bsp.Spa
 
 
 def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_splits: Optional[int] = None,
-                 strides: Optional[dict] = None, config: MLAConfig = DEFAULT_CONFIG,
+                 strides: Optional[dict] = None, config: Optional[MLAConfig] = None,
                  sparse: Optional[bsp.SparseLayout] = None) -> Plan:
     """Plan inputs: q, kv, [cache_seqlens], [block_table], [indices], [kv_scale], then with ``sparse`` (a
     BlockMask's layout) its arrays by their BlockMask names. ``strides``: "q" -> (batch, token, head), "kv"
     -> (page, slot) element strides (default: contiguous). Results: out (q's dtype), lse (float32, (B, H,
     Sq))."""
+    config = config or active_config(MLAConfig)
     strides = strides or {}
     cache = shape.cache
     _check_sparse(shape, options, sparse)
@@ -557,7 +561,7 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
     return Plan(inputs=inputs, buffers=buffers, launches=(launch, merge), results=("out", "lse"))
 
 
-def bwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFIG) -> tuple[Tiles, Tiles, int]:
+def bwd_tiles(shape: MLAShape, target: Target, config: Optional[MLAConfig] = None) -> tuple[Tiles, Tiles, int]:
     """(dQ tiles, dKV tiles, dKV parts). dQ: row blocks of a token's heads, keys in steps; dKV: ``block_n``
     keys per program, the packed (token, head) rows ``block_m`` at a time. Interpreter: 16-key steps and two
     dKV parts (the parts' sum runs in the tests). GPU (sm_90, Triton 3.9, H=128, 576 / 512): dQ 32 rows x 32
@@ -566,6 +570,7 @@ def bwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
     no spills, 157 KB; 32 keys spilled 650 B, and the sparse kernel's 64 x 32 tile needed 236 KB of shared
     memory, more than an SM has); enough dKV parts that ``batch x key blocks x parts`` fills the SMs once
     (at most 8)."""
+    config = config or active_config(MLAConfig)
     rows = _rows_per_block(shape)
     bm = min(64, max(16, next_power_of_2(rows)))
     if target.interpret:
@@ -591,12 +596,13 @@ def bwd_tiles(shape: MLAShape, target: Target, config: MLAConfig = DEFAULT_CONFI
 
 
 def plan_mla_bwd(shape: MLAShape, options: MLAOptions, *, target: Target, has_dlse: bool = False,
-                 strides: Optional[dict] = None, config: MLAConfig = DEFAULT_CONFIG,
+                 strides: Optional[dict] = None, config: Optional[MLAConfig] = None,
                  sparse: Optional[bsp.SparseLayout] = None) -> Plan:
     """Plan inputs: dout, q, kv, out, lse, [dlse], [indices], then with ``sparse`` (a BlockMask's layout) its
     arrays by their BlockMask names. ``strides``: "q" / "dout" -> (batch, token, head), "kv" -> (batch, key)
     element strides (default: contiguous); out and lse are the forward's (contiguous). Results: dq (q's
     shape), dkv (kv's shape), both in q's dtype."""
+    config = config or active_config(MLAConfig)
     strides = strides or {}
     b, sq, heads, dqk, dv = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim_qk, shape.head_dim_v
     sk = shape.cache.capacity
