@@ -154,8 +154,8 @@ def memoised(fn, maxsize: int = 1024, bypass=None):
     on the configs active around the call (:func:`~._config.configure`): a front-end calls it once per
     distinct argument signature, and an eager call with a signature seen before skips validation and
     planning. Arguments are keyed by value and type (dict arguments, e.g. strides by name, by their items;
-    values nested in tuples by equality alone); a call with an unhashable argument runs uncached. A call that raises is not cached (the next one raises the same error again). The
-    wrapper counts the calls that ran ``fn`` in ``misses``; ``cache_clear()`` empties it. While ``bypass()``
+    values nested in tuples by equality alone); a call with an unhashable argument runs uncached. A call
+    that raises is not cached (the next one raises the same error again). The wrapper counts the calls that ran ``fn`` in ``misses``; ``cache_clear()`` empties it. While ``bypass()``
     is true (torch: while ``torch.compile`` traces, which cannot trace the cache) every call runs ``fn``."""
     from ._config import _active
 

@@ -18,7 +18,8 @@ from ._runtime import dtype_name, execute, match_varying
 Array = jax.Array
 
 # validation and plans run once per distinct argument signature (see memoised)
-check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd = map(memoised, (check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd))
+check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd = map(
+    memoised, (check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd))
 
 
 def _width(gate, up):

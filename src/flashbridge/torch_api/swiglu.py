@@ -16,7 +16,8 @@ from ._ops import fused_op
 from ._runtime import dtype_name, execute, memoised, target_for
 
 # validation and plans run once per distinct argument signature (see memoised)
-check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd = map(memoised, (check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd))
+check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd = map(
+    memoised, (check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd))
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
