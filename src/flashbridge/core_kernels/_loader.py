@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -123,6 +125,73 @@ def get_kernel(ref: str, interpret: bool) -> Any:
     if interpret and isinstance(kernel, JITFunction):
         return _InterpretedKernel(kernel.fn)
     return kernel  # compiled, or already interpreted because TRITON_INTERPRET=1 was set at import
+
+
+fast_launch = True  # False: every compiled launch goes through JITFunction.run (tests compare the two)
+
+
+class BoundLaunch:
+    """A plan's :class:`~._plan.Launch` bound to its kernel, launched with the tensors of one call.
+
+    ``JITFunction.run`` (what ``kernel[grid](...)`` calls) binds the arguments to the signature, specialises
+    every one of them (dtype and 16-byte alignment of pointers, value classes of integers), hashes that
+    into a cache key and looks the compiled kernel up, on every launch. A Launch fixes everything but the
+    tensors: grid, runtime scalars, constexprs and options. So the first launch of each distinct (device,
+    tensor dtypes, tensor alignments) goes through ``JITFunction.run``, which compiles if needed, launches and
+    returns the ``CompiledKernel``; later launches with that key call the compiled kernel's launcher
+    directly, with the same arguments in the same order as ``JITFunction.run`` passes them (every
+    parameter, constexprs included) on the current device and stream. The key holds exactly what the
+    launch's specialisation can vary by, so both ways run the same binary.
+
+    Falls back to ``JITFunction.run`` for every launch when the kernel is not a ``JITFunction`` (interpreted
+    at import), its constexprs are not its trailing parameters, a pre-run hook is installed, or
+    ``fast_launch`` is False.
+    """
+
+    def __init__(self, launch):
+        fn = _resolve(launch.kernel)
+        self.jit_fn = fn if isinstance(fn, JITFunction) else None
+        self.grid = tuple(launch.grid)
+        self.grid3 = (*self.grid, 1, 1)[:3]
+        self.scalars = tuple(launch.scalar_values())
+        self.constexprs = launch.constexpr_dict()
+        self.options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
+        self.tail = None  # the constexpr values in the kernel's parameter order, when they end its signature
+        if self.jit_fn is not None:
+            params = self.jit_fn.params
+            n_pos = len(params) - len(self.constexprs)
+            names = [p.name for p in params[n_pos:]]
+            if (n_pos >= 0 and all(p.is_constexpr for p in params[n_pos:])
+                    and not any(p.is_constexpr for p in params[:n_pos]) and set(names) == set(self.constexprs)):
+                self.tail = tuple(self.constexprs[n] for n in names)
+        self.kernels: dict = {}  # (device, dtypes..., aligned...) -> CompiledKernel
+
+    def run_jit(self, args):
+        """Launch through ``JITFunction.run``; returns the compiled kernel it launched."""
+        return self.jit_fn[self.grid](*args, **self.constexprs, **self.options)
+
+    def __call__(self, inputs, outputs) -> None:
+        """Launch with ``inputs`` and ``outputs`` (tensors in the launch's order) on the current device."""
+        args = (*inputs, *self.scalars, *outputs)
+        if self.tail is None or not fast_launch or self.jit_fn.pre_run_hooks:
+            self.run_jit(args)
+            return
+        drv = driver.active
+        device = drv.get_current_device()
+        tensors = (*inputs, *outputs)
+        key = (device, *[t.dtype for t in tensors], *[t.data_ptr() & 15 == 0 for t in tensors])
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            kernel = self.run_jit(args)
+            if kernel is not None and hasattr(kernel, "packed_metadata"):
+                self.kernels[key] = kernel
+            return
+        stream = drv.get_current_stream(device)
+        args = (*args, *self.tail)
+        runtime = knobs.runtime
+        kernel.run(*self.grid3, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self.grid, stream, *args), runtime.launch_enter_hook,
+                   runtime.launch_exit_hook, *args)
 
 
 @functools.lru_cache(maxsize=None)

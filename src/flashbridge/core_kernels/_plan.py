@@ -88,6 +88,14 @@ class Launch:
         """The constexprs as keyword arguments (built once per Launch: plans are cached)."""
         return self._constexpr_dict
 
+    @functools.cached_property
+    def bound(self):
+        """This launch bound to its kernel (``_loader.BoundLaunch``): built once per Launch, it launches
+        the compiled kernel directly once Triton has compiled it for the arguments' specialisation."""
+        from ._loader import BoundLaunch
+
+        return BoundLaunch(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -125,10 +133,60 @@ class Plan:
                                    len(launch.outputs), next(zip(*launch.constexprs), ()))
 
     def spec(self, name: str) -> Spec:
-        for spec in self.buffers:
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
+        spec = self._specs.get(name)
+        if spec is None:
+            raise KeyError(name)
+        return spec
+
+    @functools.cached_property
+    def _specs(self) -> dict[str, Spec]:
+        return {spec.name: spec for spec in self.buffers}
+
+    @functools.cached_property
+    def runtime_state(self) -> dict:
+        """What a front-end's runtime derives from this plan once (its prepared program), keyed by the
+        runtime: plans are cached per shape, so the hot path reads this instead of rebuilding it."""
+        return {}
+
+
+def memoised(fn, maxsize: int = 1024, bypass=None):
+    """``fn`` (a pure check or plan function of shapes, dtype names and options) cached on its arguments and
+    on the configs active around the call (:func:`~._config.configure`): a front-end calls it once per
+    distinct argument signature, and an eager call with a signature seen before skips validation and
+    planning. Arguments are keyed by value and type (dict arguments, e.g. strides by name, by their items;
+    values nested in tuples by equality alone); a call with an unhashable argument runs uncached. A call
+    that raises is not cached (the next one raises the same error again). The wrapper counts the calls that ran ``fn`` in ``misses``; ``cache_clear()`` empties it. While ``bypass()``
+    is true (torch: while ``torch.compile`` traces, which cannot trace the cache) every call runs ``fn``."""
+    from ._config import _active
+
+    cache: dict = {}
+    sentinel = object()
+
+    def key_of(args, kwargs):
+        # values and their types: True == 1 == 1.0 as keys, but a check may accept one and reject another
+        values = [tuple(a.items()) if type(a) is dict else a for a in (*args, *kwargs.values())]
+        return (_active.get(), tuple(kwargs), *values, *map(type, values))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if bypass is not None and bypass():
+            return fn(*args, **kwargs)
+        key = key_of(args, kwargs)
+        try:
+            result = cache.get(key, sentinel)
+        except TypeError:  # an unhashable argument
+            return fn(*args, **kwargs)
+        if result is sentinel:
+            wrapper.misses += 1
+            result = fn(*args, **kwargs)
+            if len(cache) >= maxsize:
+                del cache[next(iter(cache))]
+            cache[key] = result
+        return result
+
+    wrapper.misses = 0
+    wrapper.cache_clear = cache.clear
+    return wrapper
 
 
 def check_float_dtype(name: str, dtype: str) -> None:

@@ -18,9 +18,14 @@ import numpy as np
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_arrays
+from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_attention_args, plan_attention_fwd, plan_attention_bwd = map(
+    memoised, (check_attention_args, plan_attention_fwd, plan_attention_bwd))
 
 
 def _info(a):

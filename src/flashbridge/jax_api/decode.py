@@ -23,9 +23,14 @@ from ..core_kernels.decode.plan import (check_append_args, check_cache_values, c
                                         check_decode_args, check_merge_args, plan_append, plan_cascade,
                                         plan_decode, plan_merge)
 from ._checks import check_arrays
+from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_decode_args, check_merge_args, plan_decode, plan_merge = map(
+    memoised, (check_decode_args, check_merge_args, plan_decode, plan_merge))
 
 
 def _info(a):

@@ -14,9 +14,13 @@ import jax.numpy as jnp
 
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
 from ._checks import as_seed, check_arrays
+from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_norm_args, plan_norm_fwd, plan_norm_bwd = map(memoised, (check_norm_args, plan_norm_fwd, plan_norm_bwd))
 
 
 def _name(a) -> Optional[str]:

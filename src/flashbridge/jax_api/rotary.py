@@ -21,9 +21,13 @@ import jax.numpy as jnp
 
 from ..core_kernels.rotary.plan import check_rotary_args, check_rotary_values, plan_rotary
 from ._checks import check_arrays, host_list
+from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_rotary_args, plan_rotary = memoised(check_rotary_args), memoised(plan_rotary)
 
 
 def _info(a):

@@ -12,9 +12,14 @@ import jax.numpy as jnp
 
 from ..core_kernels.swiglu.plan import check_swiglu_args, plan_swiglu_bwd, plan_swiglu_fwd
 from ._checks import check_arrays
+from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd = map(
+    memoised, (check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd))
 
 
 def _width(gate, up):

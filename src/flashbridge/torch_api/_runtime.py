@@ -7,14 +7,15 @@ rounds once, as the GPU kernels do.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
+import math
 from collections.abc import Mapping
 
 import torch
 
+from ..core_kernels._plan import memoised as _memoised
 from ..core_kernels._poison import poisoning
-from ..core_kernels import INTERPRETER, Plan, Target, get_kernel
+from ..core_kernels import INTERPRETER, Plan, Spec, Target, get_kernel
 
 TORCH_DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -42,12 +43,10 @@ def target_for(device: torch.device) -> Target:
     raise ValueError(f"flashbridge kernels run on CUDA or CPU tensors, got a tensor on {device}")
 
 
-def _compile_options(launch, interpret: bool) -> dict:
-    """The same compile options as the JAX runtime passes to jax-triton (fp fusion stated explicitly:
-    the two launchers' defaults need not agree, and the bits of the results depend on it)."""
-    if interpret:
-        return {}
-    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
+def memoised(fn):
+    """``core_kernels._plan.memoised`` for the torch front-end: cached in eager calls, traced as it is under
+    ``torch.compile`` (dynamo cannot trace the cache; the compiled graph runs no checks anyway)."""
+    return _memoised(fn, bypass=torch.compiler.is_compiling)
 
 
 def _alloc(spec, dtype: torch.dtype, device) -> torch.Tensor:
@@ -62,6 +61,75 @@ def _launch_dtype(dtype: str, interpret: bool) -> torch.dtype:
     return torch.float32 if interpret and dtype == "bfloat16" else TORCH_DTYPES[dtype]
 
 
+_SCRATCH_ALIGN = 256  # bytes; as torch's allocator aligns: a carved buffer specialises like a fresh one
+
+
+class _Program:
+    """What :func:`execute` derives from a plan once per target kind (compiled / interpreted): the buffers
+    to allocate with their launch dtypes, the launches bound to their kernels, the results' dtypes.
+
+    Scratch buffers (written and read by the launches, not returned, not zeroed) are carved from one byte
+    buffer at 256-byte offsets: one allocation instead of one per buffer, with the alignment (hence the
+    compiled kernel and the bits) of separate allocations. Results keep their own allocations, so a
+    result never shares storage with another or keeps scratch alive."""
+
+    def __init__(self, plan: Plan, interpret: bool):
+        self.interpret = interpret
+        self.inputs = plan.inputs
+        results = set(plan.results)
+        self.own: list[tuple] = []  # (spec, launch dtype): results and zeroed buffers
+        self.scratch: list[tuple] = []  # (name, offset in bytes, numel, launch dtype, shape)
+        offset = 0
+        for spec in plan.buffers:
+            dtype = _launch_dtype(spec.dtype, interpret)
+            if spec.name in results or spec.zero or interpret:
+                self.own.append((spec, dtype))
+                continue
+            numel = math.prod(spec.shape)
+            self.scratch.append((spec.name, offset, numel, dtype, spec.shape))
+            offset += -(-numel * dtype.itemsize // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        self.scratch_bytes = offset
+        self.launches = [(launch.inputs, launch.outputs,
+                          get_kernel(launch.kernel, True)[launch.grid] if interpret else None,
+                          launch.constexpr_dict(), launch.scalar_values(),
+                          None if interpret else launch.bound) for launch in plan.launches]
+        self.results = tuple(plan.results)
+        self.casts = tuple((name, TORCH_DTYPES[plan.spec(name).dtype]) for name in plan.results
+                           if _launch_dtype(plan.spec(name).dtype, interpret) != TORCH_DTYPES[plan.spec(name).dtype])
+
+    def allocate(self, env: dict, device, skip) -> None:
+        """Fresh buffers into ``env``, but for the names in ``skip`` (buffers the caller provides)."""
+        for spec, dtype in self.own:
+            if spec.name not in skip:
+                env[spec.name] = _alloc(spec, dtype, device)
+        if self.scratch and skip and any(item[0] in skip for item in self.scratch):
+            for name, _, _, dtype, shape in self.scratch:
+                if name not in skip:
+                    env[name] = _alloc(Spec(name, shape, DTYPE_NAMES[dtype]), dtype, device)
+        elif self.scratch:
+            base = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device)
+            for name, offset, numel, dtype, shape in self.scratch:
+                t = base[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)
+                if poisoning():
+                    t.fill_(float("nan") if dtype.is_floating_point else -1)
+                env[name] = t
+
+    def launch(self, env: dict) -> None:
+        for ins, outs, interpreted, constexprs, scalars, bound in self.launches:
+            if bound is not None:
+                bound([env[n] for n in ins], [env[n] for n in outs])
+            else:
+                interpreted(*[env[n] for n in ins], *scalars, *[env[n] for n in outs], **constexprs)
+
+
+def _program(plan: Plan, interpret: bool) -> _Program:
+    state = plan.runtime_state
+    program = state.get(("torch", interpret))
+    if program is None:
+        program = state[("torch", interpret)] = _Program(plan, interpret)
+    return program
+
+
 def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
             out: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Allocate the plan's buffers, run its launches in order and return its results.
@@ -72,41 +140,42 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
     kernels write through the tensor itself, which must have the layout the plan was built for
     (contiguous unless the plan took its strides); on the CPU (interpreter) a tensor that is bfloat16 or
     not contiguous is staged as a contiguous launch-dtype copy of its contents and copied back.
+
+    The plan's launches, buffers and result dtypes are prepared once per plan (:class:`_Program`); on a GPU
+    each launch calls its compiled kernel directly once Triton has compiled it (``core_kernels._loader``'s
+    ``BoundLaunch``).
     """
     device = inputs[plan.inputs[0]].device
     interpret = device.type == "cpu"
-    out = out or {}
-    env: dict[str, torch.Tensor] = {}
-    for name in plan.inputs:
-        t = inputs[name]
-        env[name] = t.float() if interpret and t.dtype == torch.bfloat16 else t
-    for spec in plan.buffers:
-        given = out.get(spec.name)
-        if given is not None:
+    program = _program(plan, interpret)
+    if interpret:
+        env = {name: (t.float() if t.dtype == torch.bfloat16 else t)
+               for name, t in ((name, inputs[name]) for name in plan.inputs)}
+    else:
+        env = {name: inputs[name] for name in plan.inputs}
+    program.allocate(env, device, out or ())
+    if out:
+        for name, given in out.items():
+            spec = plan.spec(name)
             if tuple(given.shape) != spec.shape or given.dtype != TORCH_DTYPES[spec.dtype]:
-                raise ValueError(f"out[{spec.name!r}]: expected a {spec.dtype} tensor of shape {spec.shape}, "
+                raise ValueError(f"out[{name!r}]: expected a {spec.dtype} tensor of shape {spec.shape}, "
                                  f"got {given.dtype} {tuple(given.shape)}")
             launch_dtype = _launch_dtype(spec.dtype, interpret)
             if not interpret or (given.dtype == launch_dtype and given.is_contiguous()):
-                env[spec.name] = given
+                env[name] = given
             else:  # staged with its contents, copied back below
-                env[spec.name] = given.to(launch_dtype, memory_format=torch.contiguous_format, copy=True)
-            continue
-        env[spec.name] = _alloc(spec, _launch_dtype(spec.dtype, interpret), device)
+                env[name] = given.to(launch_dtype, memory_format=torch.contiguous_format, copy=True)
     # Triton launches on the current device: switch only when the tensors live elsewhere (the switch
     # itself costs host time on every call).
-    switch = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
-    with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        for launch in plan.launches:
-            kernel = get_kernel(launch.kernel, interpret)
-            args = ([env[n] for n in launch.inputs] + launch.scalar_values()
-                    + [env[n] for n in launch.outputs])
-            kernel[launch.grid](*args, **launch.constexpr_dict(), **_compile_options(launch, interpret))
-    results = []
-    for name in plan.results:
-        t, want = env[name], TORCH_DTYPES[plan.spec(name).dtype]
-        t = t if t.dtype == want else t.to(want)
-        if name in out and out[name] is not t:
-            t = out[name].copy_(t)
-        results.append(t)
-    return tuple(results)
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            program.launch(env)
+    else:
+        program.launch(env)
+    for name, want in program.casts:
+        env[name] = env[name].to(want)
+    if out:
+        for name, given in out.items():
+            if name in program.results and env[name] is not given:
+                env[name] = given.copy_(env[name])
+    return tuple([env[name] for name in program.results])

@@ -18,7 +18,11 @@ from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, c
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_tensors
 from ._ops import fused_op, underlying, vmapped_at
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_attention_args, plan_attention_fwd, plan_attention_bwd = map(
+    memoised, (check_attention_args, plan_attention_fwd, plan_attention_bwd))
 
 
 def _info(t: Optional[Tensor]):

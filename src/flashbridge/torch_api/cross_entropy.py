@@ -41,7 +41,13 @@ from ..core_kernels.cross_entropy.plan import (
     plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy)
 from ._checks import check_tensors
 from ._ops import fused_op, plain_eager, underlying, vmapped_at
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
+
+# validation and plans run once per distinct argument signature (see memoised)
+(check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd, plan_ce_grad, plan_class_weight_sum,
+ plan_linear_cross_entropy) = map(memoised, (
+    check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd, plan_ce_grad, plan_class_weight_sum,
+    plan_linear_cross_entropy))
 
 
 def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):

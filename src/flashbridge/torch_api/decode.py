@@ -25,7 +25,12 @@ from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_appen
                                         plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
 from ._ops import fused_op, underlying, vmapped_at
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
+
+# validation and plans run once per distinct argument signature (see memoised)
+(check_decode_args, check_cascade_args, check_append_args, check_merge_args, check_scales, plan_merge,
+ plan_append) = map(memoised, (check_decode_args, check_cascade_args, check_append_args, check_merge_args,
+                              check_scales, plan_merge, plan_append))
 
 
 def _info(t: Optional[Tensor]):

@@ -12,8 +12,11 @@ from torch import Tensor
 
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
 from ._ops import fused_op, vmapped_at
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
 from ._checks import check_tensors, seed_tensor
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_norm_args, plan_norm_fwd, plan_norm_bwd = map(memoised, (check_norm_args, plan_norm_fwd, plan_norm_bwd))
 
 
 @fused_op("norm_fwd")

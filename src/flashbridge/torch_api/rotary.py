@@ -16,7 +16,10 @@ from torch import Tensor
 from ..core_kernels.rotary.plan import check_rotary_args, check_rotary_values, plan_rotary
 from ._checks import check_tensors
 from ._ops import fused_op
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_rotary_args, plan_rotary = memoised(check_rotary_args), memoised(plan_rotary)
 
 
 def _info(t: Optional[Tensor]):

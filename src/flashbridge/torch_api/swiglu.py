@@ -13,7 +13,11 @@ from torch import Tensor
 from ..core_kernels.swiglu.plan import check_swiglu_args, plan_swiglu_bwd, plan_swiglu_fwd
 from ._checks import check_tensors
 from ._ops import fused_op
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
+
+# validation and plans run once per distinct argument signature (see memoised)
+check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd = map(
+    memoised, (check_swiglu_args, plan_swiglu_fwd, plan_swiglu_bwd))
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
