@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A bounded GPU pass over what a change touched: the GPU tests of the named files, then named benchmarks,
+# each under its own time limit, logs and JSON under $OUT (or ./gpu-out).
+#   scripts/gpu_check.sh "tests/test_a_gpu.py tests/test_b_gpu.py" "host_overhead.py:150 bench_mla.py:200"
+# (benchmark arguments after the limit: "bench_fused_block.py:90:--only rope")
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}; export OUT; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+else
+  export PYTHONPATH=$PWD/src:$PWD/tests
+fi
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/env.txt"
+if [ -n "${1:-}" ]; then
+  echo "=== tests ($(date +%T))"
+  timeout "${TEST_LIMIT:-240}" python3 -m pytest -m gpu -q -n "${TEST_WORKERS:-4}" -p no:cacheprovider --timeout 120 $1 \
+    > "$OUT/tests_gpu.log" 2>&1; rc=$?; tail -25 "$OUT/tests_gpu.log"; status=$((status | rc))
+fi
+for item in ${2:-}; do
+  IFS=: read -r script limit args <<< "$item"
+  echo "=== $script ($(date +%T), limit ${limit}s)"
+  timeout "$limit" python3 "benchmarks/$script" ${args//,/ } > "$OUT/${script%.py}.log" 2>&1; rc=$?
+  tail -30 "$OUT/${script%.py}.log"; [ $rc -ne 0 ] && echo "exit $rc" && status=$((status | 1))
+done
+exit $status
