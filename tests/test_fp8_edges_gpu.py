@@ -73,7 +73,7 @@ def test_gpu_append_stores_nan_and_saturates_inf(dtype, scale_mode, paged):
     table = extra.get("block_table")
     caches = {}
     for device in ("cuda", "cpu"):
-        kc, vc = torch.zeros(cache_shape, dtype=E4M3, device=device), torch.zeros(cache_shape, dtype=E4M3, device=device)
+        kc, vc = (torch.zeros(cache_shape, dtype=E4M3, device=device) for _ in range(2))
         append_kv_cache(kc, vc, k_new.to(device), v_new.to(device), cache_seqlens=lens.to(device),
                         **{n: t.to(device) for n, t in {**scales, **extra}.items()})
         caches[device] = (kc.cpu(), vc.cpu())

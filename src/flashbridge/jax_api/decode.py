@@ -183,7 +183,8 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
                     v_scale: Optional[Array] = None) -> tuple[Array, Array]:
     """Return ``(k_cache, v_cache)`` with token s of ``k_new[b]`` written at row ``cache_seqlens[b] + s`` of
     sequence b (lengths before the append). FP8 caches store ``clip(new / scale, -448, 448)`` rounded to
-    e4m3 (NaN as e4m3's NaN); the scales must be finite and > 0 (checked when concrete on the CPU). On a GPU the outputs alias the inputs: donate the caches under jit to update them in place.
+    e4m3 (NaN as e4m3's NaN); the scales must be finite and > 0 (checked when concrete on the CPU). On a GPU
+    the outputs alias the inputs: donate the caches under jit to update them in place.
     See :func:`flashbridge.torch_api.append_kv_cache`.
 
     Example::
