@@ -17,13 +17,16 @@ def assert_close(out, ref, naive, *, name="output", factor=2.0, floor=1e-5):
                           f"same-dtype error + {floor} x max(1, |ref|))")
 
 
-def assert_close_rowwise(out, ref, naive, *, name="output", factor=2.0, floor=1e-5):
-    """:func:`assert_close` with every row (last dimension) measured in units of its own max|ref|: for rows of
-    very different magnitudes, where one bound for the whole array would ignore the small rows."""
+def assert_close_rowwise(out, ref, naive, *, name="output", factor=2.0, floor=1e-5, unit=None):
+    """:func:`assert_close` with every row (last dimension) measured in units of its own max|ref| (or of
+    ``unit``, one positive value per row, e.g. the size of the terms a row's result cancels from): for rows
+    of very different magnitudes, where one bound for the whole array would ignore the small rows."""
     import numpy as np
 
     out, ref, naive = (np64(a).reshape(-1, np.shape(ref)[-1]) for a in (out, ref, naive))
-    unit = np.maximum(np.max(np.abs(ref), axis=1, keepdims=True), np.finfo(np.float64).tiny)
+    if unit is None:
+        unit = np.max(np.abs(ref), axis=1)
+    unit = np.maximum(np.reshape(unit, (-1, 1)), np.finfo(np.float64).tiny)
     assert_close(out / unit, ref / unit, naive / unit, name=name, factor=factor, floor=floor)
 
 
