@@ -196,3 +196,203 @@ def test_attention(case, data):
     _same_bits(lse, jl, "lse")
     for name, tg, jg in zip(("dq", "dk", "dv", "dsinks"), grads, jgrads):
         _same_bits(tg, jg, name)
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+def _page(rng, logical, lens, page_size, spare=2):
+    """A paged pool ``(n_pages, page_size, ...)`` holding the rows of ``logical`` ``(B, S_max, ...)`` in shuffled
+    pages (random values elsewhere) and its int32 block table, -1 past each sequence's pages."""
+    b, s_max = logical.shape[:2]
+    max_pages = -(-s_max // page_size)
+    n_pages = b * max_pages + spare
+    perm = rng.permutation(n_pages)
+    pool = rng.standard_normal((n_pages, page_size) + logical.shape[2:]).astype(logical.dtype)
+    table = np.full((b, max_pages), -1, np.int32)
+    for i, length in enumerate(lens):
+        for j in range(-(-length // page_size)):
+            table[i, j] = perm[i * max_pages + j]
+            rows = logical[i, j * page_size:(j + 1) * page_size]
+            pool[table[i, j], :len(rows)] = rows
+    return pool, table
+
+
+def _to_fp8(x, scale):
+    """e4m3 bytes of ``x / scale`` (ml_dtypes), as a float64 array of the stored values and a torch fp8 tensor."""
+    import ml_dtypes
+
+    stored = (x / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return stored.astype(np.float64), torch.from_numpy(stored.view(np.uint8)).view(torch.float8_e4m3fn)
+
+
+@bounded(10)
+@given(data=st.data())
+def test_decode(data):
+    d = data.draw
+    b, sq = d(st.integers(1, 3), label="batch"), d(st.integers(1, 3), label="sq")
+    lens = d(st.lists(st.integers(0, 48), min_size=b, max_size=b), label="lens")
+    hkv, group = d(st.integers(1, 2), label="hkv"), d(st.sampled_from([1, 2, 4]), label="group")
+    dqk = d(st.sampled_from([16, 32]), label="dqk")
+    dv = d(st.sampled_from([dqk, 16]), label="dv")
+    layout, page_size = d(st.sampled_from(["NHD", "HND"]), label="layout"), d(st.sampled_from([None, 4, 16]),
+                                                                               label="page_size")
+    fp8 = d(st.sampled_from([None, None, "tensor", "head"]), label="fp8")
+    opts = dict(causal=d(st.booleans(), label="causal"), window_size=(d(st.sampled_from([-1, 0, 5]), label="left"), -1),
+                softcap=d(st.sampled_from([0.0, 8.0]), label="softcap"), num_splits=d(st.sampled_from([None, 1, 3]),
+                                                                                        label="num_splits"))
+    sinks, alibi = d(st.booleans(), label="sinks"), d(st.sampled_from([None, "heads", "batch"]), label="alibi")
+    rng = _rng(data)
+    hq, s_max = hkv * group, max(max(lens), 1)
+    q = rounded(rng.standard_normal((b, sq, hq, dqk)), "float32")
+    kw_ref, kw = {}, {}
+    caches, ref_caches = [], []
+    for dim, name in ((dqk, "k"), (dv, "v")):
+        logical = rounded(rng.standard_normal((b, s_max, hkv, dim)), "float32")
+        if page_size is not None:
+            logical, table = _page(rng, logical, lens, page_size)
+        if layout == "HND":
+            logical = np.ascontiguousarray(np.swapaxes(logical, 1, 2))
+        if fp8 is None:
+            ref_caches.append(logical)
+            caches.append(_t(logical))
+        else:
+            scale = rng.uniform(0.25, 0.75, (hkv,) if fp8 == "head" else ()).astype(np.float32)
+            shaped = scale.reshape((1, hkv, 1, 1) if layout == "HND" else (1, 1, hkv, 1)) if fp8 == "head" else scale
+            stored, t8 = _to_fp8(logical, shaped)
+            ref_caches.append(stored)
+            caches.append(t8)
+            kw_ref[f"{name}_scale"], kw[f"{name}_scale"] = scale.astype(np.float64), torch.from_numpy(scale)
+    if page_size is not None:
+        kw_ref["block_table"], kw["block_table"] = table, torch.from_numpy(table)
+    if sinks:
+        s = rounded(rng.standard_normal(hq), "float32")
+        kw_ref["sinks"], kw["sinks"] = s, _t(s)
+    if alibi:
+        a = rounded(rng.uniform(0.05, 0.4, (hq,) if alibi == "heads" else (b, hq)), "float32")
+        kw_ref["alibi_slopes"], kw["alibi_slopes"] = a, _t(a)
+    lens_np = np.asarray(lens, np.int32)
+    ro, rl = RD.decode_attention(q, *ref_caches, cache_seqlens=lens_np, kv_layout=layout, **opts, **kw_ref)
+    out, lse = ft.decode_attention(_t(q), *caches, cache_seqlens=torch.from_numpy(lens_np), kv_layout=layout,
+                                   return_lse=True, **opts, **kw)
+    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
+    finite = np.isfinite(rl)
+    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
+    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
+    jo, jl = fj.decode_attention(torch_to_jax(_t(q)), *(torch_to_jax(c) for c in caches),
+                                 cache_seqlens=jnp.asarray(lens_np), kv_layout=layout, return_lse=True, **opts,
+                                 **{n: torch_to_jax(t) for n, t in kw.items()})
+    _same_bits(out, jo, "out")
+    _same_bits(lse, jl, "lse")
+
+
+# ----------------------------------------------------------------------------------------- cross-entropy
+
+@bounded(12)
+@given(data=st.data())
+def test_cross_entropy(data):
+    d = data.draw
+    lead = d(st.lists(st.integers(1, 9), min_size=1, max_size=2), label="lead")
+    vocab = d(st.sampled_from([2, 5, 17, 130, 1000]), label="vocab")
+    dtype = d(st.sampled_from(["float32", "bfloat16"]), label="dtype")
+    opts = dict(label_smoothing=d(st.sampled_from([0.0, 0.1]), label="label_smoothing"),
+                z_loss=d(st.sampled_from([0.0, 1e-3]), label="z_loss"),
+                logit_softcap=d(st.sampled_from([0.0, 15.0]), label="logit_softcap"),
+                reduction=d(st.sampled_from(["mean", "sum", "none"]), label="reduction"),
+                ignore_index=d(st.sampled_from([-100, 0]), label="ignore_index"))
+    weighted = d(st.booleans(), label="weight")
+    rng = _rng(data)
+    logits = rounded(rng.standard_normal((*lead, vocab)) * 3.0, dtype)
+    labels = rng.integers(0, vocab, lead).astype(np.int64)
+    ignored = rng.random(lead) < 0.3
+    labels = np.where(ignored, opts["ignore_index"], labels)
+    labels.reshape(-1)[0] = 1 if opts["ignore_index"] != 1 else 0  # at least one token counts (mean stays finite)
+    weight = rounded(rng.uniform(0.2, 2.0, vocab), "float32") if weighted else None
+    ref = RCE.cross_entropy(logits, labels, weight=weight, **opts)
+    dloss = rounded(rng.standard_normal(lead), "float32") if opts["reduction"] == "none" else 1.0
+    ref_grad = RCE.cross_entropy_bwd(dloss, logits, labels, weight=weight, **opts)
+
+    tl_ = _t(logits, dtype, True)
+    loss = ft.cross_entropy(tl_, torch.from_numpy(labels), weight=None if weight is None else _t(weight), **opts)
+    loss.backward(_t(dloss) if opts["reduction"] == "none" else None)
+    assert_close(loss, ref, rounded(ref, "float32"), name="loss", floor=FLOOR["float32"])
+    assert_close(tl_.grad, ref_grad, rounded(ref_grad, dtype), name="dlogits", floor=FLOOR[dtype])
+
+    jw = None if weight is None else jnp.asarray(weight, jnp.float32)
+    jloss, vjp = jax.vjp(lambda x: fj.cross_entropy(x, jnp.asarray(labels, jnp.int32), weight=jw, **opts),
+                         jnp.asarray(logits, dtype))
+    (jgrad,) = vjp(jnp.asarray(dloss, jnp.float32) if opts["reduction"] == "none" else jnp.ones((), jnp.float32))
+    _same_bits(loss, jloss, "loss")
+    _same_bits(tl_.grad, jgrad, "dlogits")
+
+
+# ------------------------------------------------------------------------------------------------ rotary
+
+@bounded(12)
+@given(data=st.data())
+def test_rotary(data):
+    d = data.draw
+    packed = d(st.booleans(), label="packed")
+    heads, dim = d(st.integers(1, 3), label="heads"), d(st.sampled_from([8, 16, 24, 64]), label="head_dim")
+    rot = d(st.sampled_from(sorted({dim, dim // 2 + (dim // 2) % 2, 2})), label="rotary_dim")
+    interleaved, dtype = d(st.booleans(), label="interleaved"), d(st.sampled_from(["float32", "bfloat16"]),
+                                                                   label="dtype")
+    rng = _rng(data)
+    kw_ref, kw = {}, {}
+    if packed:
+        lens = d(st.lists(st.integers(1, 20), min_size=1, max_size=3), label="lens")
+        shape, table_len = (sum(lens), heads, dim), max(lens)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        kw_ref["cu_seqlens"], kw["cu_seqlens"] = cu, torch.from_numpy(cu)
+    else:
+        b, s = d(st.integers(1, 2), label="batch"), d(st.integers(1, 30), label="seqlen")
+        shape, table_len = (b, s, heads, dim), s
+        if d(st.booleans(), label="position_ids"):
+            table_len = 64
+            pos = rng.integers(0, table_len, (b, s)).astype(np.int64)
+            kw_ref["position_ids"], kw["position_ids"] = pos, torch.from_numpy(pos)
+    cos, sin = (rounded(t, "float32") for t in RR.cos_sin_table(table_len, rot))
+    x, dy = (rounded(rng.standard_normal(shape), dtype) for _ in range(2))
+    ref = RR.rotary_embedding(x, cos, sin, interleaved=interleaved, **kw_ref)
+    ref_dx = RR.rotary_embedding_bwd(dy, cos, sin, interleaved=interleaved, **kw_ref)
+    tx = _t(x, dtype, True)
+    y = ft.rotary_embedding(tx, _t(cos), _t(sin), interleaved=interleaved, **kw)
+    y.backward(_t(dy, dtype))
+    assert_close(y, ref, rounded(ref, dtype), name="y", floor=FLOOR[dtype])
+    assert_close(tx.grad, ref_dx, rounded(ref_dx, dtype), name="dx", floor=FLOOR[dtype])
+    jkw = {n: jnp.asarray(v.numpy()) for n, v in kw.items()}
+    jy, vjp = jax.vjp(lambda x: fj.rotary_embedding(x, jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32),
+                                                    interleaved=interleaved, **jkw), jnp.asarray(x, dtype))
+    (jdx,) = vjp(jnp.asarray(dy, dtype))
+    _same_bits(y, jy, "y")
+    _same_bits(tx.grad, jdx, "dx")
+
+
+# ------------------------------------------------------------------------------------------------ swiglu
+
+@bounded(12)
+@given(data=st.data())
+def test_swiglu(data):
+    d = data.draw
+    lead = d(st.lists(st.integers(1, 7), min_size=1, max_size=2), label="lead")
+    inter = d(st.sampled_from([1, 7, 64, 300]), label="intermediate")
+    fused, dtype = d(st.booleans(), label="fused"), d(st.sampled_from(["float32", "bfloat16", "float16"]),
+                                                      label="dtype")
+    rng = _rng(data)
+    gate = rounded(rng.standard_normal((*lead, 2 * inter if fused else inter)) * 3.0, dtype)
+    up = None if fused else rounded(rng.standard_normal((*lead, inter)), dtype)
+    dy = rounded(rng.standard_normal((*lead, inter)), dtype)
+    ref = RS.swiglu(gate, up)
+    ref_grads = RS.swiglu_bwd(dy, gate, up)
+    ref_grads = (ref_grads,) if fused else ref_grads
+    tg, tu = _t(gate, dtype, True), None if fused else _t(up, dtype, True)
+    y = ft.swiglu(tg, tu)
+    y.backward(_t(dy, dtype))
+    assert_close(y, ref, rounded(ref, dtype), name="y", floor=FLOOR[dtype])
+    for name, got, want in zip(("dgate", "dup"), (tg.grad,) if fused else (tg.grad, tu.grad), ref_grads):
+        assert_close(got, want, rounded(want, dtype), name=name, floor=FLOOR[dtype])
+    jargs = (jnp.asarray(gate, dtype),) if fused else (jnp.asarray(gate, dtype), jnp.asarray(up, dtype))
+    jy, vjp = jax.vjp(lambda *a: fj.swiglu(*a), *jargs)
+    jgrads = vjp(jnp.asarray(dy, dtype))
+    _same_bits(y, jy, "y")
+    for name, tg_, jg in zip(("dgate", "dup"), (tg.grad,) if fused else (tg.grad, tu.grad), jgrads):
+        _same_bits(tg_, jg, name)
