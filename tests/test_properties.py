@@ -396,3 +396,166 @@ def test_swiglu(data):
     _same_bits(y, jy, "y")
     for name, tg_, jg in zip(("dgate", "dup"), (tg.grad,) if fused else (tg.grad, tu.grad), jgrads):
         _same_bits(tg_, jg, name)
+
+
+# ----------------------------------------------------------------------------------- block-sparse masks
+
+@st.composite
+def block_masks(draw):
+    """A BlockMask from one of the builders (or a combination), random sizes and block shapes; returns
+    (mask, batch) with the batch the mask was built for."""
+    kind = draw(st.sampled_from(["causal", "window", "streaming", "document", "longformer", "dense", "and_or"]),
+                label="kind")
+    bs = draw(st.sampled_from([16, 32, (16, 32), (32, 16)]), label="block_size")
+    s = draw(st.integers(1, 50), label="seqlen")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="mask_seed"))
+    batch = 1
+    if kind == "causal":
+        m = masks.causal(s, draw(st.integers(1, 50), label="seqlen_k"), block_size=bs)
+    elif kind == "window":
+        m = masks.sliding_window(s, draw(st.integers(0, 20), label="left"), draw(st.integers(0, 6), label="right"),
+                                 block_size=bs)
+    elif kind == "streaming":
+        m = masks.streaming(s, draw(st.integers(1, 4), label="sinks"), draw(st.integers(0, 12), label="window"),
+                            block_size=bs)
+    elif kind == "document":
+        batch = draw(st.integers(1, 2), label="batch")
+        cuts = [sorted(rng.choice(np.arange(1, s), size=min(2, s - 1), replace=False)) if s > 1 else []
+                for _ in range(batch)]
+        lengths = [np.diff([0, *c, s]).tolist() for c in cuts]
+        m = masks.document(lengths if batch > 1 else lengths[0], causal=draw(st.booleans(), label="causal"),
+                           block_size=bs)
+    elif kind == "longformer":
+        m = masks.longformer(s, draw(st.integers(0, 8), label="window"),
+                             sorted(set(rng.integers(0, s, 2).tolist())), block_size=bs)
+    elif kind == "dense":
+        batch, heads = draw(st.integers(1, 2), label="batch"), draw(st.integers(1, 2), label="mask_heads")
+        sk = draw(st.integers(1, 50), label="seqlen_k")
+        m = masks.from_dense(rng.random((batch, heads, s, sk)) < draw(st.floats(0.0, 1.0), label="density"),
+                             block_size=bs)
+    else:
+        m = (masks.causal(s, block_size=bs) & masks.from_dense(rng.random((s, s)) < 0.7, block_size=bs)) \
+            | masks.sliding_window(s, 2, 2, block_size=bs)
+    return m, batch
+
+
+@bounded(7)
+@given(mask=block_masks(), data=st.data())
+def test_block_sparse_attention(mask, data):
+    m, batch = mask
+    d = data.draw
+    hkv = d(st.integers(1, 2), label="hkv")
+    hq = hkv * d(st.sampled_from([1, 2]), label="group")
+    if m.shape[1] > 1:  # a per-head mask: one head of it per query head
+        hq, hkv = m.shape[1], hkv if m.shape[1] % hkv == 0 else 1
+    dim = d(st.sampled_from([16, 32]), label="d")
+    softcap, with_sinks = d(st.sampled_from([0.0, 4.0]), label="softcap"), d(st.booleans(), label="sinks")
+    rng = _rng(data)
+    sq, sk = m.seq_len_q, m.seq_len_k
+    q = rounded(rng.standard_normal((batch, sq, hq, dim)), "float32")
+    k, v = (rounded(rng.standard_normal((batch, sk, hkv, dim)), "float32") for _ in range(2))
+    sinks = rounded(rng.standard_normal(hq), "float32") if with_sinks else None
+    dense = m.to_dense()
+    ro, rl = RA.flash_attention(q, k, v, mask=dense, softcap=softcap, sinks=sinks)
+    dout = rounded(rng.standard_normal(ro.shape), "float32")
+    rgrads = RA.flash_attention_bwd(dout, q, k, v, mask=dense, softcap=softcap, sinks=sinks)
+
+    leaves = [_t(a, grad=True) for a in (q, k, v)] + ([_t(sinks, grad=True)] if with_sinks else [])
+    out, lse = ft.flash_attention(*leaves[:3], block_mask=m, softcap=softcap,
+                                  sinks=leaves[3] if with_sinks else None, return_lse=True)
+    grads = torch.autograd.grad(out, leaves, _t(dout))
+    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
+    finite = np.isfinite(rl)
+    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
+    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
+        assert_close(got, want, rounded(want, "float32"), name=name, floor=FLOOR["float32"])
+
+    def jfn(q, k, v, s):
+        return fj.flash_attention(q, k, v, block_mask=m, softcap=softcap, sinks=s, return_lse=True)
+
+    jargs = [jnp.asarray(a, jnp.float32) for a in (q, k, v)] + [None if sinks is None else jnp.asarray(sinks)]
+    (jo, jl), vjp = jax.vjp(jfn, *jargs)
+    jgrads = vjp((jnp.asarray(dout, jnp.float32), jnp.zeros_like(jl)))
+    _same_bits(out, jo, "out")
+    _same_bits(lse, jl, "lse")
+    for name, tg, jg in zip(("dq", "dk", "dv", "dsinks"), grads, jgrads):
+        _same_bits(tg, jg, name)
+
+
+# --------------------------------------------------------------------------------------------------- MLA
+
+@bounded(8)
+@given(data=st.data())
+def test_mla_attention(data):
+    d = data.draw
+    b, sq, sk = d(st.integers(1, 2), label="batch"), d(st.integers(1, 24), label="sq"), d(st.integers(1, 40),
+                                                                                           label="sk")
+    heads, (dqk, dv) = d(st.integers(1, 4), label="heads"), d(st.sampled_from([(24, 16), (48, 32), (40, 40)]),
+                                                             label="dims")
+    causal, topk = d(st.booleans(), label="causal"), d(st.sampled_from([0, 0, 4, 9]), label="topk")
+    rng = _rng(data)
+    q = rounded(rng.standard_normal((b, sq, heads, dqk)), "float32")
+    kv = rounded(rng.standard_normal((b, sk, dqk)), "float32")
+    indices = None
+    if topk:  # distinct positions per query, -1 padding and entries past Sk (skipped)
+        indices = np.stack([np.stack([np.concatenate([rng.permutation(sk)[:topk - 2], [-1, sk + 3]])
+                                      for _ in range(sq)]) for _ in range(b)]).astype(np.int32)
+    ro, rl = RM.mla_attention(q, kv, head_dim_v=dv, causal=causal, indices=indices)
+    dout = rounded(rng.standard_normal(ro.shape), "float32")
+    ref_dq, ref_dkv = RM.mla_attention_bwd(dout, q, kv, head_dim_v=dv, causal=causal, indices=indices)
+    tq_, tkv = _t(q, grad=True), _t(kv, grad=True)
+    tidx = None if indices is None else torch.from_numpy(indices)
+    out, lse = ft.mla_attention(tq_, tkv, head_dim_v=dv, causal=causal, indices=tidx, return_lse=True)
+    dq, dkv = torch.autograd.grad(out, (tq_, tkv), _t(dout))
+    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
+    finite = np.isfinite(rl)
+    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
+    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
+    assert_close(dq, ref_dq, rounded(ref_dq, "float32"), name="dq", floor=FLOOR["float32"])
+    assert_close(dkv, ref_dkv, rounded(ref_dkv, "float32"), name="dkv", floor=FLOOR["float32"])
+    jidx = None if indices is None else jnp.asarray(indices)
+    (jo, jl), vjp = jax.vjp(lambda q, kv: fj.mla_attention(q, kv, head_dim_v=dv, causal=causal, indices=jidx,
+                                                           return_lse=True),
+                            jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32))
+    jdq, jdkv = vjp((jnp.asarray(dout, jnp.float32), jnp.zeros_like(jl)))
+    for name, tv, jv in (("out", out, jo), ("lse", lse, jl), ("dq", dq, jdq), ("dkv", dkv, jdkv)):
+        _same_bits(tv, jv, name)
+
+
+@bounded(8)
+@given(data=st.data())
+def test_mla_decode(data):
+    d = data.draw
+    b, sq = d(st.integers(1, 3), label="batch"), d(st.integers(1, 2), label="sq")
+    lens = d(st.lists(st.integers(0, 40), min_size=b, max_size=b), label="lens")
+    heads, (dqk, dv) = d(st.sampled_from([1, 4, 16]), label="heads"), d(st.sampled_from([(24, 16), (48, 32)]),
+                                                                        label="dims")
+    page_size, fp8 = d(st.sampled_from([None, 4, 16]), label="page_size"), d(st.booleans(), label="fp8")
+    num_splits = d(st.sampled_from([None, 1, 2]), label="num_splits")
+    rng = _rng(data)
+    q = rounded(rng.standard_normal((b, sq, heads, dqk)), "float32")
+    cache = rounded(rng.standard_normal((b, max(max(lens), 1), dqk)), "float32")
+    kw_ref, kw = {}, {}
+    if page_size is not None:
+        cache, table = _page(rng, cache, lens, page_size)
+        kw_ref["block_table"], kw["block_table"] = table, torch.from_numpy(table)
+    if fp8:
+        scale = np.float32(rng.uniform(0.25, 0.75))
+        ref_cache, t_cache = _to_fp8(cache, scale)
+        kw_ref["kv_scale"], kw["kv_scale"] = np.float64(scale), torch.tensor(scale)
+    else:
+        ref_cache, t_cache = cache, _t(cache)
+    lens_np = np.asarray(lens, np.int32)
+    ro, rl = RM.mla_decode(q, ref_cache, cache_seqlens=lens_np, head_dim_v=dv, **kw_ref)
+    out, lse = ft.mla_decode(_t(q), t_cache, cache_seqlens=torch.from_numpy(lens_np), head_dim_v=dv,
+                             num_splits=num_splits, return_lse=True, **kw)
+    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
+    finite = np.isfinite(rl)
+    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
+    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
+    jo, jl = fj.mla_decode(jnp.asarray(q, jnp.float32), torch_to_jax(t_cache), cache_seqlens=jnp.asarray(lens_np),
+                           head_dim_v=dv, num_splits=num_splits, return_lse=True,
+                           **{n: torch_to_jax(t) for n, t in kw.items()})
+    _same_bits(out, jo, "out")
+    _same_bits(lse, jl, "lse")
