@@ -217,6 +217,28 @@ def test_rows_of_extreme_magnitude_both_frameworks(op, case, has_res):
     np.testing.assert_array_equal(np64(tx.grad), np64(jdx))
 
 
+@pytest.mark.parametrize("n", [1, 2, 40])
+def test_layer_norm_of_constant_rows_far_above_sqrt_eps(n):
+    """A row of equal values near 1e20 or 1e38 has variance 0 and rstd 1 / sqrt(eps) (eps vanishes against the
+    row's scale): y = bias, dx = rstd * (g - mean(g)), in both frameworks."""
+    eps = 1e-6
+    x = np.repeat(np.array([[1e20], [-3e30], [3e38], [1.5]], np.float32), n, axis=1).astype(np.float64)
+    rng = np.random.default_rng(n)
+    w, b, dy = (rounded(rng.standard_normal(s), "float32") for s in ((n,), (n,), x.shape))
+    ref_y = R.layer_norm(x, w, b, eps=eps)
+    ref_dx, ref_dw, ref_db, _ = R.layer_norm_bwd(dy, x, w, b, eps=eps)
+    tx, tw, tb = _to_torch(x, "float32", True), _to_torch(w, "float32", True), _to_torch(b, "float32", True)
+    ty = ft.layer_norm(tx, tw, tb, eps=eps)
+    ty.backward(_to_torch(dy, "float32"))
+    jy, vjp = jax.vjp(lambda x, w, b: fj.layer_norm(x, w, b, eps=eps), *(_to_jax(a, "float32") for a in (x, w, b)))
+    jdx, jdw, jdb = vjp(_to_jax(dy, "float32"))
+    for fw, y, dx, dw, db in (("torch", ty, tx.grad, tw.grad, tb.grad), ("jax", jy, jdx, jdw, jdb)):
+        assert_close(y, ref_y, rounded(ref_y, "float32"), name=f"{fw} y", floor=FLOOR["float32"])
+        assert_close(dx, ref_dx, rounded(ref_dx, "float32"), name=f"{fw} dx", floor=FLOOR["float32"])
+        assert_close(dw, ref_dw, rounded(ref_dw, "float32"), name=f"{fw} dweight", floor=FLOOR["float32"])
+        assert_close(db, ref_db, rounded(ref_db, "float32"), name=f"{fw} dbias", floor=FLOOR["float32"])
+
+
 @pytest.mark.parametrize("op", ["rms", "ln"])
 def test_reference_backward_matches_finite_differences(op):
     rng = np.random.default_rng(0)

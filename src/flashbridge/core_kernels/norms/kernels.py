@@ -118,14 +118,21 @@ def norm_fwd_kernel(
     h = h * inv_scale[:, None, None]
     eps_scaled = eps * inv_scale * inv_scale  # eps * inv_scale first: inv_scale**2 alone may overflow
     if IS_RMS:
+        # mean(h^2) of the scaled row is at least 1 / N_COLS: never 0
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=2), axis=1) / N_COLS + eps_scaled)  # [BLOCK_M]
         z = h * rstd[:, None, None]
+        rstd_out = rstd * inv_scale
     else:
         mean, m2 = _row_mean_m2(h, mask, N_COLS, LOG2_CHUNKS)  # [BLOCK_M] each
-        rstd = 1.0 / tl.sqrt(m2 / N_COLS + eps_scaled)
-        z = (h - mean[:, None, None]) * rstd[:, None, None]
+        var_eps = m2 / N_COLS + eps_scaled
+        # Below 2**-126 only for a row of equal values far above sqrt(eps) (a non-constant scaled row has
+        # variance >= 2**-64; eps_scaled underflowed): there every h - mean is 0 and rstd is 1 / sqrt(eps).
+        ok = var_eps >= 1.1754943508222875e-38
+        rstd = 1.0 / tl.sqrt(tl.maximum(var_eps, 1.1754943508222875e-38))
+        z = (h - mean[:, None, None]) * tl.where(ok, rstd, 0.0)[:, None, None]
         tl.store(MEAN + rows, mean * scale, mask=rows < n_rows)
-    tl.store(RSTD + rows, rstd * inv_scale, mask=rows < n_rows)
+        rstd_out = tl.where(ok, rstd * inv_scale, 1.0 / tl.sqrt(tl.zeros_like(rstd) + eps))
+    tl.store(RSTD + rows, rstd_out, mask=rows < n_rows)
 
     if HAS_W:
         z *= tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, :]
