@@ -229,7 +229,7 @@ def _to_fp8(x, scale):
     return stored.astype(np.float64), torch.from_numpy(stored.view(np.uint8)).view(torch.float8_e4m3fn)
 
 
-@bounded(10)
+@bounded(15)
 @given(data=st.data())
 def test_decode(data):
     d = data.draw
@@ -291,7 +291,7 @@ def test_decode(data):
 
 # ----------------------------------------------------------------------------------------- cross-entropy
 
-@bounded(12)
+@bounded(15)
 @given(data=st.data())
 def test_cross_entropy(data):
     d = data.draw
@@ -325,13 +325,16 @@ def test_cross_entropy(data):
     jloss, vjp = jax.vjp(lambda x: fj.cross_entropy(x, jnp.asarray(labels, jnp.int32), weight=jw, **opts),
                          jnp.asarray(logits, dtype))
     (jgrad,) = vjp(jnp.asarray(dloss, jnp.float32) if opts["reduction"] == "none" else jnp.ones((), jnp.float32))
-    _same_bits(loss, jloss, "loss")
+    if opts["reduction"] == "none":
+        _same_bits(loss, jloss, "loss")
+    else:  # the rows' sum is a framework reduction (torch.sum / jnp.sum): its order may differ by an ulp
+        np.testing.assert_allclose(np64(jloss), np64(loss), rtol=4e-7, err_msg="loss: torch and JAX differ")
     _same_bits(tl_.grad, jgrad, "dlogits")
 
 
 # ------------------------------------------------------------------------------------------------ rotary
 
-@bounded(12)
+@bounded(15)
 @given(data=st.data())
 def test_rotary(data):
     d = data.draw
@@ -373,7 +376,7 @@ def test_rotary(data):
 
 # ------------------------------------------------------------------------------------------------ swiglu
 
-@bounded(12)
+@bounded(15)
 @given(data=st.data())
 def test_swiglu(data):
     d = data.draw
@@ -527,7 +530,7 @@ def test_mla_attention(data):
         _same_bits(tv, jv, name)
 
 
-@bounded(8)
+@bounded(12)
 @given(data=st.data())
 def test_mla_decode(data):
     d = data.draw
