@@ -17,6 +17,32 @@ def assert_close(out, ref, naive, *, name="output", factor=2.0, floor=1e-5):
                           f"same-dtype error + {floor} x max(1, |ref|))")
 
 
+def assert_close_rowwise(out, ref, naive, *, name="output", factor=2.0, floor=1e-5, unit=None):
+    """:func:`assert_close` with every row (last dimension) measured in units of its own max|ref| (or of
+    ``unit``, one positive value per row, e.g. the size of the terms a row's result cancels from): for rows
+    of very different magnitudes, where one bound for the whole array would ignore the small rows."""
+    import numpy as np
+
+    out, ref, naive = (np64(a).reshape(-1, np.shape(ref)[-1]) for a in (out, ref, naive))
+    if unit is None:
+        unit = np.max(np.abs(ref), axis=1)
+    unit = np.maximum(np.reshape(unit, (-1, 1)), np.finfo(np.float64).tiny)
+    assert_close(out / unit, ref / unit, naive / unit, name=name, factor=factor, floor=floor)
+
+
+def e4m3_bits_expected(values):
+    """The e4m3fn bytes ``append_kv_cache`` stores for float values (already divided by the scale):
+    ml_dtypes' cast of the value clamped to +-448 (nearest even), NaN as e4m3fn's NaN with the value's sign
+    (0x7F / 0xFF)."""
+    import ml_dtypes
+    import numpy as np
+
+    v = np.asarray(values, np.float32)
+    nan = np.isnan(v)
+    bits = np.clip(np.where(nan, 0.0, v), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return np.where(nan, np.where(np.signbit(v), 0xFF, 0x7F), bits).astype(np.uint8)
+
+
 def torch_to_jax(t):
     """A torch tensor as a JAX array with the same values and dtype (bf16 and fp8 included); anything else is
     returned as is. Imports torch and JAX lazily: suites that need neither still import this module."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flashbridge.reference import norms as R
-from helpers import assert_close, np64, rounded
+from helpers import assert_close, assert_close_rowwise, np64, rounded
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -141,6 +141,102 @@ def test_forward_backward_both_frameworks(case):
     np.testing.assert_array_equal(np64(tx.grad), np64(jdx))
     if has_w:
         np.testing.assert_array_equal(np64(tw.grad), np64(jdw))
+
+
+# ------------------------------------------------------------------- magnitudes far from 1 (range)
+
+# row scales of each case: one magnitude for every row, or rows of very different magnitudes in one tile
+RANGE_CASES = {
+    "large": (np.full(4, 1e20), 1e-5),  # the sum of squares (1e40 * n) overflows float32 unscaled
+    # squares (1e-40) underflow; eps the smallest normal float32 (subnormals may be flushed, as XLA's CPU
+    # threads and GPUs do), about 100 x mean(h^2) here: a lost sum of squares shows up at the 1% level
+    "small": (np.full(4, 1e-20), 2.0 ** -126),
+    "mixed": (np.array([1e20, 1e-20, 1.0, 1e-30, 1e30, 3e-5]), 2.0 ** -126),
+}
+
+
+@pytest.mark.parametrize("has_res", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", sorted(RANGE_CASES))
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_rows_of_extreme_magnitude_both_frameworks(op, case, has_res):
+    """Any finite row whose result is representable is normalised right: rows near 1e20 (whose squares
+    overflow float32), near 1e-20 with a tiny eps (whose squares underflow), and rows of magnitudes 1e-30
+    to 1e30 side by side in one tile; forward and backward, both frameworks, against float64."""
+    dtype = "float32"
+    rng = np.random.default_rng(zlib.crc32(f"range-{op}-{case}-{has_res}".encode()) + SEED_OFFSET)
+    row_scale, eps = RANGE_CASES[case]
+    shape = (len(row_scale), 40)
+    # within a row, magnitudes spread over three decades; LayerNorm rows get a mean offset
+    spread = 10.0 ** rng.uniform(-1.5, 1.5, shape) * (3.0 if op == "ln" else 0.0)
+    x = rounded((rng.standard_normal(shape) + spread) * row_scale[:, None], dtype)
+    res = rounded(rng.standard_normal(shape) * row_scale[:, None], dtype) if has_res else None
+    w, b = _rand(rng, (shape[1],), dtype, shift=1.0), _rand(rng, (shape[1],), dtype)
+    b = b if op == "ln" else None
+    dy = _rand(rng, shape, dtype)
+    dh = rounded(rng.standard_normal(shape) * row_scale[:, None], dtype) if has_res else None
+
+    h = x if res is None else rounded(x + res, dtype)  # the kernels normalise the rounded sum
+    if op == "rms":
+        ref_y = R.rms_norm(h, w, eps=eps)
+        ref_dx, ref_dw, _ = R.rms_norm_bwd(dy, h, w, eps=eps, dh=dh)
+        ref_db = None
+    else:
+        ref_y = R.layer_norm(h, w, b, eps=eps)
+        ref_dx, ref_dw, ref_db, _ = R.layer_norm_bwd(dy, h, w, b, eps=eps, dh=dh)
+    assert np.all(np.isfinite(ref_y)) and np.all(np.isfinite(ref_dx))
+
+    tx, tres = _to_torch(x, dtype, True), _to_torch(res, dtype, True)
+    tw, tb = _to_torch(w, dtype, True), _to_torch(b, dtype, True)
+    tout = (ft.rms_norm(tx, tw, eps=eps, residual=tres) if op == "rms"
+            else ft.layer_norm(tx, tw, tb, eps=eps, residual=tres))
+    ty = tout[0] if has_res else tout
+    torch.autograd.backward([ty, tout[1]] if has_res else [ty],
+                            [_to_torch(dy, dtype), _to_torch(dh, dtype)] if has_res else [_to_torch(dy, dtype)])
+
+    def jfn(x, w, b, res):
+        if op == "rms":
+            return fj.rms_norm(x, w, eps=eps, residual=res)
+        return fj.layer_norm(x, w, b, eps=eps, residual=res)
+
+    jout, vjp = jax.vjp(jfn, _to_jax(x, dtype), _to_jax(w, dtype), _to_jax(b, dtype), _to_jax(res, dtype))
+    jdx, jdw, jdb, _ = vjp((_to_jax(dy, dtype), _to_jax(dh, dtype)) if has_res else _to_jax(dy, dtype))
+    jy = jout[0] if has_res else jout
+
+    floor = FLOOR[dtype]
+    for fw, y, dx, dw, db in (("torch", ty, tx.grad, tw.grad, None if tb is None else tb.grad),
+                              ("jax", jy, jdx, jdw, jdb)):
+        assert_close_rowwise(y, ref_y, rounded(ref_y, dtype), name=f"{fw} y", floor=floor)
+        assert_close_rowwise(dx, ref_dx, rounded(ref_dx, dtype), name=f"{fw} dx", floor=floor)
+        assert_close(dw, ref_dw, rounded(ref_dw, dtype), name=f"{fw} dweight", floor=floor * 10)
+        if op == "ln":
+            assert_close(db, ref_db, rounded(ref_db, dtype), name=f"{fw} dbias", floor=floor * 10)
+    if has_res:
+        np.testing.assert_array_equal(np64(tout[1]), h)
+        np.testing.assert_array_equal(np64(jout[1]), h)
+    np.testing.assert_array_equal(np64(ty), np64(jy))
+    np.testing.assert_array_equal(np64(tx.grad), np64(jdx))
+
+
+@pytest.mark.parametrize("n", [1, 2, 40])
+def test_layer_norm_of_constant_rows_far_above_sqrt_eps(n):
+    """A row of equal values near 1e20 or 1e38 has variance 0 and rstd 1 / sqrt(eps) (eps vanishes against the
+    row's scale): y = bias, dx = rstd * (g - mean(g)), in both frameworks."""
+    eps = 1e-6
+    x = np.repeat(np.array([[1e20], [-3e30], [3e38], [1.5]], np.float32), n, axis=1).astype(np.float64)
+    rng = np.random.default_rng(n)
+    w, b, dy = (rounded(rng.standard_normal(s), "float32") for s in ((n,), (n,), x.shape))
+    ref_y = R.layer_norm(x, w, b, eps=eps)
+    ref_dx, ref_dw, ref_db, _ = R.layer_norm_bwd(dy, x, w, b, eps=eps)
+    tx, tw, tb = _to_torch(x, "float32", True), _to_torch(w, "float32", True), _to_torch(b, "float32", True)
+    ty = ft.layer_norm(tx, tw, tb, eps=eps)
+    ty.backward(_to_torch(dy, "float32"))
+    jy, vjp = jax.vjp(lambda x, w, b: fj.layer_norm(x, w, b, eps=eps), *(_to_jax(a, "float32") for a in (x, w, b)))
+    jdx, jdw, jdb = vjp(_to_jax(dy, "float32"))
+    for fw, y, dx, dw, db in (("torch", ty, tx.grad, tw.grad, tb.grad), ("jax", jy, jdx, jdw, jdb)):
+        assert_close(y, ref_y, rounded(ref_y, "float32"), name=f"{fw} y", floor=FLOOR["float32"])
+        assert_close(dx, ref_dx, rounded(ref_dx, "float32"), name=f"{fw} dx", floor=FLOOR["float32"])
+        assert_close(dw, ref_dw, rounded(ref_dw, "float32"), name=f"{fw} dweight", floor=FLOOR["float32"])
+        assert_close(db, ref_db, rounded(ref_db, "float32"), name=f"{fw} dbias", floor=FLOOR["float32"])
 
 
 @pytest.mark.parametrize("op", ["rms", "ln"])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flashbridge.reference import norms as R
-from helpers import assert_close, np64, rounded
+from helpers import assert_close, assert_close_rowwise, np64, rounded
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -73,6 +73,45 @@ def test_gpu_matches_reference_and_jax(op, rows, cols, dtype, with_residual):
     np.testing.assert_array_equal(np64(ty), np64(jy))
     np.testing.assert_array_equal(np64(tx.grad), np64(jdx))
     np.testing.assert_array_equal(np64(tw.grad), np64(jdw))
+
+
+@pytest.mark.parametrize("op", ["rms", "ln"])
+@pytest.mark.parametrize("rows,cols", [(1536, 8192), (6000, 2048), (130, 17)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_rows_of_extreme_magnitude(op, rows, cols, dtype):
+    """Rows near 1e20 (squares overflow float32), near 1e-20 with eps = 2**-126 (squares underflow or are
+    flushed), magnitudes 1e-30 ... 1e30 side by side and rows of equal values: forward and backward against
+    float64, row by row, and the same bits from JAX."""
+    rng = np.random.default_rng(rows + cols)
+    eps = 2.0 ** -126
+    scale = np.resize([1e20, 1e-20, 1.0, 1e-30, 1e30, 3e-5], rows)[:, None]
+    x = rounded((rng.standard_normal((rows, cols)) + (3.0 if op == "ln" else 0.0)) * scale, dtype)
+    x[::7] = x[::7, :1]  # rows of equal values (LayerNorm: variance 0, rstd 1 / sqrt(eps))
+    w, b = rounded(rng.standard_normal(cols) + 1, dtype), rounded(rng.standard_normal(cols), dtype)
+    dy = rounded(rng.standard_normal((rows, cols)), dtype)
+    if op == "rms":
+        ref, (ref_dx, ref_dw, _) = R.rms_norm(x, w, eps=eps), R.rms_norm_bwd(dy, x, w, eps=eps)
+    else:
+        ref, (ref_dx, ref_dw, _, _) = R.layer_norm(x, w, b, eps=eps), R.layer_norm_bwd(dy, x, w, b, eps=eps)
+    tx, tw, tb = _cuda(x, dtype, True), _cuda(w, dtype, True), _cuda(b, dtype)
+    ty = ft.rms_norm(tx, tw, eps=eps) if op == "rms" else ft.layer_norm(tx, tw, tb, eps=eps)
+    ty.backward(_cuda(dy, dtype))
+    floor = {"float32": 1e-5, "bfloat16": 4e-3}[dtype]
+    assert_close_rowwise(ty, ref, rounded(ref, dtype), name="torch y", floor=floor)
+    hc = x - (0.0 if op == "rms" else x.mean(-1, keepdims=True))
+    unit = np.max(np.abs(dy * w), axis=-1) / np.sqrt(np.mean(hc * hc, axis=-1) + eps)  # rstd * max|g| per row
+    assert_close_rowwise(tx.grad, ref_dx, rounded(ref_dx, dtype), name="torch dx", floor=floor, unit=unit)
+    assert_close(tw.grad, ref_dw, rounded(ref_dw, dtype), name="torch dweight", floor=floor)
+
+    jb = _jgpu(b, dtype)
+
+    def f(x, w):
+        return fj.rms_norm(x, w, eps=eps) if op == "rms" else fj.layer_norm(x, w, jb, eps=eps)
+
+    jy, vjp = jax.vjp(jax.jit(f), _jgpu(x, dtype), _jgpu(w, dtype))
+    jdx, _ = vjp(_jgpu(dy, dtype))
+    np.testing.assert_array_equal(np64(ty), np64(jy))
+    np.testing.assert_array_equal(np64(tx.grad), np64(jdx))
 
 
 def test_gpu_dropout_mask_matches_across_frameworks_and_cpu():

@@ -20,9 +20,9 @@ import numpy as np
 
 from ..core_kernels import INTERPRETER
 from ..core_kernels.decode.plan import (check_append_args, check_cache_values, check_cascade_args,
-                                        check_decode_args, check_merge_args, plan_append, plan_cascade,
-                                        plan_decode, plan_merge)
-from ._checks import check_arrays
+                                        check_decode_args, check_merge_args, check_scale_values, plan_append,
+                                        plan_cascade, plan_decode, plan_merge)
+from ._checks import check_arrays, host_list
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
@@ -77,7 +77,9 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     ``(B, Sq, Hq, Dqk)``; caches ``(B, S_max, Hkv, D)`` / ``(B, Hkv, S_max, D)`` or paged ``(num_pages,
     page_size, Hkv, D)`` / ``(num_pages, Hkv, page_size, D)`` with int32 ``block_table`` ``(B, max_pages)``;
     int32 ``cache_seqlens`` ``(B,)``; FP8 (``jnp.float8_e4m3fn``) caches with float32 ``k_scale`` /
-    ``v_scale`` (per tensor or per kv head). Query i of sequence b sits on key ``cache_seqlens[b] - Sq + i``.
+    ``v_scale`` (per tensor or per kv head), finite and > 0: concrete CPU / numpy scales are checked
+    (ValueError), traced or GPU-resident ones are not read (a bad scale there gives a meaningless result).
+    Query i of sequence b sits on key ``cache_seqlens[b] - Sq + i``.
 
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse float32 ``(B, Hq, Sq)``.
@@ -107,6 +109,7 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
+    check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
 
     def make_plan(target):
         return plan_decode(shape, options, target=target, num_splits=splits)
@@ -169,6 +172,7 @@ def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
+    check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
 
     def make_plan(target):
         return plan_cascade(shape, shared_len, options, target=target, num_splits=splits)
@@ -184,7 +188,8 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
                     v_scale: Optional[Array] = None) -> tuple[Array, Array]:
     """Return ``(k_cache, v_cache)`` with token s of ``k_new[b]`` written at row ``cache_seqlens[b] + s`` of
     sequence b (lengths before the append). FP8 caches store ``clip(new / scale, -448, 448)`` rounded to
-    e4m3. On a GPU the outputs alias the inputs: donate the caches under jit to update them in place.
+    e4m3 (NaN as e4m3's NaN); the scales must be finite and > 0 (checked when concrete on the CPU). On a GPU
+    the outputs alias the inputs: donate the caches under jit to update them in place.
     See :func:`flashbridge.torch_api.append_kv_cache`.
 
     Example::
@@ -204,6 +209,7 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
+    check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
     # the kernel writes through its k_out / v_out outputs, which take over the caches' buffers
     return _run(lambda target: plan_append(shape, target=target), arrays,
                 aliases={"k_out": "k_cache", "v_out": "v_cache"})

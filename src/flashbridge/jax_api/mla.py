@@ -20,6 +20,7 @@ import numpy as np
 from ..core_kernels import INTERPRETER
 from .. import masks as _masks
 from ..core_kernels.block_sparse.plan import layout_of
+from ..core_kernels.decode.plan import check_scale_values
 from ..core_kernels.mla.plan import (check_decode_values, check_index_values, check_mla_args, check_mla_block_mask,
                                      check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
 from . import block_sparse as _bs
@@ -280,8 +281,8 @@ def mla_decode(q: Array, kv_cache: Array, *, cache_seqlens: Array, block_table: 
     """MLA decode over a latent cache, the same arguments and semantics as
     :func:`flashbridge.torch_api.mla_decode`: q ``(B, Sq, H, Dqk)``; kv_cache ``(B, S_max, Dqk)`` or paged
     ``(num_pages, page_size, Dqk)`` with int32 ``block_table``; int32 ``cache_seqlens`` ``(B,)``; an FP8
-    (``jnp.float8_e4m3fn``) cache with float32 ``kv_scale``; ``indices`` ``(B, Sq, topk)`` for sparse
-    decode. Forward only.
+    (``jnp.float8_e4m3fn``) cache with float32 ``kv_scale`` (finite and > 0; checked when concrete on the
+    CPU); ``indices`` ``(B, Sq, topk)`` for sparse decode. Forward only.
 
     Returns:
         ``out`` ``(B, Sq, H, head_dim_v)`` in q's dtype, or ``(out, lse)``.
@@ -302,6 +303,8 @@ def mla_decode(q: Array, kv_cache: Array, *, cache_seqlens: Array, block_table: 
     shape, options, splits = check_mla_decode_args(
         **{n: _info(a) for n, a in arrays.items()}, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         num_splits=num_splits)
+    scale = _host(kv_scale)
+    check_scale_values(kv_scale=None if scale is None else scale.reshape(-1).tolist())
     lengths = _host(cache_seqlens)
     table = _host(block_table)
     if lengths is not None and (block_table is None or table is not None):

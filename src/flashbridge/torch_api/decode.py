@@ -21,8 +21,8 @@ from torch import Tensor
 
 from ..core_kernels._config import active_config
 from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_append_args, check_cache_values,
-                                        check_cascade_args, check_decode_args, check_merge_args, check_scales,
-                                        plan_append, plan_cascade, plan_decode, plan_merge)
+                                        check_cascade_args, check_decode_args, check_merge_args, check_scale_values,
+                                        check_scales, plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
 from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
@@ -60,6 +60,15 @@ def _host_values(cache_seqlens: Tensor, block_table: Optional[Tensor]):
             or any(t is not None and underlying(t) is not t for t in (cache_seqlens, block_table))):
         return None
     return cache_seqlens.tolist(), None if block_table is None else block_table.tolist()
+
+
+def _host_scales(**scales: Optional[Tensor]) -> dict:
+    """The FP8 scales' values where reading them is free (CPU, eager), for :func:`check_scale_values`; a CUDA
+    tensor is not read (that would synchronise with the GPU)."""
+    if torch.compiler.is_compiling():
+        return {}
+    return {n: t.detach().reshape(-1).tolist() for n, t in scales.items()
+            if t is not None and t.device.type == "cpu" and underlying(t) is t}
 
 
 def _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
@@ -255,7 +264,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         sinks: ``(Hq,)``: a per-head logit joining the softmax denominator (attends to nothing).
         k_scale, v_scale: float32 ``()``/``(1,)`` (per tensor) or ``(Hkv,)`` (per kv head) dequantisation
-            scales of an FP8 cache: the cache holds ``k / k_scale``.
+            scales of an FP8 cache: the cache holds ``k / k_scale``. Each must be finite and > 0: CPU tensors
+            are checked (ValueError); a CUDA tensor is not read on the host (that would synchronise), and a
+            zero, negative or non-finite scale there gives a meaningless result without an error (NaN, or
+            finite but wrong: ``k_scale = 0`` weights every visible key alike).
         num_splits: how many programs share one sequence's keys; None picks it from the SM count, B * Hkv
             and the cache capacity (1 when the batch fills the GPU). A fixed value gives bitwise
             reproducible, batch-invariant results; different values agree to rounding.
@@ -287,6 +299,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
+    check_scale_values(**_host_scales(k_scale=k_scale, v_scale=v_scale))
     latent = _latent_view(shape, options, q, k_cache, v_cache, k_scale, v_scale, kv_layout)
     if latent is not None:  # MLA: one latent head, the values its first Dv dims
         from .mla import _mla_decode
@@ -374,6 +387,7 @@ def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Te
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
+    check_scale_values(**_host_scales(k_scale=k_scale, v_scale=v_scale))
     out, lse = _cascade_attn(
         q, shared_k, shared_v, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, kv_layout,
         float(options.softmax_scale), bool(options.causal), float(options.softcap), splits)
@@ -391,7 +405,9 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
         k_cache, v_cache: the caches, as :func:`decode_attention` (mutated; declared to torch.library).
         k_new, v_new: ``(B, S_new, Hkv, Dqk)`` / ``(B, S_new, Hkv, Dv)`` in the cache's dtype, or any float
             dtype for an FP8 cache, which stores ``clip(new / scale, -448, 448)`` rounded to e4m3 (nearest even).
-        k_scale, v_scale: FP8 only: float32 per tensor ``()``/``(1,)`` or per kv head ``(Hkv,)``.
+        k_scale, v_scale: FP8 only: float32 per tensor ``()``/``(1,)`` or per kv head ``(Hkv,)``, finite and
+            > 0 (checked on CPU tensors; on a CUDA device a zero scale stores +-448 or NaN, a negative one
+            flips signs). NaN in ``k_new`` / ``v_new`` is stored as e4m3's NaN, +-inf saturates to +-448.
 
     Example::
 
@@ -408,4 +424,5 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
+    check_scale_values(**_host_scales(k_scale=k_scale, v_scale=v_scale))
     _append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout)

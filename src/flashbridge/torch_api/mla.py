@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..core_kernels._config import active_config, configure
+from ..core_kernels.decode.plan import check_scale_values
 from ..core_kernels.mla.plan import (MLAConfig, check_decode_values, check_index_values, check_mla_args,
                                      check_mla_block_mask, check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
 from ..masks import BlockMask
@@ -313,7 +314,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, *, cache_seqlens: Tensor, block_tabl
         head_dim_v: the values are the first ``head_dim_v`` dims of the latent (512 for DeepSeek).
         indices: int32 ``(B, Sq, topk)``: sparse decode, query i sees only these positions of its sequence
             (entries -1 or ``>= cache_seqlens[b]`` skipped; the others distinct, checked on the CPU).
-        kv_scale: float32 ``()`` or ``(1,)``: the FP8 cache's dequantisation scale.
+        kv_scale: float32 ``()`` or ``(1,)``: the FP8 cache's dequantisation scale, finite and > 0 (checked on a
+            CPU tensor; on a CUDA device, as :func:`decode_attention`'s ``k_scale``, not read on the host).
         num_splits: programs sharing one sequence's keys (None: from the SM count and the batch); a fixed
             value gives bitwise reproducible, batch-invariant results.
         return_lse: also return the float32 log-sum-exp ``(B, H, Sq)``.
@@ -335,6 +337,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, *, cache_seqlens: Tensor, block_tabl
     shape, options, splits = check_mla_decode_args(
         **{n: _info(t) for n, t in tensors.items()}, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         num_splits=num_splits)
+    scale = _host(None if kv_scale is None else kv_scale.detach())
+    check_scale_values(kv_scale=None if scale is None else scale.reshape(-1).tolist())
     lengths = _host(cache_seqlens)
     if lengths is not None:
         table = _host(block_table)

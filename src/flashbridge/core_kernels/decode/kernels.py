@@ -395,16 +395,18 @@ def merge_states_kernel(
 
 @triton.jit
 def e4m3_bits(x):
-    """float32 -> the e4m3fn bit pattern (uint8) of ``x``, rounded to nearest even and saturated at +-448.
+    """float32 -> the e4m3fn bit pattern (uint8) of ``x``, rounded to nearest even and saturated at +-448;
+    NaN stays NaN (0x7F, or 0xFF with the sign bit set: e4m3fn's only NaN encodings).
 
     Computed with integer arithmetic rather than ``x.to(tl.float8e4nv)`` because Triton's interpreter
     converts wrongly (a rounding carry into the exponent halves the value; negative subnormals lose bits);
     on a GPU the result is the same as the hardware's ``cvt.rn.satfinite``, so both paths store the same
-    bits, which are also those of ``torch``/``ml_dtypes`` casts of the clamped value.
+    bits, which are also those of ``torch``/``ml_dtypes`` casts of the clamped value. NaN is picked out
+    before the clamp (a GPU's max/min return the non-NaN operand, which would store -448).
     """
-    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
-    i = x.to(tl.int32, bitcast=True)
-    sign = (i >> 24) & 0x80
+    nan = x != x
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+    x = tl.where(nan, 0.0, tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX))
     a = tl.abs(x)
     ia = a.to(tl.int32, bitcast=True)
     # normal range (|x| >= 2^-6): round the float32 mantissa to 3 bits (the carry may bump the exponent)
@@ -412,7 +414,7 @@ def e4m3_bits(x):
     normal = (((ia >> 23) - 120) << 3) | ((ia >> 20) & 7)
     # subnormal range: multiples of 2^-9; adding 2^14 rounds to them (nearest even) in float32
     sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
-    bits = tl.where(a < 0.015625, sub, normal) | sign
+    bits = tl.where(nan, 0x7F, tl.where(a < 0.015625, sub, normal)) | sign
     return bits.to(tl.uint8)
 
 

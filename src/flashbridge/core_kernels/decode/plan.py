@@ -250,6 +250,17 @@ def check_scales(k_scale: Optional[TensorInfo], v_scale: Optional[TensorInfo], c
     return modes.pop()
 
 
+def check_scale_values(**scales) -> None:
+    """Host values of FP8 dequantisation scales (name -> flat list of floats, or None when not on the host):
+    each must be finite and > 0. The cache holds ``value / scale``, so a zero, negative or non-finite scale
+    has no meaning; the kernels would give NaN or finite garbage without an error."""
+    for name, values in scales.items():
+        for i, s in enumerate(values or ()):
+            if not 0.0 < float(s) < float("inf"):
+                where = f" (entry {i})" if len(values) > 1 else ""
+                raise ValueError(f"{name}: FP8 scales must be finite and > 0, got {float(s)}{where}")
+
+
 def _check_seqlens(cache_seqlens: TensorInfo, batch: int) -> None:
     if cache_seqlens is None:
         raise ValueError(f"cache_seqlens: required, an int32 ({batch},) tensor of per-sequence cache lengths")

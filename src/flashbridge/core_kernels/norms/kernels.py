@@ -12,6 +12,12 @@ A forward program owns BLOCK_M whole rows (a [BLOCK_M, NCHUNK, CHUNK] tile, NCHU
 once and each output written once. The backward is persistent: each program walks row tiles with a fixed
 stride and keeps its dweight / dbias partial sums in registers; ``sum_partials_kernel`` then reduces the
 per-program partials in a fixed order, so dweight is deterministic without atomics.
+
+Range: the forward's statistics are taken of the row scaled by a power of two near its largest magnitude
+(and at least sqrt(eps)), so no sum of squares overflows (rows near 1e20) or loses its terms to underflow
+(rows near 1e-20); a power of two scales exactly, so for every other row the bits are those of the
+unscaled formula. rstd is stored unscaled: it, and so the backward, stays a normal float32 number while
+the row's rms (RMSNorm) or standard deviation (LayerNorm) is below ~1e37.
 """
 import triton
 import triton.language as tl
@@ -59,6 +65,19 @@ def _row_mean_m2(h, mask, N_COLS: tl.constexpr, LOG2_CHUNKS: tl.constexpr):
 
 
 @triton.jit
+def _row_pow2_scale(h, eps):
+    """Per row of h [BLOCK_M, NCHUNK, CHUNK]: (s, 1 / s), s the power of two at or below
+    max(max|h|, sqrt(eps)), so the scaled row has magnitudes below 2 and eps / s**2 is in [1 ... 4) or
+    below. Built from the exponent bits, clamped to [2**-126, 2**126] so that both s and 1 / s are normal
+    (a NaN or inf row gets 2**126 and stays non-finite)."""
+    amax = tl.max(tl.max(tl.abs(h), axis=2), axis=1)  # [BLOCK_M]
+    m = tl.maximum(amax, tl.sqrt(tl.zeros_like(amax) + eps))
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent, m >= 0
+    e = tl.minimum(tl.maximum(e, 1), 253)
+    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dropout_keep(SEED, offs, dropout_p):
     # Same (seed, offset) -> same mask in the forward, the backward and both front-ends.
     seed = tl.load(SEED)
@@ -94,15 +113,26 @@ def norm_fwd_kernel(
         tl.store(H + offs, h_out, mask=mask)
         h = h_out.to(tl.float32)
 
+    # Statistics of the row scaled by a power of two (exact): no overflow or underflow of the squares.
+    scale, inv_scale = _row_pow2_scale(h, eps)  # [BLOCK_M] each
+    h = h * inv_scale[:, None, None]
+    eps_scaled = eps * inv_scale * inv_scale  # eps * inv_scale first: inv_scale**2 alone may overflow
     if IS_RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=2), axis=1) / N_COLS + eps)  # [BLOCK_M]
+        # mean(h^2) of the scaled row is at least 1 / N_COLS: never 0
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(h * h, axis=2), axis=1) / N_COLS + eps_scaled)  # [BLOCK_M]
         z = h * rstd[:, None, None]
+        rstd_out = rstd * inv_scale
     else:
         mean, m2 = _row_mean_m2(h, mask, N_COLS, LOG2_CHUNKS)  # [BLOCK_M] each
-        rstd = 1.0 / tl.sqrt(m2 / N_COLS + eps)
-        z = (h - mean[:, None, None]) * rstd[:, None, None]
-        tl.store(MEAN + rows, mean, mask=rows < n_rows)
-    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+        var_eps = m2 / N_COLS + eps_scaled
+        # Below 2**-126 only for a row of equal values far above sqrt(eps) (a non-constant scaled row has
+        # variance >= 2**-64; eps_scaled underflowed): there every h - mean is 0 and rstd is 1 / sqrt(eps).
+        ok = var_eps >= 1.1754943508222875e-38
+        rstd = 1.0 / tl.sqrt(tl.maximum(var_eps, 1.1754943508222875e-38))
+        z = (h - mean[:, None, None]) * tl.where(ok, rstd, 0.0)[:, None, None]
+        tl.store(MEAN + rows, mean * scale, mask=rows < n_rows)
+        rstd_out = tl.where(ok, rstd * inv_scale, 1.0 / tl.sqrt(tl.zeros_like(rstd) + eps))
+    tl.store(RSTD + rows, rstd_out, mask=rows < n_rows)
 
     if HAS_W:
         z *= tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, :]
