@@ -18,8 +18,9 @@ import triton.language as tl
 from flashbridge.core_kernels._loader import _InterpretedKernel
 from flashbridge.core_kernels.decode.kernels import f16_query
 from flashbridge.reference import decode as ref
-from helpers import assert_close, np64, score_mod_inputs, torch_to_jax
-from test_attention import naive_torch
+from helpers import (assert_close, assert_same_ptx, assert_wgmma_pipelined, naive_torch, np64, run_generation_loops,
+                     torch_to_jax, vector_loads)
+from helpers import make_decode_case as make_case
 
 tapi = pytest.importorskip("flashbridge.torch_api.decode")
 
@@ -32,53 +33,6 @@ def _seed(name: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ case helpers
-
-def make_case(seed, *, b=3, sq=1, hq=4, hkv=2, dqk=64, dv=None, lens=(0, 1, 77), s_max=None, layout="NHD",
-              page_size=None, dtype="float32", fp8=None, alibi=None, sinks=False, spare_pages=3):
-    """Random decode inputs (never zeros) as torch CPU tensors. ``fp8``: None, "tensor" or "head" (an
-    e4m3 cache holding ``x / scale``). Paged caches get a shuffled page pool with spare pages and -1 in the
-    unused block-table entries (never read)."""
-    g = torch.Generator().manual_seed(seed)
-    dv = dv or dqk
-    b = len(lens)
-    s_max = s_max or max(max(lens), 1)
-    dt = TORCH_DTYPES[dtype]
-    kw = {"cache_seqlens": torch.tensor(lens, dtype=torch.int32)}
-    q = torch.randn(b, sq, hq, dqk, generator=g).to(dt)
-    logical = [torch.randn(b, s_max, hkv, d, generator=g) for d in (dqk, dv)]  # (B, S, Hkv, D) float32
-    if fp8 is not None:
-        shape = (hkv,) if fp8 == "head" else ()
-        scales = [torch.rand(shape, generator=g) * 0.5 + 0.25 for _ in range(2)]
-        per = [s.reshape(-1) if s.dim() else s.reshape(1) for s in scales]
-        logical = [(x / s[None, None, :, None] if fp8 == "head" else x / s).to(torch.float8_e4m3fn)
-                   for x, s in zip(logical, per)]
-        kw["k_scale"], kw["v_scale"] = scales
-    else:
-        logical = [x.to(dt) for x in logical]
-    if page_size is None:
-        caches = logical
-    else:
-        max_pages = -(-s_max // page_size)
-        n_pages = b * max_pages + spare_pages
-        perm = torch.randperm(n_pages, generator=g)
-        table = torch.full((b, max_pages), -1, dtype=torch.int32)
-        caches = []
-        for x in logical:
-            pool = torch.randn(n_pages, page_size, hkv, x.shape[-1], generator=g).to(x.dtype)
-            for i in range(b):
-                used = -(-lens[i] // page_size)
-                for j in range(used):
-                    page = int(perm[i * max_pages + j])
-                    table[i, j] = page
-                    rows = x[i, j * page_size:(j + 1) * page_size]
-                    pool[page, :rows.shape[0]] = rows
-            caches.append(pool)
-        kw["block_table"] = table
-    if layout == "HND":
-        caches = [c.transpose(1, 2).contiguous() for c in caches]
-    kw.update(score_mod_inputs(g, b, hq, alibi=alibi, sinks=sinks, slope_range=0.3))
-    return q, caches[0], caches[1], kw
-
 
 def to_np(kw):
     return {n: (v.view(torch.uint8).numpy().view(_ml_fp8()) if isinstance(v, torch.Tensor) and
@@ -104,7 +58,7 @@ def reference(q, k, v, kw, options, *, kv_layout="NHD"):
 
 def naive(q, k, v, kw, options, *, kv_layout="NHD"):
     """Decode computed plainly in q's dtype: the cache gathered and dequantised (float64 -> q's dtype), then
-    test_attention.naive_torch per sequence."""
+    helpers.naive_torch per sequence."""
     npkw = to_np(kw)
     outs, lses = [], []
     for i, length in enumerate(npkw["cache_seqlens"].tolist()):
@@ -855,6 +809,17 @@ def _japi():
     return jdecode
 
 
+def _no_donation_warning():
+    """Silences JAX's warning about donated buffers it could not reuse (the CPU backend reuses none)."""
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    return stack
+
+
 
 
 @pytest.mark.parametrize("name", ["hnd-contig-gqa4-sq3", "all", "mla-576-512"])
@@ -914,7 +879,7 @@ def test_jax_append_jit_donated_then_decode(name):
 
     q_j = torch_to_jax(q)
     jitted = jax.jit(step, donate_argnums=(0, 1))
-    with _no_error():
+    with _no_donation_warning():
         jk, jv, jout = jitted(torch_to_jax(k), torch_to_jax(v), torch_to_jax(k_new), torch_to_jax(v_new), torch_to_jax(before["cache_seqlens"]))
     kc, vc = k.clone(), v.clone()
     tapi.append_kv_cache(kc, vc, k_new, v_new, cache_seqlens=before["cache_seqlens"], kv_layout=layout,
@@ -926,35 +891,6 @@ def test_jax_append_jit_donated_then_decode(name):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), b.view(torch.uint8).numpy())
         else:
             np.testing.assert_array_equal(np64(a), np64(b))
-
-
-def run_generation_loops(k, v, lens, qs, k_new, v_new, *, num_splits=None, device=None):
-    """The same generation loop both ways: in JAX inside one jitted call (``jax.lax.scan`` carrying the
-    donated cache and the lengths; each step appends its token, then decodes over the grown cache), as the JAX
-    decode docstring recommends, and in torch one step at a time. ``device``: where the JAX arrays go (JAX's
-    default device otherwise). Returns ((k, v, lens, outs) of JAX, the same of torch)."""
-    ja = _japi()
-
-    def generate(kc, vc, lens, qs, k_new, v_new):
-        def one_step(carry, xs):
-            kc, vc, lens = carry
-            q, kn, vn = xs
-            kc, vc = ja.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens)
-            out = ja.decode_attention(q, kc, vc, cache_seqlens=lens + 1, num_splits=num_splits)
-            return (kc, vc, lens + 1), out
-
-        (kc, vc, lens), outs = jax.lax.scan(one_step, (kc, vc, lens), (qs, k_new, v_new))
-        return kc, vc, lens, outs
-
-    args = [jax.device_put(torch_to_jax(x), device) for x in (k, v, lens, qs, k_new, v_new)]
-    with _no_error():
-        jax_run = jax.jit(generate, donate_argnums=(0, 1))(*args)
-    kc, vc, tlens, outs = k.clone(), v.clone(), lens.clone(), []
-    for i in range(qs.shape[0]):
-        tapi.append_kv_cache(kc, vc, k_new[i], v_new[i], cache_seqlens=tlens)
-        tlens = tlens + 1
-        outs.append(tapi.decode_attention(qs[i], kc, vc, cache_seqlens=tlens, num_splits=num_splits))
-    return jax_run, (kc, vc, tlens, torch.stack(outs))
 
 
 def test_jax_generation_loop_in_scan_matches_torch_bitwise():
@@ -974,17 +910,6 @@ def test_jax_generation_loop_in_scan_matches_torch_bitwise():
     # the steps saw their own tokens: the last step's output differs from a decode without the appends
     stale = tapi.decode_attention(qs[-1], k, v, cache_seqlens=lens + steps, num_splits=2)
     assert not torch.equal(stale, outs[-1])
-
-
-class _no_error:
-    def __enter__(self):
-        import warnings
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
 
 
 def test_jax_bad_inputs():
@@ -1048,10 +973,8 @@ def _decode_plans():
 
 
 @pytest.mark.parametrize("index", range(8))
-def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
+def test_decode_kernels_compile_identically_and_vectorised(index):
     # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
-    parity = pytest.importorskip("test_compile_parity")
-    monkeypatch.setitem(parity._TT, "float8_e4m3fn", "fp8e4nv")
     name, plan, cache_dtype = _decode_plans()[index]
     dtypes = {"q": "bfloat16", "k_cache": cache_dtype, "v_cache": cache_dtype, "shared_k": "bfloat16",
               "shared_v": "bfloat16", "cache_seqlens": "int32", "block_table": "int32", "sinks": "float32",
@@ -1059,9 +982,9 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
               "outs": "bfloat16", "lses": "float32", "out": "bfloat16", "lse": "float32"}
     dtypes.update({s.name: s.dtype for s in plan.buffers})
     for launch in plan.launches:
-        ptx = parity._assert_same_ptx(launch, dtypes)
+        ptx = assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("decode_fwd_kernel"):
-            assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
+            assert vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
             if cache_dtype == "float8_e4m3fn":
                 # the FP8 V tile reaches p @ V as column pairs through ldmatrix.trans, widened in registers
                 # (load_e4m3_pairs), not byte by byte from shared memory (that halved FP8 decode's rate per byte)
@@ -1071,7 +994,7 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
                 # and K as column pairs against q's even / odd columns (Triton's own widening of K left ptxas
                 # rebuilding q's operand registers for every MMA)
                 assert launch.constexpr_dict()["K_PAIRS"], f"{name}: K not read as column pairs"
-            parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
+            assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 
 def test_automatic_split_count_on_the_h200():
