@@ -997,68 +997,66 @@ def test_decode_kernels_compile_identically_and_vectorised(index):
             assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 
-def test_automatic_split_count_on_the_h200():
-    """choose_num_splits on a 132-SM GPU at the benchmark's shapes (Hq=32, Hkv=8, D=128, Sq=1): contiguous
-    caches aim at 2 programs per SM and take 1 split once the batch gives every SM a program; paged caches
-    aim at 4 per SM (the sweeps in benchmarks/results/decode_splits_h200.json, decode_splits_b32_h200.json);
-    contiguous FP8 caches (128-key tiles) at 2 per SM rounded down to a power of two, paged FP8 caches with
-    64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json); contiguous 16-bit caches whose
-    batch leaves SMs idle take 128-key tiles at one program per SM, never a second wave
-    (decode_splits_onesm_h200.json), paged 16-bit caches there 5 stages at two per SM
-    (decode_splits_onesmab_h200.json), contiguous FP8 caches there 256-key tiles at one per SM once a split
-    gets 8192 keys (decode_splits_onesmspan_h200.json); contiguous 16-bit counts above 16 round down to whole
-    merge steps of 16 states (decode_splits_split32_h200.json)."""
+# cache kinds of the split-count properties: (FP8, page size or None for a contiguous cache)
+_SPLIT_KINDS = {"bf16": (False, None), "fp8": (True, None), "bf16-paged16": (False, 16), "bf16-paged64": (False, 64),
+                "bf16-paged256": (False, 256), "fp8-paged64": (True, 64), "fp8-paged128": (True, 128)}
+
+
+@pytest.mark.parametrize("kind", list(_SPLIT_KINDS))
+def test_automatic_split_count_on_the_h200(kind):
+    """choose_num_splits on a 132-SM GPU over batches (1 to 600), kv heads (1, 8), rows (1 to 32), cache spans
+    (64 to 128K keys) and head dims (64 to 256), as properties rather than a table of chosen counts:
+
+    * 1 <= count <= MAX_AUTO_SPLITS, and each split gets at least 4 key tiles of the longest span;
+    * the SMs are busy: without a fixed number of programs per SM, (programs without splits) x count reaches
+      one program per SM unless the span or MAX_AUTO_SPLITS caps the count; with a fixed number (tiles made
+      for a batch that leaves SMs idle) no second wave starts, and below a merge round one more split would
+      start one;
+    * no splits once the batch alone gives every SM four programs;
+    * counts above a merge round are whole rounds (16 states) or, on paged / narrow FP8 tiles, powers of two;
+    * 256-key FP8 tiles only where every split gets FP8_WIDE_SPLIT_KEYS keys; tiles for a fixed number of
+      programs per SM only where batch x kv heads leaves SMs idle, never for a tile the caller chose."""
+    import itertools
+
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
 
-    h200 = Target(interpret=False, num_sms=132)
-
-    def cache(span, paged=False, fp8=False, page_size=64, head_dim=128):
-        return P.CacheShape(layout="NHD", paged=paged, num_pages=1, page_size=page_size if paged else span,
-                            max_pages=-(-span // page_size) if paged else 1, heads=8, head_dim_k=head_dim,
-                            head_dim_v=head_dim, dtype=P.FP8_DTYPE if fp8 else "bfloat16")
-
-    def splits(batch, span, paged=False, fp8=False, page_size=64):
-        return P.choose_num_splits(batch=batch, heads_kv=8, rows=4, span=span, head_dim_qk=128, head_dim_v=128,
-                                   target=h200, cache=cache(span, paged, fp8, page_size))
-
-    def tiles(fp8, page_size=None, dtype="bfloat16", head_dim=128, batch_heads=None, rows=4,
-              config=None, span=None):
-        shape = cache(span or 4096, page_size is not None, fp8, page_size or 64, head_dim)
-        return P.decode_tiles(rows, head_dim, head_dim, h200, config, dtype=dtype, cache=shape,
-                              batch_heads=batch_heads, span=span)
-
-    def block_n(*args, **kwargs):
-        return tiles(*args, **kwargs).block_n
-
-    assert splits(1, 131072) == 16 and splits(1, 16384) == 16 and splits(2, 16384) == 8 and splits(4, 16384) == 4
-    assert splits(8, 16384) == 2 and splits(16, 16384) == 1  # 128 programs: one per SM without splits
-    assert splits(1, 131072, paged=True) == 32 and splits(2, 16384, paged=True) == 16
-    assert splits(1, 131072, paged=True, page_size=16) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
-    assert splits(1, 16384, fp8=True) == 32
-    assert splits(32, 8192) == 1 and splits(32, 8192, paged=True) == 4 and splits(32, 8192, fp8=True) == 1
-    assert block_n(False) == 64 and block_n(True) == 128 and block_n(True, page_size=256) == 128
-    assert block_n(True, page_size=64) == 64 and block_n(True, dtype="float32") == 32
-    assert block_n(True, head_dim=256) == 32  # wide heads keep their narrower tile
-    # 16-bit caches: 128 keys (one program per SM) only where the batch leaves SMs idle
-    assert block_n(False, batch_heads=8) == 128 and block_n(False, batch_heads=131) == 128
-    assert block_n(False, batch_heads=132) == 64 and block_n(False, batch_heads=8, page_size=64) == 64
-    assert block_n(False, batch_heads=8, rows=32) == 64 and block_n(False, batch_heads=8, head_dim=64) == 64
-    assert splits(1, 512) == 1 and splits(1, 1024) == 2  # short caches: at least 4 key blocks per split
-    assert splits(1, 512, paged=True) == 2  # (64-key blocks when paged)
-    # paged 16-bit caches with whole key blocks per page: 5 stages at two programs per SM
-    assert tiles(False, page_size=64, batch_heads=8).num_stages == 5
-    assert tiles(False, page_size=64, batch_heads=8).programs_per_sm == 2
-    assert tiles(False, page_size=16, batch_heads=8).num_stages == 3
-    assert tiles(False, page_size=64, batch_heads=256).num_stages == 3
-    assert tiles(True, page_size=64, batch_heads=8).num_stages == 3 and tiles(True, batch_heads=8).programs_per_sm == 0
-    # contiguous FP8: 256-key tiles at one program per SM once a split at that count gets 8192 keys
-    assert splits(1, 131072, fp8=True) == 16 and splits(1, 65536, fp8=True) == 32
-    assert block_n(True, batch_heads=8, span=131072) == 256 and block_n(True, batch_heads=8, span=65536) == 128
-    assert block_n(True, batch_heads=32, span=32768) == 256 and block_n(True, batch_heads=32, span=16384) == 128
-    assert block_n(True, page_size=128, batch_heads=8, span=131072) == 128  # paged FP8 keeps its rule
-    assert tiles(True, batch_heads=8, span=131072).programs_per_sm == 1 and block_n(True, span=131072) == 128
-    assert tiles(True, batch_heads=8, span=131072).num_warps == 4  # 8 warps: won on one H200, lost on another
-    # a tile of the caller's choice keeps the cache kind's split rule
-    assert tiles(False, batch_heads=8, config=P.DecodeConfig(block_n=64)).programs_per_sm == 0
-    assert tiles(False, batch_heads=8).programs_per_sm == 1
+    sms = 132
+    h200 = Target(interpret=False, num_sms=sms)
+    fp8, page_size = _SPLIT_KINDS[kind]
+    step = P.MERGE_STATES_PER_STEP
+    for batch, heads_kv, rows, span, head_dim in itertools.product(
+            (1, 2, 3, 5, 8, 16, 17, 32, 64, 132, 600), (1, 8), (1, 4, 16, 32),
+            (64, 512, 1000, 4096, 16384, 65536, 131072), (64, 128, 256)):
+        cache = P.CacheShape(layout="NHD", paged=page_size is not None, num_pages=1, page_size=page_size or span,
+                             max_pages=-(-span // page_size) if page_size else 1, heads=heads_kv,
+                             head_dim_k=head_dim, head_dim_v=head_dim, dtype=P.FP8_DTYPE if fp8 else "bfloat16")
+        case = f"{kind} B={batch} Hkv={heads_kv} rows={rows} span={span} D={head_dim}"
+        count = P.choose_num_splits(batch=batch, heads_kv=heads_kv, rows=rows, span=span, head_dim_qk=head_dim,
+                                    head_dim_v=head_dim, target=h200, cache=cache)
+        tiles = P.decode_tiles(rows, head_dim, head_dim, h200, None, cache=cache, batch_heads=batch * heads_kv,
+                               span=span)
+        base = batch * heads_kv * triton.cdiv(rows, tiles.block_m)  # programs without splits
+        by_length = max(1, triton.cdiv(span, tiles.block_n) // 4)
+        capped = count in (by_length, P.MAX_AUTO_SPLITS)
+        gathered = page_size is not None or (fp8 and tiles.block_n < 128)
+        per_sm = tiles.programs_per_sm
+        assert 1 <= count <= min(by_length, P.MAX_AUTO_SPLITS), f"{case}: {count} splits"
+        assert tiles.block_n in (16, 32, 64, 128, 256), f"{case}: {tiles.block_n}-key tiles"
+        if base >= 4 * sms:
+            assert count == 1, f"{case}: {count} splits of {base} programs"
+        if per_sm:
+            assert batch * heads_kv < sms, f"{case}: one-wave tiles for a batch that fills the SMs"
+            assert count == 1 or base * count <= sms * per_sm, f"{case}: a second wave ({base} x {count})"
+            if count < step and not capped:
+                assert base * (count + 1) > sms * per_sm, f"{case}: {count} splits leave SMs idle"
+        elif count > 1 and not capped:
+            assert base * count >= sms, f"{case}: {base} x {count} programs leave SMs idle"
+        if count > step and not gathered:
+            assert count % step == 0, f"{case}: {count} splits are not whole merge rounds"
+        if count > 1 and gathered and not per_sm:
+            assert count & (count - 1) == 0, f"{case}: {count} splits"
+        if tiles.block_n == 256:
+            assert fp8 and span // count >= P.FP8_WIDE_SPLIT_KEYS, f"{case}: 256-key tiles, {count} splits"
+    chosen = P.decode_tiles(4, 128, 128, h200, P.DecodeConfig(block_n=64), batch_heads=8)
+    assert chosen.block_n == 64 and chosen.programs_per_sm == 0
