@@ -94,7 +94,7 @@ def naive_masked_attention(q, k, v, mask, *, scale=None, softcap=0.0, sinks=None
     return torch.einsum("bhqk,bkhd->bqhd", p, vv)
 
 
-# --------------------------------------------------------------------------------------------------- attention
+# --------------------------------------------------------------------------------------------- attention
 
 def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
                 softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, **_):
@@ -158,7 +158,20 @@ def forward_with_config(q, k, v, kw, options, config):
                                      {n: torch_to_jax(t) for n, t in inputs.items()})}
 
 
-# ------------------------------------------------------------------------------------------------------ decode
+def odd_layouts(x) -> dict:
+    """Views ``(B, S, H, D)`` whose last dimension is contiguous but whose other strides are not the
+    contiguous ones, as an upstream op can hand a cotangent to attention's backward (a torch tensor ``x``
+    gives the shape, the dtype and the values): ``x`` laid out as BHSD and transposed, ``x`` sliced out of
+    a bigger tensor, and broadcasts (stride 0) over the heads and over the batch, which hold other values
+    than ``x``. Compare each with its ``.contiguous()`` copy."""
+    b, s, h, d = x.shape
+    bigger = x.new_zeros(b, s + 3, h + 1, d)
+    bigger[:, 2:2 + s, 1:] = x
+    return {"bhsd-transposed": x.transpose(1, 2).contiguous().transpose(1, 2), "sliced": bigger[:, 2:2 + s, 1:],
+            "expanded-over-heads": x[:, :, :1].expand(b, s, h, d), "expanded-over-batch": x[:1].expand(b, s, h, d)}
+
+
+# ------------------------------------------------------------------------------------------------ decode
 
 def make_decode_case(seed, *, b=3, sq=1, hq=4, hkv=2, dqk=64, dv=None, lens=(0, 1, 77), s_max=None, layout="NHD",
               page_size=None, dtype="float32", fp8=None, alibi=None, sinks=False, spare_pages=3):
@@ -248,7 +261,7 @@ def run_generation_loops(k, v, lens, qs, k_new, v_new, *, num_splits=None, devic
     return jax_run, (kc, vc, tlens, torch.stack(outs))
 
 
-# --------------------------------------------------------------------------------------------------------- MLA
+# --------------------------------------------------------------------------------------------------- MLA
 
 def mla_sparse_indices(rng, batch, sq, sk, topk, *, causal=False, pad=0.25):
     """(B, Sq, topk) int32: distinct key positions per query (visible ones when causal), some entries -1
@@ -301,7 +314,7 @@ def assert_lse_close(lse, ref_lse, naive_lse, floor=1e-5):
                  np.where(finite, np64(naive_lse), 0.0), name="lse", floor=floor)
 
 
-# ---------------------------------------------------------------------------------------------- ring attention
+# ---------------------------------------------------------------------------------------- ring attention
 
 @dataclasses.dataclass(frozen=True)
 class RingCase:
@@ -402,7 +415,7 @@ def run_jax_ring_case(case: RingCase, devices):
             for a, dim in zip((out, lse, *grads), (1, 2, 1, 1, 1))]
 
 
-# --------------------------------------------------------- compiling a launch for sm_90 as each front-end does
+# --------------------------------------------------- compiling a launch for sm_90 as each front-end does
 
 TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64",
                  "float8_e4m3fn": "fp8e4nv"}

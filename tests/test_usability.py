@@ -360,6 +360,53 @@ def test_func_vmap_matches_a_loop(family):
     _assert_equal(grads, stacked(_autograd(fn, list(sample)) for sample in zip(*batched)))
 
 
+def test_func_backward_runs_the_eager_plan(monkeypatch):
+    """Under torch.func an output nobody used (attention's lse) sends its backward None, as on the eager
+    path, not a zero tensor: both run the same backward plan (no dlse input) and give the same bits on a GPU
+    too, where a different plan may sum in another order."""
+    torch, _ = _torch()
+    import flashbridge.torch_api.attention as attention
+
+    seen = []
+    real = attention.plan_attention_bwd
+    monkeypatch.setattr(attention, "plan_attention_bwd", lambda *a, **k: seen.append(k["has_dlse"]) or real(*a, **k))
+    fn, params = _func_case("flash_attention_alibi")
+    _assert_equal(torch.func.grad(_loss(fn), argnums=(0, 1, 2))(*params), _autograd(fn, params))
+    out, vjp_fn = torch.func.vjp(fn, *params)
+    vjp_fn(torch.randn_like(out))
+    assert seen == [False, False, False]
+
+
+@pytest.mark.parametrize("transform", ["autograd", "func.vjp"])
+def test_attention_backward_takes_odd_stride_cotangents(transform, monkeypatch):
+    """On CUDA, q / k / v and the cotangent reach the kernels with their own strides (last dimension
+    contiguous); here that path runs in the interpreter (``_prepare`` as on CUDA). Cotangents laid out as
+    BHSD, sliced, or broadcast over heads or batch (stride 0) give the bits of their contiguous copies,
+    through autograd and through torch.func.vjp."""
+    torch, ft = _torch()
+    import flashbridge.torch_api.attention as attention
+    from helpers import odd_layouts
+
+    monkeypatch.setattr(attention, "_prepare", lambda t: t if t.stride(-1) == 1 else t.contiguous())
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, s, h, 16, generator=g) for s, h in ((13, 4), (17, 2), (17, 2)))
+
+    def fn(q, k, v):
+        return ft.flash_attention(q, k, v, causal=True, softcap=4.0)
+
+    if transform == "autograd":
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        vjp = lambda d: torch.autograd.grad(out, leaves, d, retain_graph=True)  # noqa: E731
+    else:
+        out, vjp = torch.func.vjp(fn, q, k, v)
+    for name, dout in odd_layouts(torch.randn(out.shape, generator=g)).items():
+        assert dout.stride() != dout.contiguous().stride(), name
+        got, want = vjp(dout), vjp(dout.contiguous())
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name}: {grad_name} differs by {(a - b).abs().max().item():.3g}"
+
+
 def test_vmap_folds_into_one_launch(monkeypatch):
     """The batching rules that fold run the op once for the whole vmapped batch (the result is the
     loop's, bit for bit: test_func_vmap_matches_a_loop)."""
@@ -551,15 +598,19 @@ def test_compile_dynamic_fullgraph(op):
 
 def _gpu_cases(n: int):
     """(name, fn, args, differentiable args) on CUDA at size ``n``: bfloat16 attention and norms, float
-    options as arguments (symbolic under dynamic=True)."""
+    options as arguments (symbolic under dynamic=True). ``n`` sets what a dynamic-shape model varies: the
+    tokens (attention's batch and sequence lengths, the norm's rows, the cross-entropy's rows); head dims,
+    head counts, the norm's width and the vocabulary stay fixed. No varying size equals a fixed one at the
+    first size: Dynamo would give both one symbol, and a second size that tells them apart recompiles."""
     torch, ft = _torch()
     g = torch.Generator(device="cuda").manual_seed(n)
 
     def r(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=g, device="cuda", dtype=dtype).requires_grad_(dtype.is_floating_point)
 
-    q, k, v = r(2, n, 8, 128), r(2, n + 64, 2, 128), r(2, n + 64, 2, 128)
-    x, w = r(4 * n, 1024), r(1024)
+    batch = n // 128 + 1
+    q, k, v = r(batch, n, 8, 128), r(batch, n + 64, 2, 128), r(batch, n + 64, 2, 128)
+    x, w = r(3 * n + 1, 1024), r(1024)
     logits = r(n, 32000, dtype=torch.float32)
     labels = torch.randint(0, 32000, (n,), generator=g, device="cuda")
     return [
@@ -575,7 +626,7 @@ def _gpu_cases(n: int):
 @pytest.mark.gpu
 def test_gpu_compile_dynamic_inductor():
     """Inductor, dynamic shapes, fullgraph: the eager bits forward and backward, no recompile for a second
-    size."""
+    number of tokens (rows, batch, sequence lengths)."""
     torch, _ = _torch()
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -606,7 +657,40 @@ def test_gpu_func_grad_and_vmap():
             return fn(*p, *rest)
 
         _assert_equal(torch.func.grad(_loss(f), argnums=tuple(range(len(params))))(*params), _autograd(f, params))
+        out, vjp_fn = torch.func.vjp(f, *params)
+        cotangent = torch.randn_like(out)
+        _assert_equal(vjp_fn(cotangent), _autograd(f, params, (cotangent,)))
         batched = torch.stack([params[0], params[0].flip(0)])
         want = torch.stack([f(b, *params[1:]) for b in batched])
         got = torch.func.vmap(f, in_dims=(0,) + (None,) * (len(params) - 1))(batched, *params[1:])
         assert torch.equal(got, want), name
+
+
+@pytest.mark.gpu
+def test_gpu_attention_backward_takes_odd_stride_cotangents():
+    """bf16 attention on CUDA, where the cotangent's strides reach the kernels: cotangents laid out as BHSD,
+    sliced, or broadcast over heads or batch give the bits of their contiguous copies, through autograd,
+    torch.func.vjp and torch.func.grad (whose cotangent is whatever the loss makes of it)."""
+    torch, ft = _torch()
+    from helpers import odd_layouts
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(2, s, h, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+               for s, h in ((1000, 8), (1100, 2), (1100, 2)))
+
+    def fn(q, k, v):
+        return ft.flash_attention(q, k, v, causal=True, softcap=30.0, window_size=(256, -1))
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    _, vjp_fn = torch.func.vjp(fn, q, k, v)
+    for name, dout in odd_layouts(torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)).items():
+        want = torch.autograd.grad(out, leaves, dout.contiguous(), retain_graph=True)
+        _assert_equal(torch.autograd.grad(out, leaves, dout, retain_graph=True), want)
+        _assert_equal(vjp_fn(dout), want)
+    weights = torch.randn(out.shape[1:], generator=g, device="cuda")  # broadcast over the batch
+
+    def loss(q, k, v):
+        return (fn(q, k, v).float() * weights).sum()
+
+    _assert_equal(torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v), torch.autograd.grad(loss(*leaves), leaves))
