@@ -1028,17 +1028,24 @@ def test_dkdv_col_split_matches_the_reference(case):
             np.testing.assert_allclose(np64(got), np64(one), rtol=1e-5, atol=1e-5, err_msg=f"{framework} {name}")
 
 
-@pytest.mark.parametrize("case", [
+_ORDER_CASES = [
     dict(b=2, sq=130, sk=130, hq=6, hkv=2, causal=True),
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),
     dict(varlen=(5, 63, 130), hq=4, hkv=2, causal=True),
     dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False, softcap=5.0),
     dict(b=2, sq=70, sk=90, hq=4, hkv=2, causal=True, alibi=True),
-])
-@pytest.mark.parametrize("config", [
+]
+_ORDER_CONFIGS = [
     dict(head_group=3), dict(head_group=64), dict(), dict(fused_backward=False, head_group=3),
     dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
-], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+]
+
+
+# every config and every case once in the default run (config i with case i); the rest of the grid is slow
+@pytest.mark.parametrize("case, config", [
+    pytest.param(case, config, id=f"{','.join(f'{k}={v}' for k, v in config.items())}-case{i}",
+                 marks=() if i == j else pytest.mark.slow)
+    for j, config in enumerate(_ORDER_CONFIGS) for i, case in enumerate(_ORDER_CASES)])
 def test_program_order_and_fused_backward_give_identical_results(case, config):
     """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward
     (fused_backward, the default: attn_bwd_kernel): every output element written (outputs are poisoned before
