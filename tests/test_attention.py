@@ -6,14 +6,12 @@ Shapes are small (the interpreter pays per program and per operation) but odd ev
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from flashbridge.reference import attention as ref
-from helpers import assert_close, np64, score_mod_inputs, torch_to_jax
+from helpers import assert_close, forward_with_config, naive_torch, np64, score_mod_inputs, torch_to_jax
 
 torch_api = pytest.importorskip("flashbridge.torch_api.attention")
 
@@ -50,43 +48,6 @@ def ref_options(kw, **options):
     for name, val in kw.items():
         out[name] = val.detach().numpy() if isinstance(val, torch.Tensor) else val
     return out
-
-
-def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
-                softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, **_):
-    """Attention computed plainly in the inputs' dtype (differentiable): the 'naive same-dtype
-    implementation' the tolerance is measured against. Returns (out, lse)."""
-    dtype = q.dtype
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    if cu_seqlens_q is None:
-        seqs = [((i,), (i,)) for i in range(q.shape[0])]
-    else:
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        seqs = [((slice(cq[i], cq[i + 1]),), (slice(ck[i], ck[i + 1]),)) for i in range(len(cq) - 1)]
-    group = q.shape[-2] // k.shape[-2]
-    outs, lses = [], []
-    for i, (qs, ks) in enumerate(seqs):
-        qq, kk, vv = q[qs], k[ks].repeat_interleave(group, -2), v[ks].repeat_interleave(group, -2)
-        sq, sk = qq.shape[0], kk.shape[0]
-        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        if alibi_slopes is not None:
-            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
-            dist = (torch.arange(sq, device=q.device)[:, None] + sk - sq
-                    - torch.arange(sk, device=q.device)[None, :]).abs()
-            s = s - (slopes[:, None, None].to(q.device) * dist).to(dtype)
-        mask = torch.from_numpy(ref.visible_mask(sq, sk, causal=causal, window_size=window_size)).to(q.device)
-        s = s.masked_fill(~mask, float("-inf"))
-        if sinks is not None:
-            s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(-1, sq, 1)], dim=-1)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.nan_to_num(torch.softmax(s, dim=-1))[..., :sk]
-        outs.append(torch.einsum("hqk,khd->qhd", p, vv))
-        lses.append(lse)
-    if cu_seqlens_q is None:
-        return torch.stack(outs), torch.stack(lses)
-    return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
 def check_forward_backward(q, k, v, kw, options, *, dlse=False, floor=1e-5):
@@ -736,24 +697,6 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(early_dp="yes")
 
 
-def forward_with_config(q, k, v, kw, options, config):
-    """The forward planned with an AttentionConfig (the public ops take none), run through the torch and the
-    JAX runtime: (the plan, {"torch": (out, lse), "jax": (out, lse)})."""
-    from flashbridge.core_kernels.flash_attn.plan import check_attention_args, plan_attention_fwd
-    from flashbridge.jax_api._runtime import execute as jax_execute
-    from flashbridge.torch_api._runtime import dtype_name, execute, target_for
-
-    tensors = {n: t for n, t in kw.items() if isinstance(t, torch.Tensor)}
-    infos = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
-    sizes = {n: kw[n] for n in ("max_seqlen_q", "max_seqlen_k") if n in kw}
-    shape, opts = check_attention_args(**infos, **sizes, **options)
-    plan = plan_attention_fwd(shape, opts, target=target_for(q.device), config=config)
-    inputs = {"q": q, "k": k, "v": v, **tensors}
-    return plan, {"torch": execute(plan, inputs),
-                  "jax": jax_execute(lambda t: plan_attention_fwd(shape, opts, target=t, config=config),
-                                     {n: torch_to_jax(t) for n, t in inputs.items()})}
-
-
 @pytest.mark.parametrize("case", [
     dict(b=2, sq=130, sk=130, hq=4, hkv=2, causal=True),
     dict(b=2, sq=63, sk=130, hq=2, hkv=1, causal=True, window_size=(40, 7)),
@@ -1085,17 +1028,24 @@ def test_dkdv_col_split_matches_the_reference(case):
             np.testing.assert_allclose(np64(got), np64(one), rtol=1e-5, atol=1e-5, err_msg=f"{framework} {name}")
 
 
-@pytest.mark.parametrize("case", [
+_ORDER_CASES = [
     dict(b=2, sq=130, sk=130, hq=6, hkv=2, causal=True),
     dict(b=3, sq=17, sk=63, hq=4, hkv=4, causal=True, window_size=(20, 0)),
     dict(varlen=(5, 63, 130), hq=4, hkv=2, causal=True),
     dict(b=1, sq=64, sk=130, hq=2, hkv=1, causal=False, softcap=5.0),
     dict(b=2, sq=70, sk=90, hq=4, hkv=2, causal=True, alibi=True),
-])
-@pytest.mark.parametrize("config", [
+]
+_ORDER_CONFIGS = [
     dict(head_group=3), dict(head_group=64), dict(), dict(fused_backward=False, head_group=3),
     dict(fused_backward=True, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16),
-], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+]
+
+
+# every config and every case once in the default run (config i with case i); the rest of the grid is slow
+@pytest.mark.parametrize("case, config", [
+    pytest.param(case, config, id=f"{','.join(f'{k}={v}' for k, v in config.items())}-case{i}",
+                 marks=() if i == j else pytest.mark.slow)
+    for j, config in enumerate(_ORDER_CONFIGS) for i, case in enumerate(_ORDER_CASES)])
 def test_program_order_and_fused_backward_give_identical_results(case, config):
     """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward
     (fused_backward, the default: attn_bwd_kernel): every output element written (outputs are poisoned before

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_close, np64, torch_to_jax
-from test_attention import forward_with_config, naive_torch
+from helpers import forward_with_config, naive_torch, assert_close, np64, torch_to_jax
 
 pytestmark = pytest.mark.gpu
 

@@ -36,3 +36,27 @@ def test_check_exits_1_on_a_failure(monkeypatch, tmp_path):
     rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["rms_norm fwd"]["ok"] and not rows["made-up op"]["ok"]
     assert "ZeroDivisionError" in rows["crashing op"]["error"]
+
+
+def test_every_family_has_a_check_module():
+    """FAMILIES lists every module under flashbridge.checks (the shared ones aside), each with checks()."""
+    import importlib
+    from pathlib import Path
+
+    modules = {p.stem for p in Path(checks.__file__).parent.glob("*.py")} - {"__init__", "runner"}
+    assert set(checks.FAMILIES) == modules and len(checks.FAMILIES) == len(modules)
+    for family in checks.FAMILIES:
+        for framework in ("torch", "jax"):
+            assert importlib.import_module(f"flashbridge.checks.{family}").checks(framework, "cpu"), family
+
+
+def test_check_of_the_newer_families_passes_on_cpu(tmp_path):
+    """MLA (prefill forward / backward, paged decode) and block-sparse attention, in both frameworks."""
+    out = tmp_path / "check.json"
+    assert main(["check", "--family", "mla", "--family", "block_sparse", "--device", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    ops = {(r["op"], r["framework"]) for r in rows}
+    for framework in ("torch", "jax"):
+        assert {("mla_attention causal bwd", framework), ("mla_decode paged", framework),
+                ("flash_attention block_mask bwd", framework)} <= ops
+    assert all(r["ok"] for r in rows)

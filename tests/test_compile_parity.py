@@ -10,8 +10,8 @@ launch is compiled twice for ``GPUTarget("cuda", 90, 32)``:
   the outputs, arrays assumed 16-byte aligned, runtime scalars unspecialised except integers equal to 1,
   which become constants, ``ast_to_ttir`` then the backend's stages;
 
-and the two PTX texts must be identical. jax_triton itself is not imported: it refuses to import without a
-GPU build of jaxlib. Skips cleanly where Triton has no NVIDIA backend or its ptxas cannot run.
+and the two PTX texts must be identical (``helpers.assert_same_ptx``). jax_triton itself is not imported: it
+refuses to import without a GPU build of jaxlib. Skips cleanly where Triton has no NVIDIA backend or its ptxas cannot run.
 
 Also here: interpreted launches (the CPU path) leave ``triton.language`` exactly as they found it; before the
 fix in ``core_kernels/_loader.py`` they left interpreter versions of its builtins behind, after which every
@@ -20,11 +20,9 @@ compile in the process failed (the "JAX dropout kernel does not compile" report)
 from __future__ import annotations
 
 import re
-import types
 
 import numpy as np
 import pytest
-import triton
 
 from flashbridge.core_kernels import HostArray, INTERPRETER, Target, get_kernel
 from flashbridge.core_kernels._loader import _language_namespaces
@@ -34,128 +32,9 @@ from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad, plan_c
 from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 from flashbridge.core_kernels.rotary.plan import check_rotary_args, plan_rotary
 from flashbridge.core_kernels.swiglu.plan import plan_swiglu_bwd, plan_swiglu_fwd
+from helpers import assert_same_ptx, assert_wgmma_pipelined, compile_as_jax_triton, vector_loads
 
 H200 = Target(interpret=False, num_sms=132)
-_TT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
-
-
-# ------------------------------------------------------------------------------------- compile both ways
-
-def _backend():
-    """(GPUTarget, backend) for sm_90, or skip."""
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-
-        target = GPUTarget("cuda", 90, 32)
-        backend = make_backend(target)
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(target.arch)  # raises when there is no usable ptxas
-    except Exception as e:  # noqa: BLE001 - any missing piece means: cannot check here
-        pytest.skip(f"no Triton NVIDIA backend / ptxas to compile for sm_90 on this machine: {e!r}")
-    return target, backend
-
-
-class _FakeTensor:
-    """What Triton's launcher needs from a tensor argument: an aligned address and a dtype."""
-
-    def __init__(self, dtype: str):
-        self.dtype = _TT[dtype]
-
-    @staticmethod
-    def data_ptr() -> int:
-        return 1 << 20
-
-
-def _options(launch) -> dict:
-    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": True}
-
-
-def _compile_as_triton_launcher(launch, dtypes) -> str:
-    from triton._C.libtriton import native_specialize_impl  # noqa: F401 - the launcher's specialiser
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    target, backend = _backend()
-    fn = get_kernel(launch.kernel, False)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    args = ([_FakeTensor(dtypes[n]) for n in launch.inputs] + launch.scalar_values()
-            + [_FakeTensor(dtypes[n]) for n in launch.outputs])
-    kwargs = {**launch.constexpr_dict(), **_options(launch), "debug": False}
-    if hasattr(triton.knobs.compilation, "instrumentation_mode"):
-        kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                          options=options.__dict__).asm["ptx"]
-
-
-def _jax_triton_type(v) -> str:
-    if isinstance(v, bool):
-        return "B"
-    if isinstance(v, int):
-        return "i32" if -2**31 <= v < 2**31 else "i64"
-    return "fp32"  # the JAX runtime passes every float scalar as np.float32
-
-
-def _compile_as_jax_triton(launch, dtypes) -> str:
-    import triton._C.libtriton as libtriton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.compiler import ASTSource
-    from triton.compiler import code_generator
-
-    _, backend = _backend()
-    fn = get_kernel(launch.kernel, False)
-    scalars = launch.scalar_values()
-    first = len(launch.inputs)
-    arg_dtypes = (["*" + _TT[dtypes[n]] for n in launch.inputs] + [_jax_triton_type(v) for v in scalars]
-                  + ["*" + _TT[dtypes[n]] for n in launch.outputs])
-    signature = {fn.arg_names[i]: t for i, t in enumerate(arg_dtypes)}
-    alignments = [0 if first <= i < first + len(scalars) else 16 for i in range(len(arg_dtypes))]
-    specialization = [
-        native_specialize_impl(backend, types.SimpleNamespace(data_ptr=lambda a=a: a, dtype=t.removeprefix("*")),
-                               False, True, a > 0)
-        for t, a in zip(arg_dtypes, alignments)]
-    attrs = {(i,): backend.parse_attr(attr) for i, (_, attr) in enumerate(specialization)}
-    constants = dict(launch.constexpr_dict())
-    constants.update({fn.arg_names[first + j]: 1 for j, v in enumerate(scalars) if v == 1})
-    for name in constants:
-        signature[name] = "constexpr"
-    options = backend.parse_options({**_options(launch), "num_ctas": 1, "debug": False})
-    context = libtriton.ir.context()
-    libtriton.ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = code_generator.ast_to_ttir(
-        fn, ASTSource(fn, constexprs=constants, signature=signature, attrs=attrs), options=options,
-        codegen_fns=backend.get_codegen_implementation(options), context=context,
-        module_map=backend.get_module_map())
-    metadata: dict = {}
-    module = backend.make_ttir(module, metadata, options, 90)
-    module = backend.make_ttgir(module, metadata, options, 90)
-    llir = backend.make_llir(module, metadata, options, 90)
-    return backend.make_ptx(llir, metadata, options, 90)
-
-
-def _code(ptx: str) -> str:
-    """The PTX without comments and debug information: ``.file`` lines and the debug sections name the
-    source path, which differs between a compile and a hit in Triton's on-disk cache made from another
-    checkout."""
-    ptx = ptx.split(".section\t.debug", 1)[0].split(".section .debug", 1)[0]
-    return "\n".join(line for line in ptx.splitlines()
-                     if line.strip() and not line.lstrip().startswith(("//", ".file")))
-
-
-def _assert_same_ptx(launch, dtypes) -> str:
-    """The launch compiled both ways must give the same code; returns the launcher's whole PTX."""
-    raw = _compile_as_triton_launcher(launch, dtypes)
-    a = _code(raw)
-    b = _code(_compile_as_jax_triton(launch, dtypes))
-    if a != b:
-        first = next(i for i, (x, y) in enumerate(zip(a.splitlines(), b.splitlines())) if x != y)
-        pytest.fail(f"{launch.kernel}: the two launchers compile different PTX; first difference at line "
-                    f"{first}: {a.splitlines()[first]!r} vs {b.splitlines()[first]!r}")
-    return raw
 
 
 # ------------------------------------------------------------------------------------------------ plans
@@ -191,7 +70,7 @@ def test_norm_kernels_compile_identically(n_rows, n_cols, dropout_p):
     bwd = plan_norm_bwd(n_rows, n_cols, dx_dtype="float32", weight_dtype="float32", bias_dtype=None,
                         is_rms=False, has_dh=False, dropout_p=dropout_p, target=H200)
     for launch in (fwd.launches[0], bwd.launches[0]):
-        _assert_same_ptx(launch, _NORM_DTYPES)
+        assert_same_ptx(launch, _NORM_DTYPES)
 
 
 @pytest.mark.parametrize("n_rows,vocab", [(8192, 128256), (7, 1000)])
@@ -201,7 +80,7 @@ def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
     dtypes = {"logits": "bfloat16", "labels": "int32", "weight": "float32", "loss": "float32",
               "lse": "float32", "lse_lo": "float32", "grad": "bfloat16"}
     for launch in plan.launches:
-        _assert_same_ptx(launch, dtypes)
+        assert_same_ptx(launch, dtypes)
 
 
 @pytest.mark.parametrize("smoothing,predicted", [(0.1, "int32"), (0.0, None)])
@@ -217,9 +96,9 @@ def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted
               "lse_lo": "float32", "zloss": "float32", "predicted": "int32", "grad": "bfloat16", "sum": "float32"}
     sums = plan_class_weight_sum(8192, 128256, of_labels=True, ignore_index=-100, target=H200)
     for launch in (*plan.launches, *sums.launches):
-        ptx = _assert_same_ptx(launch, dtypes)
+        ptx = assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("ce_grad_weighted_kernel") and smoothing:
-            assert _vector_loads(ptx) >= 8, "the class weights' loads in the gradient are not 16 bytes wide"
+            assert vector_loads(ptx) >= 8, "the class weights' loads in the gradient are not 16 bytes wide"
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -229,33 +108,9 @@ def test_linear_logits_kernel_compiles_identically_and_vectorised(transposed):
     plan = plan_linear_logits(4096, 128256, 4096, dtype="bfloat16", weight_transposed=transposed, has_bias=True,
                               out_shape=(128256, 4096), target=H200)
     dtypes = {n: "bfloat16" for n in ("hidden", "weight", "bias", "buffer", "out")}
-    ptx = _assert_same_ptx(plan.launches[0], dtypes)
+    ptx = assert_same_ptx(plan.launches[0], dtypes)
     assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx
-    _assert_wgmma_pipelined(ptx, "linear logits GEMM")
-
-
-def _assert_wgmma_pipelined(ptx: str, what: str) -> None:
-    """ptxas may serialise every wgmma of a kernel (a wait after each one: warning C7515, "wgmma.mma_async
-    instructions are serialized due to non wgmma instructions defining accumulator registers") -- same
-    results, a fraction of the speed, which no value test can see. Found at compile time when the causal
-    backward's masked dK/dV segments took 32-row query blocks inside 64-row tiles (sm_90, Triton 3.6)."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = f"{tmp}/kernel.ptx"
-        with open(src, "w") as f:
-            f.write(ptx)
-        run = subprocess.run([get_ptxas(90).path, "--gpu-name=sm_90a", src, "-o", f"{tmp}/kernel.cubin"],
-                             capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "C7515" not in run.stdout + run.stderr, f"{what}: ptxas serialises its wgmma: {run.stdout + run.stderr}"
-
-
-def _vector_loads(ptx: str) -> int:
-    return len(re.findall(r"ld\.global[^\n]*\.v4|cp\.async\.cg\.shared\.global[^\n]*0x10", ptx))
+    assert_wgmma_pipelined(ptx, "linear logits GEMM")
 
 
 @pytest.mark.parametrize("masked_num_stages,masked_block_n", [(None, None), (1, None), (None, 64)])
@@ -267,12 +122,12 @@ def test_attention_forward_compiles_identically_and_vectorised(masked_num_stages
                               config=AttentionConfig(masked_num_stages=masked_num_stages,
                                                      masked_block_n=masked_block_n))
     assert plan.launches[0].constexpr_dict()["MASKED_STAGES"] == (masked_num_stages or 0)
-    ptx = _assert_same_ptx(plan.launches[0], _attn_dtypes("bfloat16"))
+    ptx = assert_same_ptx(plan.launches[0], _attn_dtypes("bfloat16"))
     if masked_num_stages != 1:  # depth 1 serialises (sm_90, Triton 3.6 and 3.9): why it measured slower
-        _assert_wgmma_pipelined(ptx, "attention forward")
+        assert_wgmma_pipelined(ptx, "attention forward")
     # The loads of q, k and v are 16 bytes wide (and k, v go through cp.async) in both front-ends: the
     # 2.4x slower JAX attention of the H200 had 2-byte loads only.
-    assert _vector_loads(ptx) > 0, "no 16-byte loads in the attention forward"
+    assert vector_loads(ptx) > 0, "no 16-byte loads in the attention forward"
 
 
 def test_attention_backward_compiles_identically_and_vectorised():
@@ -280,9 +135,9 @@ def test_attention_backward_compiles_identically_and_vectorised():
 
     shape, options = _attn_case(causal=False, varlen=True)
     launches = plan_attention_bwd(shape, options, target=H200, config=AttentionConfig(fused_backward=False)).launches
-    ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith("attn_bwd_dq_kernel")),
+    ptx = assert_same_ptx(next(l for l in launches if l.kernel.endswith("attn_bwd_dq_kernel")),
                            _attn_dtypes("bfloat16"))
-    assert _vector_loads(ptx) > 0, "no 16-byte loads in the attention dq kernel"
+    assert vector_loads(ptx) > 0, "no 16-byte loads in the attention dq kernel"
 
 
 def test_attention_fused_backward_compiles_identically_and_vectorised():
@@ -292,10 +147,10 @@ def test_attention_fused_backward_compiles_identically_and_vectorised():
 
     shape, options = _attn_case(causal=True)
     launches = plan_attention_bwd(shape, options, target=H200, config=AttentionConfig(fused_backward=True)).launches
-    ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
+    ptx = assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
                            _attn_dtypes("bfloat16"))
-    assert _vector_loads(ptx) > 0, "no 16-byte loads in the one-launch attention backward"
-    _assert_wgmma_pipelined(ptx, "one-launch attention backward")
+    assert vector_loads(ptx) > 0, "no 16-byte loads in the one-launch attention backward"
+    assert_wgmma_pipelined(ptx, "one-launch attention backward")
 
 
 def _global_accesses(ptx: str) -> list[str]:
@@ -316,7 +171,7 @@ def test_rotary_kernel_compiles_identically_and_vectorised(interleaved, position
     plan = plan_rotary(shape, dtype="bfloat16", interleaved=interleaved, conjugate=False, inplace=False, target=H200)
     dtypes = {"x": "bfloat16", "k": "bfloat16", "out": "bfloat16", "out_k": "bfloat16", "cos": "float32",
               "sin": "float32", "position_ids": "int64", "cu_seqlens": "int32"}
-    ptx = _assert_same_ptx(plan.launches[0], dtypes)
+    ptx = assert_same_ptx(plan.launches[0], dtypes)
     accesses = _global_accesses(ptx)
     assert sum(".v4." in a for a in accesses) >= 8, accesses
     narrow = [a for a in accesses if ".v4." not in a]
@@ -330,7 +185,7 @@ def test_swiglu_kernels_compile_identically_and_vectorised(fused):
     dtypes = {n: "bfloat16" for n in ("gate", "up", "x", "y", "dy", "dgate", "dup", "dx", "unused")}
     for plan in (plan_swiglu_fwd(32768, 14336, dtype="bfloat16", fused=fused, target=H200),
                  plan_swiglu_bwd(32768, 14336, dtype="bfloat16", fused=fused, target=H200)):
-        accesses = _global_accesses(_assert_same_ptx(plan.launches[0], dtypes))
+        accesses = _global_accesses(assert_same_ptx(plan.launches[0], dtypes))
         assert accesses and all(".v4." in a for a in accesses), accesses
 
 
@@ -384,7 +239,7 @@ def test_compile_after_interpreted_launch():
     _interpret_layer_norm_dropout()
     plan = plan_norm_fwd(512, 768, x_dtype="float32", residual_dtype=None, is_rms=False, has_weight=True,
                          has_bias=True, has_post_residual=True, dropout_p=0.2, eps=1e-5, target=H200)
-    _compile_as_jax_triton(plan.launches[0], _NORM_DTYPES)
+    compile_as_jax_triton(plan.launches[0], _NORM_DTYPES)
 
 
 def test_jax_launch_mode_names_the_variable(monkeypatch):

@@ -18,8 +18,9 @@ import triton.language as tl
 from flashbridge.core_kernels._loader import _InterpretedKernel
 from flashbridge.core_kernels.decode.kernels import f16_query
 from flashbridge.reference import decode as ref
-from helpers import assert_close, np64, score_mod_inputs, torch_to_jax
-from test_attention import naive_torch
+from helpers import (assert_close, assert_same_ptx, assert_wgmma_pipelined, naive_torch, np64, run_generation_loops,
+                     torch_to_jax, vector_loads)
+from helpers import make_decode_case as make_case
 
 tapi = pytest.importorskip("flashbridge.torch_api.decode")
 
@@ -32,53 +33,6 @@ def _seed(name: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ case helpers
-
-def make_case(seed, *, b=3, sq=1, hq=4, hkv=2, dqk=64, dv=None, lens=(0, 1, 77), s_max=None, layout="NHD",
-              page_size=None, dtype="float32", fp8=None, alibi=None, sinks=False, spare_pages=3):
-    """Random decode inputs (never zeros) as torch CPU tensors. ``fp8``: None, "tensor" or "head" (an
-    e4m3 cache holding ``x / scale``). Paged caches get a shuffled page pool with spare pages and -1 in the
-    unused block-table entries (never read)."""
-    g = torch.Generator().manual_seed(seed)
-    dv = dv or dqk
-    b = len(lens)
-    s_max = s_max or max(max(lens), 1)
-    dt = TORCH_DTYPES[dtype]
-    kw = {"cache_seqlens": torch.tensor(lens, dtype=torch.int32)}
-    q = torch.randn(b, sq, hq, dqk, generator=g).to(dt)
-    logical = [torch.randn(b, s_max, hkv, d, generator=g) for d in (dqk, dv)]  # (B, S, Hkv, D) float32
-    if fp8 is not None:
-        shape = (hkv,) if fp8 == "head" else ()
-        scales = [torch.rand(shape, generator=g) * 0.5 + 0.25 for _ in range(2)]
-        per = [s.reshape(-1) if s.dim() else s.reshape(1) for s in scales]
-        logical = [(x / s[None, None, :, None] if fp8 == "head" else x / s).to(torch.float8_e4m3fn)
-                   for x, s in zip(logical, per)]
-        kw["k_scale"], kw["v_scale"] = scales
-    else:
-        logical = [x.to(dt) for x in logical]
-    if page_size is None:
-        caches = logical
-    else:
-        max_pages = -(-s_max // page_size)
-        n_pages = b * max_pages + spare_pages
-        perm = torch.randperm(n_pages, generator=g)
-        table = torch.full((b, max_pages), -1, dtype=torch.int32)
-        caches = []
-        for x in logical:
-            pool = torch.randn(n_pages, page_size, hkv, x.shape[-1], generator=g).to(x.dtype)
-            for i in range(b):
-                used = -(-lens[i] // page_size)
-                for j in range(used):
-                    page = int(perm[i * max_pages + j])
-                    table[i, j] = page
-                    rows = x[i, j * page_size:(j + 1) * page_size]
-                    pool[page, :rows.shape[0]] = rows
-            caches.append(pool)
-        kw["block_table"] = table
-    if layout == "HND":
-        caches = [c.transpose(1, 2).contiguous() for c in caches]
-    kw.update(score_mod_inputs(g, b, hq, alibi=alibi, sinks=sinks, slope_range=0.3))
-    return q, caches[0], caches[1], kw
-
 
 def to_np(kw):
     return {n: (v.view(torch.uint8).numpy().view(_ml_fp8()) if isinstance(v, torch.Tensor) and
@@ -104,7 +58,7 @@ def reference(q, k, v, kw, options, *, kv_layout="NHD"):
 
 def naive(q, k, v, kw, options, *, kv_layout="NHD"):
     """Decode computed plainly in q's dtype: the cache gathered and dequantised (float64 -> q's dtype), then
-    test_attention.naive_torch per sequence."""
+    helpers.naive_torch per sequence."""
     npkw = to_np(kw)
     outs, lses = [], []
     for i, length in enumerate(npkw["cache_seqlens"].tolist()):
@@ -855,6 +809,17 @@ def _japi():
     return jdecode
 
 
+def _no_donation_warning():
+    """Silences JAX's warning about donated buffers it could not reuse (the CPU backend reuses none)."""
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    return stack
+
+
 
 
 @pytest.mark.parametrize("name", ["hnd-contig-gqa4-sq3", "all", "mla-576-512"])
@@ -914,7 +879,7 @@ def test_jax_append_jit_donated_then_decode(name):
 
     q_j = torch_to_jax(q)
     jitted = jax.jit(step, donate_argnums=(0, 1))
-    with _no_error():
+    with _no_donation_warning():
         jk, jv, jout = jitted(torch_to_jax(k), torch_to_jax(v), torch_to_jax(k_new), torch_to_jax(v_new), torch_to_jax(before["cache_seqlens"]))
     kc, vc = k.clone(), v.clone()
     tapi.append_kv_cache(kc, vc, k_new, v_new, cache_seqlens=before["cache_seqlens"], kv_layout=layout,
@@ -926,35 +891,6 @@ def test_jax_append_jit_donated_then_decode(name):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), b.view(torch.uint8).numpy())
         else:
             np.testing.assert_array_equal(np64(a), np64(b))
-
-
-def run_generation_loops(k, v, lens, qs, k_new, v_new, *, num_splits=None, device=None):
-    """The same generation loop both ways: in JAX inside one jitted call (``jax.lax.scan`` carrying the
-    donated cache and the lengths; each step appends its token, then decodes over the grown cache), as the JAX
-    decode docstring recommends, and in torch one step at a time. ``device``: where the JAX arrays go (JAX's
-    default device otherwise). Returns ((k, v, lens, outs) of JAX, the same of torch)."""
-    ja = _japi()
-
-    def generate(kc, vc, lens, qs, k_new, v_new):
-        def one_step(carry, xs):
-            kc, vc, lens = carry
-            q, kn, vn = xs
-            kc, vc = ja.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens)
-            out = ja.decode_attention(q, kc, vc, cache_seqlens=lens + 1, num_splits=num_splits)
-            return (kc, vc, lens + 1), out
-
-        (kc, vc, lens), outs = jax.lax.scan(one_step, (kc, vc, lens), (qs, k_new, v_new))
-        return kc, vc, lens, outs
-
-    args = [jax.device_put(torch_to_jax(x), device) for x in (k, v, lens, qs, k_new, v_new)]
-    with _no_error():
-        jax_run = jax.jit(generate, donate_argnums=(0, 1))(*args)
-    kc, vc, tlens, outs = k.clone(), v.clone(), lens.clone(), []
-    for i in range(qs.shape[0]):
-        tapi.append_kv_cache(kc, vc, k_new[i], v_new[i], cache_seqlens=tlens)
-        tlens = tlens + 1
-        outs.append(tapi.decode_attention(qs[i], kc, vc, cache_seqlens=tlens, num_splits=num_splits))
-    return jax_run, (kc, vc, tlens, torch.stack(outs))
 
 
 def test_jax_generation_loop_in_scan_matches_torch_bitwise():
@@ -974,17 +910,6 @@ def test_jax_generation_loop_in_scan_matches_torch_bitwise():
     # the steps saw their own tokens: the last step's output differs from a decode without the appends
     stale = tapi.decode_attention(qs[-1], k, v, cache_seqlens=lens + steps, num_splits=2)
     assert not torch.equal(stale, outs[-1])
-
-
-class _no_error:
-    def __enter__(self):
-        import warnings
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
 
 
 def test_jax_bad_inputs():
@@ -1048,10 +973,8 @@ def _decode_plans():
 
 
 @pytest.mark.parametrize("index", range(8))
-def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
+def test_decode_kernels_compile_identically_and_vectorised(index):
     # torch (Triton's launcher) and JAX (jax-triton) must compile the same PTX, with 16-byte loads of the cache
-    parity = pytest.importorskip("test_compile_parity")
-    monkeypatch.setitem(parity._TT, "float8_e4m3fn", "fp8e4nv")
     name, plan, cache_dtype = _decode_plans()[index]
     dtypes = {"q": "bfloat16", "k_cache": cache_dtype, "v_cache": cache_dtype, "shared_k": "bfloat16",
               "shared_v": "bfloat16", "cache_seqlens": "int32", "block_table": "int32", "sinks": "float32",
@@ -1059,9 +982,9 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
               "outs": "bfloat16", "lses": "float32", "out": "bfloat16", "lse": "float32"}
     dtypes.update({s.name: s.dtype for s in plan.buffers})
     for launch in plan.launches:
-        ptx = parity._assert_same_ptx(launch, dtypes)
+        ptx = assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("decode_fwd_kernel"):
-            assert parity._vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
+            assert vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
             if cache_dtype == "float8_e4m3fn":
                 # the FP8 V tile reaches p @ V as column pairs through ldmatrix.trans, widened in registers
                 # (load_e4m3_pairs), not byte by byte from shared memory (that halved FP8 decode's rate per byte)
@@ -1071,71 +994,69 @@ def test_decode_kernels_compile_identically_and_vectorised(index, monkeypatch):
                 # and K as column pairs against q's even / odd columns (Triton's own widening of K left ptxas
                 # rebuilding q's operand registers for every MMA)
                 assert launch.constexpr_dict()["K_PAIRS"], f"{name}: K not read as column pairs"
-            parity._assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
+            assert_wgmma_pipelined(ptx, name)  # no wgmma here (16-row tiles): a cheap guard all the same
 
 
-def test_automatic_split_count_on_the_h200():
-    """choose_num_splits on a 132-SM GPU at the benchmark's shapes (Hq=32, Hkv=8, D=128, Sq=1): contiguous
-    caches aim at 2 programs per SM and take 1 split once the batch gives every SM a program; paged caches
-    aim at 4 per SM (the sweeps in benchmarks/results/decode_splits_h200.json, decode_splits_b32_h200.json);
-    contiguous FP8 caches (128-key tiles) at 2 per SM rounded down to a power of two, paged FP8 caches with
-    64-slot pages (64-key tiles) at 4 per SM (decode_splits_fp8_h200.json); contiguous 16-bit caches whose
-    batch leaves SMs idle take 128-key tiles at one program per SM, never a second wave
-    (decode_splits_onesm_h200.json), paged 16-bit caches there 5 stages at two per SM
-    (decode_splits_onesmab_h200.json), contiguous FP8 caches there 256-key tiles at one per SM once a split
-    gets 8192 keys (decode_splits_onesmspan_h200.json); contiguous 16-bit counts above 16 round down to whole
-    merge steps of 16 states (decode_splits_split32_h200.json)."""
+# cache kinds of the split-count properties: (FP8, page size or None for a contiguous cache)
+_SPLIT_KINDS = {"bf16": (False, None), "fp8": (True, None), "bf16-paged16": (False, 16), "bf16-paged64": (False, 64),
+                "bf16-paged256": (False, 256), "fp8-paged64": (True, 64), "fp8-paged128": (True, 128)}
+
+
+@pytest.mark.parametrize("kind", list(_SPLIT_KINDS))
+def test_automatic_split_count_on_the_h200(kind):
+    """choose_num_splits on a 132-SM GPU over batches (1 to 600), kv heads (1, 8), rows (1 to 32), cache spans
+    (64 to 128K keys) and head dims (64 to 256), as properties rather than a table of chosen counts:
+
+    * 1 <= count <= MAX_AUTO_SPLITS, and each split gets at least 4 key tiles of the longest span;
+    * the SMs are busy: without a fixed number of programs per SM, (programs without splits) x count reaches
+      one program per SM unless the span or MAX_AUTO_SPLITS caps the count; with a fixed number (tiles made
+      for a batch that leaves SMs idle) no second wave starts, and below a merge round one more split would
+      start one;
+    * no splits once the batch alone gives every SM four programs;
+    * counts above a merge round are whole rounds (16 states) or, on paged / narrow FP8 tiles, powers of two;
+    * 256-key FP8 tiles only where every split gets FP8_WIDE_SPLIT_KEYS keys; tiles for a fixed number of
+      programs per SM only where batch x kv heads leaves SMs idle, never for a tile the caller chose."""
+    import itertools
+
     from flashbridge.core_kernels import Target
     from flashbridge.core_kernels.decode import plan as P
 
-    h200 = Target(interpret=False, num_sms=132)
-
-    def cache(span, paged=False, fp8=False, page_size=64, head_dim=128):
-        return P.CacheShape(layout="NHD", paged=paged, num_pages=1, page_size=page_size if paged else span,
-                            max_pages=-(-span // page_size) if paged else 1, heads=8, head_dim_k=head_dim,
-                            head_dim_v=head_dim, dtype=P.FP8_DTYPE if fp8 else "bfloat16")
-
-    def splits(batch, span, paged=False, fp8=False, page_size=64):
-        return P.choose_num_splits(batch=batch, heads_kv=8, rows=4, span=span, head_dim_qk=128, head_dim_v=128,
-                                   target=h200, cache=cache(span, paged, fp8, page_size))
-
-    def tiles(fp8, page_size=None, dtype="bfloat16", head_dim=128, batch_heads=None, rows=4,
-              config=None, span=None):
-        shape = cache(span or 4096, page_size is not None, fp8, page_size or 64, head_dim)
-        return P.decode_tiles(rows, head_dim, head_dim, h200, config, dtype=dtype, cache=shape,
-                              batch_heads=batch_heads, span=span)
-
-    def block_n(*args, **kwargs):
-        return tiles(*args, **kwargs).block_n
-
-    assert splits(1, 131072) == 16 and splits(1, 16384) == 16 and splits(2, 16384) == 8 and splits(4, 16384) == 4
-    assert splits(8, 16384) == 2 and splits(16, 16384) == 1  # 128 programs: one per SM without splits
-    assert splits(1, 131072, paged=True) == 32 and splits(2, 16384, paged=True) == 16
-    assert splits(1, 131072, paged=True, page_size=16) == 64 and splits(1, 131072, paged=True, fp8=True) == 64
-    assert splits(1, 16384, fp8=True) == 32
-    assert splits(32, 8192) == 1 and splits(32, 8192, paged=True) == 4 and splits(32, 8192, fp8=True) == 1
-    assert block_n(False) == 64 and block_n(True) == 128 and block_n(True, page_size=256) == 128
-    assert block_n(True, page_size=64) == 64 and block_n(True, dtype="float32") == 32
-    assert block_n(True, head_dim=256) == 32  # wide heads keep their narrower tile
-    # 16-bit caches: 128 keys (one program per SM) only where the batch leaves SMs idle
-    assert block_n(False, batch_heads=8) == 128 and block_n(False, batch_heads=131) == 128
-    assert block_n(False, batch_heads=132) == 64 and block_n(False, batch_heads=8, page_size=64) == 64
-    assert block_n(False, batch_heads=8, rows=32) == 64 and block_n(False, batch_heads=8, head_dim=64) == 64
-    assert splits(1, 512) == 1 and splits(1, 1024) == 2  # short caches: at least 4 key blocks per split
-    assert splits(1, 512, paged=True) == 2  # (64-key blocks when paged)
-    # paged 16-bit caches with whole key blocks per page: 5 stages at two programs per SM
-    assert tiles(False, page_size=64, batch_heads=8).num_stages == 5
-    assert tiles(False, page_size=64, batch_heads=8).programs_per_sm == 2
-    assert tiles(False, page_size=16, batch_heads=8).num_stages == 3
-    assert tiles(False, page_size=64, batch_heads=256).num_stages == 3
-    assert tiles(True, page_size=64, batch_heads=8).num_stages == 3 and tiles(True, batch_heads=8).programs_per_sm == 0
-    # contiguous FP8: 256-key tiles at one program per SM once a split at that count gets 8192 keys
-    assert splits(1, 131072, fp8=True) == 16 and splits(1, 65536, fp8=True) == 32
-    assert block_n(True, batch_heads=8, span=131072) == 256 and block_n(True, batch_heads=8, span=65536) == 128
-    assert block_n(True, batch_heads=32, span=32768) == 256 and block_n(True, batch_heads=32, span=16384) == 128
-    assert block_n(True, page_size=128, batch_heads=8, span=131072) == 128  # paged FP8 keeps its rule
-    assert tiles(True, batch_heads=8, span=131072).programs_per_sm == 1 and block_n(True, span=131072) == 128
-    assert tiles(True, batch_heads=8, span=131072).num_warps == 4  # 8 warps: won on one H200, lost on another
-    # a tile of the caller's choice keeps the cache kind's split rule
-    assert tiles(False, batch_heads=8, config=P.DecodeConfig(block_n=64)).programs_per_sm == 0
-    assert tiles(False, batch_heads=8).programs_per_sm == 1
+    sms = 132
+    h200 = Target(interpret=False, num_sms=sms)
+    fp8, page_size = _SPLIT_KINDS[kind]
+    step = P.MERGE_STATES_PER_STEP
+    for batch, heads_kv, rows, span, head_dim in itertools.product(
+            (1, 2, 3, 5, 8, 16, 17, 32, 64, 132, 600), (1, 8), (1, 4, 16, 32),
+            (64, 512, 1000, 4096, 16384, 65536, 131072), (64, 128, 256)):
+        cache = P.CacheShape(layout="NHD", paged=page_size is not None, num_pages=1, page_size=page_size or span,
+                             max_pages=-(-span // page_size) if page_size else 1, heads=heads_kv,
+                             head_dim_k=head_dim, head_dim_v=head_dim, dtype=P.FP8_DTYPE if fp8 else "bfloat16")
+        case = f"{kind} B={batch} Hkv={heads_kv} rows={rows} span={span} D={head_dim}"
+        count = P.choose_num_splits(batch=batch, heads_kv=heads_kv, rows=rows, span=span, head_dim_qk=head_dim,
+                                    head_dim_v=head_dim, target=h200, cache=cache)
+        tiles = P.decode_tiles(rows, head_dim, head_dim, h200, None, cache=cache, batch_heads=batch * heads_kv,
+                               span=span)
+        base = batch * heads_kv * triton.cdiv(rows, tiles.block_m)  # programs without splits
+        by_length = max(1, triton.cdiv(span, tiles.block_n) // 4)
+        capped = count in (by_length, P.MAX_AUTO_SPLITS)
+        gathered = page_size is not None or (fp8 and tiles.block_n < 128)
+        per_sm = tiles.programs_per_sm
+        assert 1 <= count <= min(by_length, P.MAX_AUTO_SPLITS), f"{case}: {count} splits"
+        assert tiles.block_n in (16, 32, 64, 128, 256), f"{case}: {tiles.block_n}-key tiles"
+        if base >= 4 * sms:
+            assert count == 1, f"{case}: {count} splits of {base} programs"
+        if per_sm:
+            assert batch * heads_kv < sms, f"{case}: one-wave tiles for a batch that fills the SMs"
+            assert count == 1 or base * count <= sms * per_sm, f"{case}: a second wave ({base} x {count})"
+            if count < step and not capped:
+                assert base * (count + 1) > sms * per_sm, f"{case}: {count} splits leave SMs idle"
+        elif count > 1 and not capped:
+            assert base * count >= sms, f"{case}: {base} x {count} programs leave SMs idle"
+        if count > step and not gathered:
+            assert count % step == 0, f"{case}: {count} splits are not whole merge rounds"
+        if count > 1 and gathered and not per_sm:
+            assert count & (count - 1) == 0, f"{case}: {count} splits"
+        if tiles.block_n == 256:
+            assert fp8 and span // count >= P.FP8_WIDE_SPLIT_KEYS, f"{case}: 256-key tiles, {count} splits"
+    chosen = P.decode_tiles(4, 128, 128, h200, P.DecodeConfig(block_n=64), batch_heads=8)
+    assert chosen.block_n == 64 and chosen.programs_per_sm == 0

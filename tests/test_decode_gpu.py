@@ -1,7 +1,7 @@
 """Flash-Decoding on a CUDA GPU at the benchmark sizes (bf16 cache, Hq=32, Hkv=8, D=128), skipped without a GPU.
 
 Reference: the decode computed plainly in float64 on the GPU over the gathered (dequantised) cache
-(``naive_torch`` of the attention suite per sequence, which is what flashbridge.reference.decode computes,
+(``helpers.naive_torch`` per sequence, which is what flashbridge.reference.decode computes,
 only faster at these sizes); the naive bf16 implementation sets the tolerance: error <= 2 x its error + a floor.
 
 ``python tests/test_decode_gpu.py`` runs ragged paged cases of every op in both frameworks, for
@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_close, np64
-from test_attention import naive_torch
-from test_decode import make_case, run_generation_loops
+from helpers import assert_close, naive_torch, np64, run_generation_loops
+from helpers import make_decode_case as make_case
 
 pytestmark = pytest.mark.gpu
 

@@ -128,3 +128,15 @@ def test_ncu_sass_summary(tmp_path):
     rows = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1].isupper()}
     assert rows["BRA"] == ["1", "60.0%"] and rows["HMMA"] == ["1", "30.0%"] and rows["F2FP"] == ["1", "10.0%"]
     assert "MOV" not in rows
+
+
+@pytest.mark.parametrize("front_end", ["torch_api", "jax_api"])
+def test_readme_op_table_lists_every_public_name(front_end):
+    """Every name a front-end exports (``__all__``: ops, modules, mask helpers) appears in the README's op
+    table, so the table is the whole public surface."""
+    module = pytest.importorskip(f"flashbridge.{front_end}")
+    text = README.read_text()
+    table = text[text.index("## Ops"):text.index("## Performance")]
+    named = set(re.findall(r"`([A-Za-z_]\w*)", table))
+    missing = sorted(set(module.__all__) - named)
+    assert not missing, f"README.md's op table does not name {missing} of flashbridge.{front_end}"

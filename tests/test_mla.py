@@ -11,30 +11,12 @@ import numpy as np
 import pytest
 
 from flashbridge.reference import mla as ref
+from helpers import assert_close, assert_same_ptx, np64, sm90_backend, torch_to_jax
+from helpers import assert_lse_close as _check_lse, mla_sparse_indices as _sparse_indices, naive_mla as naive
 
 
 def _rng(seed):
     return np.random.default_rng(seed)
-
-
-def _sparse_indices(rng, batch, sq, sk, topk, *, causal=False, pad=0.25):
-    """(B, Sq, topk) int32: distinct key positions per query (visible ones when causal), some entries -1
-    (padding) and some past the sequence (skipped), in random order."""
-    idx = np.full((batch, sq, topk), -1, dtype=np.int32)
-    for b in range(batch):
-        for i in range(sq):
-            limit = i + sk - sq + 1 if causal else sk
-            limit = max(limit, 0)
-            n = min(topk, limit)
-            chosen = rng.permutation(limit)[:n] if limit else np.zeros(0, dtype=np.int64)
-            row = np.full(topk, -1, dtype=np.int64)
-            row[:n] = chosen
-            drop = rng.random(topk) < pad
-            row[drop] = -1
-            if topk > 2:
-                row[-1] = sk + 3  # out of range: skipped
-            idx[b, i] = rng.permutation(row)
-    return idx
 
 
 # ------------------------------------------------------------------------------------------- reference
@@ -132,39 +114,14 @@ def test_reference_decode_paged_equals_contiguous_and_prefill():
 torch = pytest.importorskip("torch")
 tapi = pytest.importorskip("flashbridge.torch_api.mla")
 
-from helpers import assert_close, np64, torch_to_jax  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def naive(q, kv, *, head_dim_v, causal=False, softmax_scale=None, indices=None, lengths=None, mask=None):
-    """Absorbed MLA computed plainly in q's dtype (differentiable): the naive same-dtype implementation the
-    tolerance is measured against; ``mask`` a dense bool (B|1, Sq, Sk) as reference.mla takes it. Returns
-    (out, lse)."""
-    b, sq, _, d = q.shape
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    mask = torch.from_numpy(ref.visible(b, sq, kv.shape[1], causal=causal,
-                                        indices=None if indices is None else np.asarray(indices.cpu()),
-                                        lengths=lengths, mask=mask)).to(q.device)
-    s = torch.einsum("bqhd,bkd->bhqk", q, kv) * scale
-    s = s.masked_fill(~mask[:, None], float("-inf"))
-    wide = s.to(torch.promote_types(s.dtype, torch.float32))  # bf16 scores softmax in float32, float64 stays
-    lse = torch.logsumexp(wide, dim=-1)
-    p = torch.nan_to_num(torch.softmax(wide, dim=-1)).to(q.dtype)
-    return torch.einsum("bhqk,bkd->bqhd", p, kv[..., :head_dim_v]), lse
 
 
 def _make(seed, b, sq, sk, h, dqk, dtype="float32"):
     g = torch.Generator().manual_seed(seed)
     dt = TORCH_DTYPES[dtype]
     return torch.randn(b, sq, h, dqk, generator=g).to(dt), torch.randn(b, sk, dqk, generator=g).to(dt)
-
-
-def _check_lse(lse, ref_lse, naive_lse, floor=1e-5):
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(np.isfinite(np64(lse)), finite), "lse: -inf pattern differs from the reference"
-    assert_close(np.where(finite, np64(lse), 0.0), np.where(finite, ref_lse, 0.0),
-                 np.where(finite, np64(naive_lse), 0.0), name="lse", floor=floor)
 
 
 # (b, sq, sk, h, dqk, dv, causal, topk, dtype)
@@ -767,19 +724,17 @@ def masks_array_names():
 
 @pytest.mark.slow  # ~2.5 minutes of compiles on a 2-core CPU
 @pytest.mark.parametrize("index", range(7))
-def test_kernels_compile_identically_and_fit_the_h200(index, monkeypatch):
+def test_kernels_compile_identically_and_fit_the_h200(index):
     """torch (Triton's launcher) and JAX (jax-triton) compile the same PTX for sm_90, every kernel of the
     default plans fits Hopper's 227 KB of shared memory per block, and the wgmma kernels keep their MMAs
     asynchronous (ptxas serialises them without failing when it cannot keep their registers live)."""
     import sys
     from pathlib import Path
 
-    parity = pytest.importorskip("test_compile_parity")
-    parity._backend()  # skips without an NVIDIA backend / ptxas
+    sm90_backend()  # skips without an NVIDIA backend / ptxas
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from _common import compile_launch_sm90
 
-    monkeypatch.setitem(parity._TT, "float8_e4m3fn", "fp8e4nv")
     name, plan, cache_dtype = _h200_plans()[index]
     dtypes = {"q": "bfloat16", "kv": cache_dtype, "cache_seqlens": "int32", "block_table": "int32",
               "indices": "int32", "kv_scale": "float32", "dout": "bfloat16", "out": "bfloat16", "lse": "float32",
@@ -787,7 +742,7 @@ def test_kernels_compile_identically_and_fit_the_h200(index, monkeypatch):
     dtypes.update({s.name: s.dtype for s in plan.buffers})
     for launch in plan.launches:
         if launch.kernel.startswith("mla."):
-            parity._assert_same_ptx(launch, dtypes)
+            assert_same_ptx(launch, dtypes)
         smem, usage = compile_launch_sm90(plan, launch, dtypes)
         assert smem <= 227 * 1024, f"{name} {launch.kernel}: {smem} B of shared memory"
         assert "SERIALIZED" not in usage, f"{name} {launch.kernel}: {usage}"

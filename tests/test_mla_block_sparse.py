@@ -17,7 +17,7 @@ import torch
 from flashbridge import masks
 from flashbridge.reference import mla as ref
 from helpers import assert_close, np64, torch_to_jax
-from test_mla import _check_lse, naive
+from helpers import assert_lse_close as _check_lse, naive_mla as naive
 
 tapi = pytest.importorskip("flashbridge.torch_api.mla")
 

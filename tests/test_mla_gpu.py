@@ -2,7 +2,7 @@
 first 512 dims, bf16, paged 64), skipped without a GPU.
 
 Reference: the absorbed attention computed plainly in float64 on the GPU over the gathered (dequantised)
-cache (``test_mla.naive``, which computes what flashbridge.reference.mla does); the naive bf16 computation
+cache (``helpers.naive_mla``, which computes what flashbridge.reference.mla does); the naive bf16 computation
 sets the tolerance: error <= 2 x its error + a floor.
 
 ``python tests/test_mla_gpu.py`` runs ragged paged decode (dense, sparse, FP8), prefill forward and backward
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import assert_close, np64, torch_to_jax
-from test_mla import _sparse_indices, naive
+from helpers import mla_sparse_indices as _sparse_indices, naive_mla as naive
 
 pytestmark = pytest.mark.gpu
 

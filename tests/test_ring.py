@@ -8,9 +8,7 @@ a ring makes n^2 of them, so shapes are tiny (S_local = 16) and the larger grids
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -18,48 +16,13 @@ import torch
 
 from flashbridge import _sequence_layout as layout_mod
 from flashbridge.reference import attention as ref
-from helpers import assert_close, np64, torch_to_jax
+from helpers import RING_NAMES as NAMES, RingCase as Case
+from helpers import assert_close, free_port, np64, run_jax_ring_case, run_torch_ring_case
 
 torch_ring = pytest.importorskip("flashbridge.torch_api.ring")
 
 
 # ------------------------------------------------------------------------------------------------ cases
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One ring attention problem; inputs are drawn from ``seed``, identical in every process."""
-
-    world: int
-    layout: str = "zigzag"
-    causal: bool = False
-    window: tuple = (-1, -1)
-    hq: int = 2
-    hkv: int = 2
-    s_local: int = 16
-    dim: int = 16
-    batch: int = 1
-    dtype: str = "float32"
-    seed: int = 0
-
-    @property
-    def seqlen(self) -> int:
-        return self.s_local * self.world
-
-    def options(self) -> dict:
-        return dict(causal=self.causal, window_size=self.window)
-
-    def inputs(self):
-        """Global (q, k, v, dout, dlse), never zeros."""
-        g = torch.Generator().manual_seed(self.seed)
-        dt = getattr(torch, self.dtype)
-        b, s, d = self.batch, self.seqlen, self.dim
-        q = torch.randn(b, s, self.hq, d, generator=g).to(dt)
-        k = torch.randn(b, s, self.hkv, d, generator=g).to(dt)
-        v = torch.randn(b, s, self.hkv, d, generator=g).to(dt)
-        dout = torch.randn(b, s, self.hq, d, generator=g).to(dt)
-        dlse = torch.randn(b, self.hq, s, generator=g)
-        return q, k, v, dout, dlse
-
 
 def _naive(q, k, v, *, causal, window_size):
     """Attention in the inputs' dtype, plainly (the baseline of the accuracy rule for low precision)."""
@@ -89,9 +52,6 @@ def expected(case: Case):
     ((out * dout).sum() + (lse * dlse).sum()).backward()
     base = [out.detach(), lse.detach(), *(t.grad for t in leaves)]
     return [ro, rl, rdq, rdk, rdv], base
-
-
-NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 def check_results(case: Case, got, expect=None):
@@ -261,25 +221,6 @@ def test_schedule_window_ends_the_ring_early():
 
 # ----------------------------------------------------------------------------------- torch over gloo
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_torch_case(case: Case, rank: int, device: torch.device) -> dict:
-    """This rank's ring forward and backward for ``case`` (the process group is initialised)."""
-    from flashbridge.torch_api import ring_attention, sequence_shard
-
-    q, k, v, dout, dlse = case.inputs()
-    shard = lambda t, dim=1: sequence_shard(t, rank, case.world, layout=case.layout, dim=dim).to(device)  # noqa: E731
-    leaves = [shard(t).clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ring_attention(*leaves, **case.options(), layout=case.layout, return_lse=True)
-    assert out.dtype == q.dtype and lse.dtype == torch.float32
-    ((out * shard(dout)).sum() + (lse * shard(dlse, 2)).sum()).backward()
-    return {n: t.detach().cpu() for n, t in zip(NAMES, (out, lse, *(x.grad for x in leaves)))}
-
-
 def _gloo_worker(rank, world, port, cases, tmpdir, bad_inputs):
     import torch.distributed as dist
 
@@ -290,7 +231,7 @@ def _gloo_worker(rank, world, port, cases, tmpdir, bad_inputs):
     try:
         with poison_buffers():
             for i, case in enumerate(cases):
-                torch.save(run_torch_case(case, rank, torch.device("cpu")), os.path.join(tmpdir, f"{i}_{rank}.pt"))
+                torch.save(run_torch_ring_case(case, rank, torch.device("cpu")), os.path.join(tmpdir, f"{i}_{rank}.pt"))
             if bad_inputs:
                 _bad_inputs_in_group(rank)
     finally:
@@ -330,7 +271,7 @@ def run_gloo(cases, world, tmp_path, *, bad_inputs=False):
     global order (the ranks' shards put back together by sequence_unshard)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_gloo_worker, args=(world, _free_port(), cases, str(tmp_path), bad_inputs),
+    ctx = mp.start_processes(_gloo_worker, args=(world, free_port(), cases, str(tmp_path), bad_inputs),
                              nprocs=world, join=False, start_method="spawn")
     expects = [expected(c) for c in cases]  # while the workers run
     while not ctx.join():
@@ -387,38 +328,6 @@ def test_torch_ring_needs_a_process_group():
 
 # ------------------------------------------------------------------------------------- JAX under shard_map
 
-def run_jax_case(case: Case, devices):
-    """The ring for ``case`` under shard_map over ``devices`` (one per rank), forward and backward in one
-    jit; returns [out, lse, dq, dk, dv] in global order."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
-
-    from flashbridge.jax_api import ring_attention, sequence_shard, sequence_unshard
-
-    n = case.world
-    q, k, v, dout, dlse = (torch_to_jax(t) for t in case.inputs())
-    mesh = Mesh(np.array(devices[:n]), ("sp",))
-
-    def layout(x, dim=1):  # the ranks' shards, concatenated: shard r lands on device r
-        return jnp.concatenate([sequence_shard(x, r, n, layout=case.layout, dim=dim) for r in range(n)], axis=dim)
-
-    seq, lse_spec = P(None, "sp"), P(None, None, "sp")
-    ring = jax.shard_map(
-        lambda q, k, v: ring_attention(q, k, v, axis_name="sp", **case.options(), layout=case.layout,
-                                       return_lse=True),
-        mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, lse_spec))
-    @jax.jit
-    def forward_backward(q, k, v, dout, dlse):  # the forward runs once: its vjp is the ring backward
-        (out, lse), vjp = jax.vjp(ring, q, k, v)
-        return out, lse, *vjp((dout, dlse))
-
-    out, lse, *grads = forward_backward(layout(q), layout(k), layout(v), layout(dout), layout(dlse, 2))
-    assert out.dtype == q.dtype and lse.dtype == jnp.float32
-    return [torch.from_numpy(np.array(sequence_unshard(a, n, layout=case.layout, dim=dim).astype(jnp.float32)))
-            for a, dim in zip((out, lse, *grads), (1, 2, 1, 1, 1))]
-
-
 JAX_CASES = [
     Case(4, "zigzag", causal=True, hq=4, hkv=2, seed=10),
     Case(4, "contiguous", causal=True, window=(5, -1), seed=11),  # 2 of 4 steps
@@ -443,7 +352,7 @@ def _jax_devices(n):
                          ids=lambda c: f"{c.world}-{c.layout}-{'causal' if c.causal else 'full'}-w{c.window}-{c.dtype}")
 def test_jax_ring_shard_map(case):
     devices = _jax_devices(case.world)
-    got = run_jax_case(case, devices)
+    got = run_jax_ring_case(case, devices)
     check_results(case, got)
 
 

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from helpers import assert_close
-from test_ring import NAMES, Case, _free_port, run_jax_case, run_torch_case
+from helpers import RING_NAMES as NAMES, RingCase as Case
+from helpers import assert_close, free_port, run_jax_ring_case, run_torch_ring_case
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +102,7 @@ def _nccl_worker(rank, world, port, cases, tmpdir):
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     try:
         for i, case in enumerate(cases):
-            torch.save(run_torch_case(case, rank, device), os.path.join(tmpdir, f"{i}_{rank}.pt"))
+            torch.save(run_torch_ring_case(case, rank, device), os.path.join(tmpdir, f"{i}_{rank}.pt"))
         # ranks that disagree on the shapes raise (all of them) before any transfer
         from flashbridge.torch_api import ring_attention
 
@@ -124,7 +124,7 @@ def test_torch_ring_nccl(world, tmp_path):
     from flashbridge.torch_api import sequence_unshard
 
     cases = gpu_cases(world)
-    ctx = mp.start_processes(_nccl_worker, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world,
+    ctx = mp.start_processes(_nccl_worker, args=(world, free_port(), cases, str(tmp_path)), nprocs=world,
                              join=False, start_method="spawn")
     while not ctx.join():
         pass
@@ -146,7 +146,7 @@ def test_jax_ring_shard_map_gpus(world):
     if len(devices) < world:
         pytest.skip(f"JAX sees {len(devices)} GPUs")
     for case in gpu_cases(world):
-        got = run_jax_case(case, devices)
+        got = run_jax_ring_case(case, devices)
         check_gpu(case, got, expected_gpu(case), f"jax n={world}")
 
 
@@ -163,14 +163,14 @@ def test_torch_and_jax_rings_agree():
                 seed=30)
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_nccl_worker, args=(2, _free_port(), [case], tmp), nprocs=2, join=False,
+        ctx = mp.start_processes(_nccl_worker, args=(2, free_port(), [case], tmp), nprocs=2, join=False,
                                  start_method="spawn")
         while not ctx.join():
             pass
         shards = [torch.load(os.path.join(tmp, f"0_{r}.pt")) for r in range(2)]
     got_torch = [sequence_unshard(torch.cat([s[n] for s in shards], dim), 2, layout=case.layout, dim=dim)
                  for n, dim in zip(NAMES, (1, 2, 1, 1, 1))]
-    got_jax = run_jax_case(case, jax.devices("gpu"))
+    got_jax = run_jax_ring_case(case, jax.devices("gpu"))
     for name, a, b in zip(NAMES, got_torch, got_jax):
         diff = (a.float() - b.float()).abs().max().item()
         scale = a.float().abs().max().item()

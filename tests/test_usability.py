@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import flashbridge
+from flashbridge import masks
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "flashbridge"
@@ -278,6 +279,9 @@ def _func_case(family: str):
 
     labels = torch.tensor([0, 5, -100, 30, 2])
     slopes = torch.rand(1, 2, generator=g)
+    angles = torch.rand(5, 6, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    window = masks.sliding_window(40, 9, block_size=16)
     return {
         "rms_norm": (lambda x, w, res: ft.rms_norm(x, w, residual=res), [r(5, 16), r(16), r(5, 16)]),
         "layer_norm": (lambda x, w, b: ft.layer_norm(x, w, b), [r(5, 16), r(16), r(16)]),
@@ -294,11 +298,23 @@ def _func_case(family: str):
                           [r(5, 33)]),
         "linear_cross_entropy": (lambda h, w: ft.linear_cross_entropy(h, w, labels, chunk_size=2),
                                  [r(5, 16), r(33, 16)]),
+        "rotary_embedding": (lambda x: ft.rotary_embedding(x, cos, sin), [r(2, 5, 3, 16)]),
+        "swiglu": (lambda gate, up: ft.swiglu(gate, up), [r(5, 24), r(5, 24)]),
+        "mla_attention": (lambda q, kv: ft.mla_attention(q, kv, head_dim_v=16, causal=True, return_lse=True),
+                          [r(1, 5, 3, 24), r(1, 7, 24)]),
+        "flash_attention_block_mask": (lambda q, k, v: ft.flash_attention(q, k, v, block_mask=window),
+                                       [r(1, 40, 2, 16), r(1, 40, 1, 16), r(1, 40, 1, 16)]),
     }[family]
 
 
 FUNC_FAMILIES = ["rms_norm", "layer_norm", "layer_norm_dropout_residual", "flash_attention_sinks",
-                 "flash_attention_alibi", "cross_entropy", "linear_cross_entropy"]
+                 "flash_attention_alibi", "cross_entropy", "linear_cross_entropy", "rotary_embedding", "swiglu",
+                 "mla_attention",
+                 # the block-sparse ops take the mask's arrays as one list argument: torch.func's
+                 # autograd.Function unwraps top-level tensors only, and the per-element vmap loop cannot
+                 # slice a list
+                 pytest.param("flash_attention_block_mask", marks=pytest.mark.xfail(
+                     strict=True, reason="block-sparse ops under torch.func: the mask arrays travel as a list"))]
 
 
 def _loss(fn):
@@ -358,6 +374,53 @@ def test_func_vmap_matches_a_loop(family):
     argnums = tuple(range(len(params)))
     grads = torch.func.vmap(torch.func.grad(_loss(fn), argnums=argnums))(*batched)
     _assert_equal(grads, stacked(_autograd(fn, list(sample)) for sample in zip(*batched)))
+
+
+def test_func_backward_runs_the_eager_plan(monkeypatch):
+    """Under torch.func an output nobody used (attention's lse) sends its backward None, as on the eager
+    path, not a zero tensor: both run the same backward plan (no dlse input) and give the same bits on a GPU
+    too, where a different plan may sum in another order."""
+    torch, _ = _torch()
+    import flashbridge.torch_api.attention as attention
+
+    seen = []
+    real = attention.plan_attention_bwd
+    monkeypatch.setattr(attention, "plan_attention_bwd", lambda *a, **k: seen.append(k["has_dlse"]) or real(*a, **k))
+    fn, params = _func_case("flash_attention_alibi")
+    _assert_equal(torch.func.grad(_loss(fn), argnums=(0, 1, 2))(*params), _autograd(fn, params))
+    out, vjp_fn = torch.func.vjp(fn, *params)
+    vjp_fn(torch.randn_like(out))
+    assert seen == [False, False, False]
+
+
+@pytest.mark.parametrize("transform", ["autograd", "func.vjp"])
+def test_attention_backward_takes_odd_stride_cotangents(transform, monkeypatch):
+    """On CUDA, q / k / v and the cotangent reach the kernels with their own strides (last dimension
+    contiguous); here that path runs in the interpreter (``_prepare`` as on CUDA). Cotangents laid out as
+    BHSD, sliced, or broadcast over heads or batch (stride 0) give the bits of their contiguous copies,
+    through autograd and through torch.func.vjp."""
+    torch, ft = _torch()
+    import flashbridge.torch_api.attention as attention
+    from helpers import odd_layouts
+
+    monkeypatch.setattr(attention, "_prepare", lambda t: t if t.stride(-1) == 1 else t.contiguous())
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, s, h, 16, generator=g) for s, h in ((13, 4), (17, 2), (17, 2)))
+
+    def fn(q, k, v):
+        return ft.flash_attention(q, k, v, causal=True, softcap=4.0)
+
+    if transform == "autograd":
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        vjp = lambda d: torch.autograd.grad(out, leaves, d, retain_graph=True)  # noqa: E731
+    else:
+        out, vjp = torch.func.vjp(fn, q, k, v)
+    for name, dout in odd_layouts(torch.randn(out.shape, generator=g)).items():
+        assert dout.stride() != dout.contiguous().stride(), name
+        got, want = vjp(dout), vjp(dout.contiguous())
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{name}: {grad_name} differs by {(a - b).abs().max().item():.3g}"
 
 
 def test_vmap_folds_into_one_launch(monkeypatch):
@@ -515,12 +578,29 @@ def _compile_case(op: str, n: int):
         return ((lambda h, w, y, b, ls, cs: ft.linear_cross_entropy(h, w, y, bias=b, label_smoothing=ls,
                                                                      chunk_size=cs)),
                 (h, w, y, b, 0.1, 3), (h, w, b))
+    if op == "rotary_embedding":
+        x, angles = r(2, n, 3, 16, grad=True), r(n, 6)
+        return (lambda x, cos, sin: ft.rotary_embedding(x, cos, sin)), (x, angles.cos(), angles.sin()), (x,)
+    if op == "swiglu":
+        x = r(n, 2, 24, grad=True)
+        return ft.swiglu, (x,), (x,)
+    if op == "mla_attention":
+        q, kv = r(2, n, 3, 24, grad=True), r(2, n + 2, 24, grad=True)
+        return ((lambda q, kv, scale: ft.mla_attention(q, kv, head_dim_v=16, causal=True, softmax_scale=scale)),
+                (q, kv, 0.3), (q, kv))
+    if op == "flash_attention_block_mask":
+        q, k, v = r(2, 4 * n, 2, 16, grad=True), r(2, 4 * n, 1, 16, grad=True), r(2, 4 * n, 1, 16, grad=True)
+        mask = masks.sliding_window(4 * n, 9, block_size=16)  # built once per length, outside the model
+        return (lambda q, k, v, mask: ft.flash_attention(q, k, v, block_mask=mask)), (q, k, v, mask), (q, k, v)
     raise KeyError(op)
 
 
 COMPILE_OPS = ["rms_norm", "layer_norm", "layer_norm_dropout_residual", "flash_attention", "flash_attention_varlen",
                "scaled_dot_product_attention", "decode_attention", "cascade_attention", "merge_attention_states",
-               "append_kv_cache", "cross_entropy", "linear_cross_entropy"]
+               "append_kv_cache", "cross_entropy", "linear_cross_entropy", "rotary_embedding", "swiglu",
+               pytest.param("mla_attention", marks=pytest.mark.xfail(
+                   strict=True, reason="mla_attention specialises the query length under dynamic=True")),
+               "flash_attention_block_mask"]
 
 
 @pytest.mark.parametrize("op", COMPILE_OPS)
@@ -551,18 +631,28 @@ def test_compile_dynamic_fullgraph(op):
 
 def _gpu_cases(n: int):
     """(name, fn, args, differentiable args) on CUDA at size ``n``: bfloat16 attention and norms, float
-    options as arguments (symbolic under dynamic=True)."""
+    options as arguments (symbolic under dynamic=True). ``n`` sets what a dynamic-shape model varies: the
+    tokens (attention's batch and sequence lengths, the norm's rows, the cross-entropy's rows); head dims,
+    head counts, the norm's width and the vocabulary stay fixed. No varying size equals a fixed one at the
+    first size: Dynamo would give both one symbol, and a second size that tells them apart recompiles."""
     torch, ft = _torch()
     g = torch.Generator(device="cuda").manual_seed(n)
 
     def r(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=g, device="cuda", dtype=dtype).requires_grad_(dtype.is_floating_point)
 
-    q, k, v = r(2, n, 8, 128), r(2, n + 64, 2, 128), r(2, n + 64, 2, 128)
-    x, w = r(4 * n, 1024), r(1024)
+    batch = n // 128 + 1
+    q, k, v = r(batch, n, 8, 128), r(batch, n + 64, 2, 128), r(batch, n + 64, 2, 128)
+    x, w = r(3 * n + 1, 1024), r(1024)
     logits = r(n, 32000, dtype=torch.float32)
     labels = torch.randint(0, 32000, (n,), generator=g, device="cuda")
+    x_rope = r(batch, n, 8, 128)
+    angles = torch.rand(n, 32, generator=g, device="cuda") * 6
+    gate, up = r(3 * n + 1, 2048), r(3 * n + 1, 2048)
     return [
+        ("rotary_embedding", lambda x, cos, sin: ft.rotary_embedding(x, cos, sin), (x_rope, angles.cos(), angles.sin()),
+         (x_rope,)),
+        ("swiglu", lambda gate, up: ft.swiglu(gate, up), (gate, up), (gate, up)),
         ("flash_attention", lambda q, k, v, cap, left: ft.flash_attention(q, k, v, causal=True, softcap=cap,
                                                                            window_size=(left, -1)),
          (q, k, v, 30.0, 256), (q, k, v)),
@@ -575,7 +665,7 @@ def _gpu_cases(n: int):
 @pytest.mark.gpu
 def test_gpu_compile_dynamic_inductor():
     """Inductor, dynamic shapes, fullgraph: the eager bits forward and backward, no recompile for a second
-    size."""
+    number of tokens (rows, batch, sequence lengths)."""
     torch, _ = _torch()
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -606,7 +696,40 @@ def test_gpu_func_grad_and_vmap():
             return fn(*p, *rest)
 
         _assert_equal(torch.func.grad(_loss(f), argnums=tuple(range(len(params))))(*params), _autograd(f, params))
+        out, vjp_fn = torch.func.vjp(f, *params)
+        cotangent = torch.randn_like(out)
+        _assert_equal(vjp_fn(cotangent), _autograd(f, params, (cotangent,)))
         batched = torch.stack([params[0], params[0].flip(0)])
         want = torch.stack([f(b, *params[1:]) for b in batched])
         got = torch.func.vmap(f, in_dims=(0,) + (None,) * (len(params) - 1))(batched, *params[1:])
         assert torch.equal(got, want), name
+
+
+@pytest.mark.gpu
+def test_gpu_attention_backward_takes_odd_stride_cotangents():
+    """bf16 attention on CUDA, where the cotangent's strides reach the kernels: cotangents laid out as BHSD,
+    sliced, or broadcast over heads or batch give the bits of their contiguous copies, through autograd,
+    torch.func.vjp and torch.func.grad (whose cotangent is whatever the loss makes of it)."""
+    torch, ft = _torch()
+    from helpers import odd_layouts
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(2, s, h, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+               for s, h in ((1000, 8), (1100, 2), (1100, 2)))
+
+    def fn(q, k, v):
+        return ft.flash_attention(q, k, v, causal=True, softcap=30.0, window_size=(256, -1))
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    _, vjp_fn = torch.func.vjp(fn, q, k, v)
+    for name, dout in odd_layouts(torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)).items():
+        want = torch.autograd.grad(out, leaves, dout.contiguous(), retain_graph=True)
+        _assert_equal(torch.autograd.grad(out, leaves, dout, retain_graph=True), want)
+        _assert_equal(vjp_fn(dout), want)
+    weights = torch.randn(out.shape[1:], generator=g, device="cuda")  # broadcast over the batch
+
+    def loss(q, k, v):
+        return (fn(q, k, v).float() * weights).sum()
+
+    _assert_equal(torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v), torch.autograd.grad(loss(*leaves), leaves))

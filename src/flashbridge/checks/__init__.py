@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-FAMILIES = ["norms", "attention", "cross_entropy", "decode", "rotary", "swiglu"]  # modules under flashbridge.checks, in the order they are reported
+# modules under flashbridge.checks, in the order they are reported
+FAMILIES = ["norms", "attention", "block_sparse", "mla", "cross_entropy", "decode", "rotary", "swiglu"]
 
 
 @dataclasses.dataclass

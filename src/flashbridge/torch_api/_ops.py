@@ -144,6 +144,9 @@ class FusedOp:
         op = self
 
         def setup_context(ctx, inputs, output):
+            # as on the eager path: an output nobody used gets None, not a zero tensor, so the backward
+            # runs the same plan (e.g. attention without a dlse input) and gives the same bits
+            ctx.set_materialize_grads(False)
             if op.setup_context is not None:
                 op.setup_context(ctx, inputs, output)
 

@@ -180,7 +180,8 @@ def _check_scale(softmax_scale, dqk: int) -> float:
         return 1.0 / math.sqrt(dqk)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
+    # comparisons rather than math.isfinite: torch.compile traces a float argument symbolically
+    if not -math.inf < softmax_scale < math.inf:
         raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
     return float(softmax_scale)
 
