@@ -1,9 +1,13 @@
 """Argument checks shared by the JAX front-end's ops (shape / dtype rules live in the plans)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .._forward_only import no_backward_message
 
 
 def check_arrays(**arrays) -> None:
@@ -40,3 +44,38 @@ def host_list(a):
         except Exception:  # noqa: BLE001 -- anything unusual: do not read it
             return None
     return np.asarray(a).reshape(-1).tolist()
+
+
+class _ForwardOnly:
+    """A forward-only op's name and body: the static argument of :func:`_no_backward` (hashed by identity)."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _no_backward(op, *args):
+    return op.fn(*args)
+
+
+def _no_backward_fwd(op, *args):
+    values = jax.tree_util.tree_map(lambda a: a.value, args)
+    return op.fn(*values), tuple(None for _ in args)  # residuals: only the number of arguments
+
+
+def _no_backward_bwd(op, none_per_arg, cotangents):
+    if all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in jax.tree_util.tree_leaves(cotangents)):
+        return none_per_arg  # the outputs do not reach the loss: zero gradients, nothing lost
+    raise NotImplementedError(no_backward_message(op.name))
+
+
+_no_backward.defvjp(_no_backward_fwd, _no_backward_bwd, symbolic_zeros=True)
+
+
+def forward_only(name: str, fn, *args):
+    """``fn(*args)`` (arrays or None) for the forward-only op ``name``: ``jax.grad`` / ``jax.vjp`` through
+    it fail while they trace, naming the op (forward-mode ``jax.jvp`` gets JAX's own custom_vjp error).
+    Concrete arrays cannot be differentiated: they call ``fn`` directly, at no cost."""
+    if not any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):
+        return fn(*args)
+    return _no_backward(_ForwardOnly(name, fn), *args)
