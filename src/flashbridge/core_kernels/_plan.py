@@ -137,6 +137,23 @@ def check_float_dtype(name: str, dtype: str) -> None:
         raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
 
 
+def check_real(name: str, value) -> None:
+    """``value`` is a real number (a Python int / float, a NumPy scalar, or a framework's symbolic float
+    while it traces), not a bool, a string or None: a ``TypeError`` naming the argument, before any
+    comparison raises one that names nothing."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__} {value!r}")
+
+
+def check_int(name: str, value) -> int:
+    """``value`` as an int when it is an integer (a Python int or a NumPy integer, not a bool); a float, even
+    an integral one, a string or None get a ``TypeError`` naming the argument (``int()`` would truncate
+    1.7 to 1 or fail with a parse error that names nothing)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    return int(value.__index__())
+
+
 def fmt_shape(shape) -> str:
     return str(tuple(shape))
 

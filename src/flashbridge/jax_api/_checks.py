@@ -19,17 +19,33 @@ def check_arrays(**arrays) -> None:
             raise TypeError(f"{name}: expected a jax.Array or None, got {type(a).__name__}")
 
 
-def as_seed(seed) -> jax.Array:
-    """A dropout seed as the int32 ``(1,)`` array the kernels read (traced seeds allowed)."""
+def check_seed(seed) -> None:
+    """A dropout seed: a Python int in int32's range or an integer array of one element (checked even when
+    dropout is off)."""
     if isinstance(seed, bool):
         raise TypeError("seed: expected a Python int or an integer array of one element, got bool")
     if isinstance(seed, int):
         if not -2**31 <= seed < 2**31:
             raise ValueError(f"seed: must fit in int32, got {seed}")
-        return jnp.array([seed], dtype=jnp.int32)
+        return
     if not hasattr(seed, "dtype") or not jnp.issubdtype(seed.dtype, jnp.integer) or np.size(seed) != 1:
         raise TypeError(f"seed: expected a Python int or an integer array of one element, got {seed!r}")
-    return jnp.reshape(seed, (1,)).astype(jnp.int32)
+
+
+def as_seed(seed) -> jax.Array:
+    """A dropout seed as the int32 ``(1,)`` array the kernels read (traced seeds allowed). A 64-bit seed
+    inside int32's range keeps its value; others get their high word mixed into the low one (the torch
+    front-end's ``fold_seed``, the same bits), so that 2**40 is not seed 0."""
+    check_seed(seed)
+    if isinstance(seed, int):
+        return jnp.array([seed], dtype=jnp.int32)
+    seed = jnp.reshape(seed, (1,))
+    if jnp.dtype(seed.dtype).itemsize <= 4:
+        return seed.astype(jnp.int32)
+    seed = seed.astype(jnp.int64)
+    lo = seed.astype(jnp.int32)
+    extra = (seed >> 32) - (lo >> 31).astype(jnp.int64)
+    return lo ^ ((extra * 0x9E3779B1) & 0xFFFFFFFF).astype(jnp.int32)
 
 
 def host_list(a):

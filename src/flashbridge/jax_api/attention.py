@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
+from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values, int_pair,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, match_varying
@@ -321,9 +321,9 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
     diag = shape.seqlen_k - shape.seqlen_q
     left = right = None
     if local_window_size is not None:
-        if isinstance(local_window_size, int):
+        if hasattr(local_window_size, "__index__") and not isinstance(local_window_size, bool):
             local_window_size = (local_window_size, local_window_size)
-        left, right = (int(s) for s in local_window_size)
+        left, right = int_pair("local_window_size", local_window_size)
         if left < 0 or right < 0:
             raise ValueError(f"local_window_size: sides must be >= 0, got {local_window_size}")
     if is_causal:

@@ -214,11 +214,7 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
         # comparisons rather than math.isfinite: torch.compile traces a float argument symbolically
         if not -math.inf < scale < math.inf:
             raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
-    try:
-        left, right = window_size
-        left, right = int(left), int(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    left, right = int_pair("window_size", window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
@@ -226,6 +222,20 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
     return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
+
+
+def int_pair(name: str, value) -> tuple[int, int]:
+    """A pair of ints ``(left, right)``: not a pair is a ``ValueError``, a side that is not an int (a float
+    that ``int()`` would truncate, a string) a ``TypeError``, both naming the argument."""
+    try:
+        left, right = value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a pair of ints (left, right), got {value!r}") from None
+    for side in (left, right):
+        if isinstance(side, bool) or not hasattr(side, "__index__"):
+            raise TypeError(f"{name}: expected a pair of ints (left, right), got {value!r} (a "
+                            f"{type(side).__name__})")
+    return left.__index__(), right.__index__()
 
 
 def check_attention_args(
