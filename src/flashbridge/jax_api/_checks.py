@@ -44,8 +44,10 @@ def as_seed(seed) -> jax.Array:
         return seed.astype(jnp.int32)
     seed = seed.astype(jnp.int64)
     lo = seed.astype(jnp.int32)
-    extra = (seed >> 32) - (lo >> 31).astype(jnp.int64)
-    return lo ^ ((extra * 0x9E3779B1) & 0xFFFFFFFF).astype(jnp.int32)
+    extra = (seed >> 32) - (lo >> 31).astype(jnp.int64)  # 0 exactly when the value fits in int32
+    mix = extra * jnp.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as an int64
+    mix = ((mix ^ (mix >> 32)) & 0xFFFFFFFF) | 1  # odd, so never 0 where extra is not
+    return lo ^ jnp.where(extra == 0, 0, mix).astype(jnp.int32)
 
 
 def host_list(a):

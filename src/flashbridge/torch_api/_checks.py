@@ -45,13 +45,18 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed: must fit in int32, got {seed}")
 
 
+SEED_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the 64-bit golden ratio) as an int64
+
+
 def fold_seed(seed: Tensor) -> Tensor:
     """An int64 seed tensor as the int32 the kernels read, without reading its value (no device sync): values
     inside int32's range stay as they are; others get their high word mixed into the low one (an int64 seed
     of 2**40 used to become seed 0). The same arithmetic as the JAX front-end's."""
     lo = seed.to(torch.int32)  # the low word
     extra = (seed >> 32) - (lo >> 31).to(torch.int64)  # 0 exactly when the value fits in int32
-    return lo ^ ((extra * 0x9E3779B1) & 0xFFFFFFFF).to(torch.int32)
+    mix = extra * SEED_MIX
+    mix = ((mix ^ (mix >> 32)) & 0xFFFFFFFF) | 1  # odd, so never 0 where extra is not
+    return lo ^ torch.where(extra == 0, 0, mix).to(torch.int32)
 
 
 def seed_tensor(seed: int | Tensor, device: torch.device) -> Tensor:

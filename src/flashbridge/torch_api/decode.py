@@ -412,7 +412,7 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
         # an expanded view (stride 0) or any view whose elements share memory: writes would land on
         # each other (and the CPU's copy back fails after the launch)
         if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)) or (
-                torch._C._debug_has_internal_overlap(cache) == 1):
+                torch._debug_has_internal_overlap(cache) == 1):
             raise ValueError(f"{name}: its elements share memory (strides {cache.stride()} for shape "
                              f"{tuple(cache.shape)}, e.g. an expand()ed view); append_kv_cache writes into the "
                              "cache, which needs memory of its own (allocate it, or .clone() the view)")
