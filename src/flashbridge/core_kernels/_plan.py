@@ -138,20 +138,22 @@ def check_float_dtype(name: str, dtype: str) -> None:
 
 
 def check_real(name: str, value) -> None:
-    """``value`` is a real number (a Python int / float, a NumPy scalar, or a framework's symbolic float
-    while it traces), not a bool, a string or None: a ``TypeError`` naming the argument, before any
-    comparison raises one that names nothing."""
-    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+    """``value`` is a number, not None, a bool, a string or a container: a ``TypeError`` naming the argument
+    before a comparison raises one that names nothing. (A denylist: torch.compile traces a float argument
+    as a symbolic float, on which dynamo supports isinstance but not hasattr.)"""
+    if value is None or isinstance(value, (bool, str, bytes, list, tuple, dict, set)):
         raise TypeError(f"{name}: expected a Python float, got {type(value).__name__} {value!r}")
 
 
-def check_int(name: str, value) -> int:
-    """``value`` as an int when it is an integer (a Python int or a NumPy integer, not a bool); a float, even
-    an integral one, a string or None get a ``TypeError`` naming the argument (``int()`` would truncate
-    1.7 to 1 or fail with a parse error that names nothing)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    return int(value.__index__())
+def check_int(name: str, value, what: str = "an int") -> int:
+    """``value`` as an int: a Python int, a NumPy integer or a symbolic int; a float (``int()`` would
+    truncate 1.7 to 1), a bool, a string or None get a ``TypeError`` naming the argument."""
+    if value is None or isinstance(value, (bool, float, str, bytes)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}") from None
 
 
 def fmt_shape(shape) -> str:

@@ -321,7 +321,7 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
     diag = shape.seqlen_k - shape.seqlen_q
     left = right = None
     if local_window_size is not None:
-        if hasattr(local_window_size, "__index__") and not isinstance(local_window_size, bool):
+        if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
             local_window_size = (local_window_size, local_window_size)
         left, right = int_pair("local_window_size", local_window_size)
         if left < 0 or right < 0:

@@ -134,7 +134,8 @@ def merge_attention_states(outs: Array, lses: Array) -> tuple[Array, Array]:
     def make_plan(target):
         return plan_merge(n, rows, dim, dtype, target=target)
 
-    out, lse = _run("merge_attention_states", make_plan, {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
+    out, lse = _run("merge_attention_states", make_plan,
+                    {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
     return out.reshape(*rows_shape, dim), lse.reshape(rows_shape)
 
 

@@ -409,10 +409,9 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
         # a write into a cache records nothing for autograd: the gradient of k_new / v_new would be lost
         raise NotImplementedError(no_backward_message("append_kv_cache") + " (k_new / v_new require grad)")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        # an expanded view (stride 0) or any view whose elements share memory: writes would land on
-        # each other (and the CPU's copy back fails after the launch)
-        if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)) or (
-                torch._debug_has_internal_overlap(cache) == 1):
+        # an expanded view (stride 0): rows share memory, writes would land on each other (and the CPU's
+        # copy back fails after the launch)
+        if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)):
             raise ValueError(f"{name}: its elements share memory (strides {cache.stride()} for shape "
                              f"{tuple(cache.shape)}, e.g. an expand()ed view); append_kv_cache writes into the "
                              "cache, which needs memory of its own (allocate it, or .clone() the view)")

@@ -518,8 +518,8 @@ def _dq_kv_range(
 
 @triton.jit
 def _dq_kv_list(
-    dq, dslope, q, do, lse2, delta, K_base, V_base, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
-    offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+    dq, dslope, q, do, lse2, delta, K_base, V_base, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local,
+    offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -595,33 +595,34 @@ def _dq_program(
         tok = tl.cast(b, tl.int64) * tok_stride_b
         tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
         m_local = offs_m - qb * MASK_QB
-        dq, dslope = _dq_kv_list(dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
-                         FULL_KV_IDX + lists,
-                         KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
-                         stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
-                         BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
-                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
-        dq, dslope = _dq_kv_list(dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
-                         KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
-                         stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
-                         BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
-                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+        dq, dslope = _dq_kv_list(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
+            FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv,
+            stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
+            BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+            HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+        dq, dslope = _dq_kv_list(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
+            KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
+            qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+            ALIBI_GRAD)
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
-        dq, dslope = _dq_kv_range(dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
-                          stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                          DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION, ALIBI_GRAD)
-        dq, dslope = _dq_kv_range(dq, dslope, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
-                          stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                          DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION, ALIBI_GRAD)
+        dq, dslope = _dq_kv_range(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv, stride_ks,
+            stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+        dq, dslope = _dq_kv_range(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv, stride_ks,
+            stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
         if TAIL_BLOCKS:  # False: the plan proved this segment empty
-            dq, dslope = _dq_kv_range(dq, dslope, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
-                              stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                              DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION, ALIBI_GRAD)
+            dq, dslope = _dq_kv_range(
+                dq, dslope, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv, stride_ks,
+                stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)

@@ -14,7 +14,7 @@ import math
 from typing import Optional
 
 from .._config import active_config
-from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
+from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_int, fmt_shape, next_power_of_2,
                      pow2_divisor)
 from ..block_sparse import plan as bsp
 
@@ -231,11 +231,8 @@ def int_pair(name: str, value) -> tuple[int, int]:
         left, right = value
     except (TypeError, ValueError):
         raise ValueError(f"{name}: expected a pair of ints (left, right), got {value!r}") from None
-    for side in (left, right):
-        if isinstance(side, bool) or not hasattr(side, "__index__"):
-            raise TypeError(f"{name}: expected a pair of ints (left, right), got {value!r} (a "
-                            f"{type(side).__name__})")
-    return left.__index__(), right.__index__()
+    what = "a pair of ints (left, right)"
+    return check_int(name, left, what), check_int(name, right, what)
 
 
 def check_attention_args(
