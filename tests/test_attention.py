@@ -95,17 +95,20 @@ def _fd_check(seed, **spec):
     q, k, v = np64(q), np64(k), np64(v)
     kw = ref_options(kw)
     sinks = kw.pop("sinks", None)
-    out, lse = ref.flash_attention(q, k, v, sinks=sinks, **kw, **options)
+    slopes = kw.pop("alibi_slopes", None)
+    out, lse = ref.flash_attention(q, k, v, sinks=sinks, alibi_slopes=slopes, **kw, **options)
     dout = rng.standard_normal(out.shape)
     dlse = rng.standard_normal(lse.shape)
     finite = np.isfinite(lse)
 
-    def loss(q_, k_, v_, s_):
-        o, l_ = ref.flash_attention(q_, k_, v_, sinks=s_, **kw, **options)
+    def loss(q_, k_, v_, s_, a_):
+        o, l_ = ref.flash_attention(q_, k_, v_, sinks=s_, alibi_slopes=a_, **kw, **options)
         return np.sum(o * dout) + np.sum(np.where(finite, l_, 0.0) * dlse)
 
-    grads = ref.flash_attention_bwd(dout, q, k, v, sinks=sinks, **kw, **options, dlse=dlse)
-    args = [q, k, v, sinks]
+    grads = ref.flash_attention_bwd(dout, q, k, v, sinks=sinks, alibi_slopes=slopes, **kw, **options, dlse=dlse,
+                                    return_dalibi=True)
+    assert (grads[4] is None) == (slopes is None)
+    args = [q, k, v, sinks, None if slopes is None else np64(slopes)]
     eps = 1e-6
     for i, grad in enumerate(grads):
         if grad is None:
@@ -260,13 +263,15 @@ def test_torch_opcheck():
     k.requires_grad_(True)
     v.requires_grad_(True)
     kw["sinks"].requires_grad_(True)
+    kw["alibi_slopes"].requires_grad_(True)
     args = (q, k, v, kw["alibi_slopes"], kw["sinks"], None, None, None, None, 0.25, True, 4, 0, 0.0)
     torch.library.opcheck(torch.ops.flashbridge.flash_attn_fwd.default, args)
     out, lse = torch.ops.flashbridge.flash_attn_fwd(*args)
-    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                torch.randn_like(lse), kw["alibi_slopes"], kw["sinks"].detach(), None, None, None, None, 0.25,
-                True, 4, 0, 0.0)
-    torch.library.opcheck(torch.ops.flashbridge.flash_attn_bwd.default, bwd_args)
+    for alibi_grad in (False, True):
+        bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                    torch.randn_like(lse), kw["alibi_slopes"].detach(), kw["sinks"].detach(), None, None, None, None,
+                    0.25, True, 4, 0, 0.0, alibi_grad)
+        torch.library.opcheck(torch.ops.flashbridge.flash_attn_bwd.default, bwd_args)
 
 
 # ----------------------------------------------------------------------------------- torch: bad inputs

@@ -219,12 +219,13 @@ def _memcheck_case():
     from flashbridge.torch_api.attention import flash_attention
     spec, options = CASES["varlen-ragged"]
     q, k, v, kw = _inputs(0, **spec, sinks=True, alibi=True)
-    for t in (q, k, v):
+    for t in (q, k, v, kw["alibi_slopes"]):  # the slopes too: the dQ kernel's slope term and its reduction
         t.requires_grad_(True)
     out = flash_attention(q, k, v, **kw, **options, window_size=(300, -1), softcap=20.0)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     print("torch ragged varlen forward + backward: ok")
+    kw["alibi_slopes"] = kw["alibi_slopes"].detach()
     for dqk in (256, 200):
         spec256, options256 = CASES["d256-gqa-ragged"]
         q2, k2, v2, kw2 = _inputs(1, **{**spec256, "dqk": dqk, "dv": 256}, sinks=True)
@@ -241,8 +242,9 @@ def _memcheck_case():
         return
     jkw = {n: (jax.numpy.asarray(a.cpu().numpy()) if isinstance(a, torch.Tensor) else a) for n, a in kw.items()}
     arrs = [jax.numpy.asarray(t.detach().float().cpu().numpy()).astype(jax.numpy.bfloat16) for t in (q, k, v)]
-    grads = jax.grad(lambda q, k, v: jfa(q, k, v, **jkw, **options).astype(jax.numpy.float32).sum(),
-                     argnums=(0, 1, 2))(*arrs)
+    slopes = jkw.pop("alibi_slopes")
+    grads = jax.grad(lambda q, k, v, s: jfa(q, k, v, **jkw, alibi_slopes=s, **options).astype(jax.numpy.float32)
+                     .sum(), argnums=(0, 1, 2, 3))(*arrs, slopes)
     jax.block_until_ready(grads)
     print("jax ragged varlen forward + backward: ok")
 

@@ -477,7 +477,7 @@ def test_torch_compile_fullgraph_and_opcheck():
     torch.library.opcheck(_sparse_fwd.custom_op, (q, k, v, None, None, arrays, *static))
     out, lse = _sparse_fwd(q.detach(), k.detach(), v.detach(), None, None, arrays, *static)
     torch.library.opcheck(_sparse_bwd.custom_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out,
-                                                  lse, None, None, None, arrays, *static),
+                                                  lse, None, None, None, arrays, *static, False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -47,7 +47,7 @@ _NORM_DTYPES = {**{n: "float32" for n in ("x", "weight", "bias", "residual", "po
 def _attn_dtypes(dtype: str) -> dict:
     d = {n: dtype for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
     d.update({n: "float32" for n in ("lse", "lse2", "delta", "alibi_slopes", "sinks", "dlse", "dsinks",
-                                     "dsinks_part")})
+                                     "dsinks_part", "dalibi_blocks", "dalibi", "dalibi_part")})
     return {**d, "cu_seqlens_q": "int32", "cu_seqlens_k": "int32"}
 
 
@@ -151,6 +151,24 @@ def test_attention_fused_backward_compiles_identically_and_vectorised():
                            _attn_dtypes("bfloat16"))
     assert vector_loads(ptx) > 0, "no 16-byte loads in the one-launch attention backward"
     assert_wgmma_pipelined(ptx, "one-launch attention backward")
+
+
+def test_attention_backward_with_the_slopes_gradient_compiles_identically():
+    """ALiBi with the slopes' gradient (ALIBI_GRAD: the dQ programs' extra reduction, then the per-head sum):
+    the same PTX from both launchers, and the one-launch backward's MMAs still pipelined."""
+    import dataclasses
+
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
+    shape, options = _attn_case(causal=True)
+    options = dataclasses.replace(options, has_alibi=True)
+    launches = plan_attention_bwd(shape, options, target=H200, config=AttentionConfig(fused_backward=True),
+                                  alibi_grad="float32").launches
+    ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
+                           _attn_dtypes("bfloat16"))
+    _assert_wgmma_pipelined(ptx, "one-launch attention backward with the ALiBi slopes' gradient")
+    _assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_alibi_kernel")),
+                     _attn_dtypes("bfloat16"))
 
 
 def _global_accesses(ptx: str) -> list[str]:

@@ -36,9 +36,11 @@ def _attention_plans(target):
         info = ((2, 130, 8, d), "bfloat16"), ((2, 257, hkv, d), "bfloat16")
         shape, options = A.check_attention_args(q=info[0], k=info[1], v=info[1], causal=causal, **extra)
         yield A.plan_attention_fwd(shape, options, target=target)
+        alibi_grad = "float32" if "alibi_slopes" in extra else None
         yield A.plan_attention_bwd(shape, options, target=target, has_dlse=causal,
-                                   sinks_dtype="float32" if "sinks" in extra else None)
-        yield A.plan_attention_bwd(shape, options, target=target, config=A.AttentionConfig(fused_backward=False))
+                                   sinks_dtype="float32" if "sinks" in extra else None, alibi_grad=alibi_grad)
+        yield A.plan_attention_bwd(shape, options, target=target, config=A.AttentionConfig(fused_backward=False),
+                                   alibi_grad=alibi_grad)
     shape, options = A.check_attention_args(
         q=((300, 8, 64), "float16"), k=((250, 2, 64), "float16"), v=((250, 2, 64), "float16"),
         cu_seqlens_q=((4,), "int32"), cu_seqlens_k=((4,), "int32"), max_seqlen_q=200, max_seqlen_k=100,

@@ -195,6 +195,25 @@ def check_float_dtype(name: str, dtype: str) -> None:
         raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {', '.join(FLOAT_DTYPES)}")
 
 
+def check_real(name: str, value) -> None:
+    """``value`` is a number, not None, a bool, a string or a container: a ``TypeError`` naming the argument
+    before a comparison raises one that names nothing. (A denylist: torch.compile traces a float argument
+    as a symbolic float, on which dynamo supports isinstance but not hasattr.)"""
+    if value is None or isinstance(value, (bool, str, bytes, list, tuple, dict, set)):
+        raise TypeError(f"{name}: expected a Python float, got {type(value).__name__} {value!r}")
+
+
+def check_int(name: str, value, what: str = "an int") -> int:
+    """``value`` as an int: a Python int, a NumPy integer or a symbolic int; a float (``int()`` would
+    truncate 1.7 to 1), a bool, a string or None get a ``TypeError`` naming the argument."""
+    if value is None or isinstance(value, (bool, float, str, bytes)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}") from None
+
+
 def fmt_shape(shape) -> str:
     return str(tuple(shape))
 

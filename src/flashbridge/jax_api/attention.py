@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
+from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values, int_pair,
                                             plan_attention_bwd, plan_attention_fwd)
 from ._checks import check_arrays
 from ..core_kernels._plan import memoised
@@ -39,6 +39,7 @@ class _Static:
     options: AttnOptions
     max_seqlen_q: Optional[int]
     max_seqlen_k: Optional[int]
+    alibi_grad: bool = False  # the backward also returns the ALiBi slopes' gradient
 
 
 def _shape(static: _Static, q, k, v, alibi, sinks, cu_q, cu_k):
@@ -71,17 +72,44 @@ def _fwd_call(q, k, v, alibi, sinks, cu_q, cu_k, *, static: _Static):
 def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, *, static: _Static):
     shape = _shape(static, q, k, v, alibi, sinks, cu_q, cu_k)
     options = _with_alibi(static.options, alibi)
+    alibi_grad = static.alibi_grad and alibi is not None
 
     def make_plan(target):
         return plan_attention_bwd(shape, options, target=target, has_dlse=dlse is not None,
-                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype))
+                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype),
+                                  alibi_grad=dtype_name(alibi.dtype) if alibi_grad else None)
 
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
              "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
     results = execute(make_plan, {n: a for n, a in given.items() if a is not None})
-    dq, dk, dv = results[:3]
-    dsinks, dsinks_part = (results[3], results[4]) if sinks is not None else (None, None)
-    return dq, dk, dv, dsinks, dsinks_part
+    return split_bwd_results(results, sinks is not None, alibi_grad)
+
+
+def split_bwd_results(results, has_sinks: bool, alibi_grad: bool):
+    """(dq, dk, dv, dsinks, dsinks_part, dalibi, dalibi_part) from a backward plan's results (None where the
+    plan has no such result)."""
+    dq, dk, dv, *rest = results
+    dsinks, dsinks_part = (rest.pop(0), rest.pop(0)) if has_sinks else (None, None)
+    dalibi, dalibi_part = (rest[0], rest[1]) if alibi_grad else (None, None)
+    return dq, dk, dv, dsinks, dsinks_part, dalibi, dalibi_part
+
+
+def vmap_bwd_results(axis_size: int, batch: int, results, sinks, alibi, alibi_batched: bool):
+    """A folded backward's results for ``axis_size`` examples of ``batch`` sequences each, per example: the
+    sinks' gradient and that of slopes ``(Hq,)`` sum their sequences' terms (``*_part``); slopes ``(B, Hq)``
+    get their own rows. Returns (results, out_batched)."""
+    dq, dk, dv, _, dsinks_part, dalibi, dalibi_part = results
+    unfold = lambda a: a.reshape(axis_size, batch, *a.shape[1:])  # noqa: E731
+    dsinks = None
+    if sinks is not None:
+        dsinks_part = unfold(dsinks_part)
+        dsinks = jnp.sum(dsinks_part, axis=1).astype(sinks.dtype)
+    if dalibi is not None:
+        dalibi_part = unfold(dalibi_part)
+        one_per_head = alibi.ndim - alibi_batched == 1
+        dalibi = (jnp.sum(dalibi_part, axis=1) if one_per_head else unfold(dalibi)).astype(alibi.dtype)
+    outs = (unfold(dq), unfold(dk), unfold(dv), dsinks, dsinks_part, dalibi, dalibi_part)
+    return outs, tuple(None if o is None else True for o in outs)
 
 
 def _any(flags) -> bool:
@@ -144,23 +172,14 @@ def _bwd_op(static: _Static):
     @op.def_vmap
     def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k):
         args = [dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k]
-        has_sinks = sinks is not None
-        out_batched = (True, True, True, True if has_sinks else None, True if has_sinks else None)
         if _must_map(cu_q is not None, in_batched[8]):
             outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
-            return outs, out_batched
+            return outs, tuple(None if o is None else True for o in outs)
         dout, q, k, v, out, lse, dlse = _batched(axis_size, args[:7], in_batched[:7])
         batch = q.shape[1]
-        dq, dk, dv, _, part = call(_fold(dout), _fold(q), _fold(k), _fold(v), _fold(out), _fold(lse),
-                                   _fold(dlse), _fold_alibi(axis_size, batch, alibi, _any(in_batched[7])),
-                                   sinks, None, None)
-        unfold = lambda a: a.reshape(axis_size, batch, *a.shape[1:])  # noqa: E731
-        dsinks = dsinks_part = None
-        if has_sinks:
-            # Each example's sink gradient is the sum of its own sequences' terms.
-            dsinks_part = unfold(part)
-            dsinks = jnp.sum(dsinks_part, axis=1).astype(sinks.dtype)
-        return (unfold(dq), unfold(dk), unfold(dv), dsinks, dsinks_part), out_batched
+        results = call(_fold(dout), _fold(q), _fold(k), _fold(v), _fold(out), _fold(lse), _fold(dlse),
+                       _fold_alibi(axis_size, batch, alibi, _any(in_batched[7])), sinks, None, None)
+        return vmap_bwd_results(axis_size, batch, results, sinks, alibi, _any(in_batched[7]))
 
     return op
 
@@ -172,20 +191,42 @@ def _attention(q, k, v, alibi, sinks, cu_q, cu_k, static):
     return _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k)
 
 
+def primal_values(*args):
+    """The values of custom_vjp primals (``symbolic_zeros=True`` wraps each one with its ``perturbed`` flag)."""
+    return tuple(None if a is None else a.value for a in args)
+
+
+def perturbed(a) -> bool:
+    """Whether a wrapped primal needs a gradient (None: absent)."""
+    return a is not None and a.perturbed
+
+
+def cotangent_values(dout, dlse, out):
+    """(dout in out's dtype, dlse or None) from symbolic-zero cotangents: an unused lse costs nothing."""
+    if isinstance(dout, jax.custom_derivatives.SymbolicZero):
+        dout = jnp.zeros(out.shape, out.dtype)
+    if isinstance(dlse, jax.custom_derivatives.SymbolicZero):
+        dlse = None
+    return dout.astype(out.dtype), dlse
+
+
 def _attention_fwd(q, k, v, alibi, sinks, cu_q, cu_k, static):
+    # The slopes' gradient is computed only when they are differentiated (known here, at trace time).
+    alibi_grad = perturbed(alibi)
+    q, k, v, alibi, sinks, cu_q, cu_k = primal_values(q, k, v, alibi, sinks, cu_q, cu_k)
     out, lse = _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k)
-    return (out, lse), (q, k, v, out, lse, alibi, sinks, cu_q, cu_k)
+    return (out, lse), (q, k, v, out, lse, alibi, sinks, cu_q, cu_k, alibi if alibi_grad else None)
 
 
 def _attention_bwd(static, saved, cotangents):
-    q, k, v, out, lse, alibi, sinks, cu_q, cu_k = saved
-    dout, dlse = cotangents
-    dq, dk, dv, dsinks, _ = _bwd_op(static)(dout.astype(out.dtype), q, k, v, out, lse, dlse, alibi, sinks,
-                                            cu_q, cu_k)
-    return dq, dk, dv, None, dsinks, None, None
+    q, k, v, out, lse, alibi, sinks, cu_q, cu_k, alibi_wanted = saved
+    dout, dlse = cotangent_values(*cotangents, out)
+    static = dataclasses.replace(static, alibi_grad=alibi_wanted is not None)
+    dq, dk, dv, dsinks, _, dalibi, _ = _bwd_op(static)(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k)
+    return dq, dk, dv, dalibi, dsinks, None, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _is_concrete(a) -> bool:
@@ -212,7 +253,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         softmax_scale: defaults to ``1 / sqrt(Dqk)``.
         window_size: ``(left, right)``: query i sees keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
             -1 leaves a side unbounded. Combines with causal.
-        alibi_slopes: ``(Hq,)`` or ``(B, Hq)``: adds ``-slope * |i + Sk - Sq - j|``; no gradient.
+        alibi_slopes: ``(Hq,)`` or ``(B, Hq)``: adds ``-slope * |i + Sk - Sq - j|``; differentiable (the
+            backward computes their gradient only when they are differentiated).
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         sinks: ``(Hq,)``: a per-head logit in the softmax denominator that attends to nothing; differentiable.
         cu_seqlens_q, cu_seqlens_k: int32 ``(n_seqs + 1,)`` packed offsets; ``max_seqlen_q`` /
@@ -284,9 +326,9 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
     diag = shape.seqlen_k - shape.seqlen_q
     left = right = None
     if local_window_size is not None:
-        if isinstance(local_window_size, int):
+        if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
             local_window_size = (local_window_size, local_window_size)
-        left, right = (int(s) for s in local_window_size)
+        left, right = int_pair("local_window_size", local_window_size)
         if left < 0 or right < 0:
             raise ValueError(f"local_window_size: sides must be >= 0, got {local_window_size}")
     if is_causal:

@@ -21,6 +21,7 @@ from .. import masks as _masks
 from ..core_kernels.block_sparse.plan import SparseLayout, band_arrays, check_block_mask, layout_of
 from ..core_kernels.flash_attn.plan import AttnOptions, check_attention_args, plan_attention_bwd, plan_attention_fwd
 from ._runtime import dtype_name, execute, match_varying
+from .attention import cotangent_values, perturbed, primal_values, split_bwd_results, vmap_bwd_results
 
 _NAMES = _masks.BlockMask.array_names
 _LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
@@ -55,6 +56,7 @@ class _Static:
     q_block: int
     kv_block: int
     terms: _masks.MaskTerms
+    alibi_grad: bool = False  # the backward also returns the ALiBi slopes' gradient
 
 
 def _layout(static: _Static, arrays) -> SparseLayout:
@@ -92,17 +94,17 @@ def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays, *, stati
     shape = _shape(q, k, v, alibi, sinks)
     options = _with_alibi(static.options, alibi)
     layout = _layout(static, mask_arrays)
+    alibi_grad = static.alibi_grad and alibi is not None
 
     def make_plan(target):
         return plan_attention_bwd(shape, options, target=target, has_dlse=dlse is not None, sparse=layout,
-                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype))
+                                  sinks_dtype=None if sinks is None else dtype_name(sinks.dtype),
+                                  alibi_grad=dtype_name(alibi.dtype) if alibi_grad else None)
 
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse, "alibi_slopes": alibi,
              "sinks": sinks, **dict(zip(_NAMES, mask_arrays))}
     results = execute(make_plan, {n: a for n, a in given.items() if a is not None})
-    dq, dk, dv = results[:3]
-    dsinks, dsinks_part = (results[3], results[4]) if sinks is not None else (None, None)
-    return dq, dk, dv, dsinks, dsinks_part
+    return split_bwd_results(results, sinks is not None, alibi_grad)
 
 
 # ------------------------------------------------------------------------------------------- vmap rules
@@ -193,25 +195,18 @@ def _bwd_op(static: _Static):
     @op.def_vmap
     def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays):
         args = [dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays]
-        has_sinks = sinks is not None
-        out_batched = (True, True, True, True if has_sinks else None, True if has_sinks else None)
         if _must_map(in_batched[8]):
             outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
-            return outs, out_batched
+            return outs, tuple(None if o is None else True for o in outs)
         mask_batched = _any(in_batched[9])
         dout, q, k, v, out, lse, dlse = _batched(axis_size, args[:7], in_batched[:7])
         if mask_batched:
             mask_arrays = _batched(axis_size, list(mask_arrays), list(in_batched[9]))
         batch = q.shape[1]
-        dq, dk, dv, _, part = call(_fold(dout), _fold(q), _fold(k), _fold(v), _fold(out), _fold(lse), _fold(dlse),
-                                   _fold_alibi(axis_size, batch, alibi, _any(in_batched[7])), sinks,
-                                   _fold_mask(axis_size, batch, mask_arrays, mask_batched))
-        unfold = lambda a: a.reshape(axis_size, batch, *a.shape[1:])  # noqa: E731
-        dsinks = dsinks_part = None
-        if has_sinks:
-            dsinks_part = unfold(part)
-            dsinks = jnp.sum(dsinks_part, axis=1).astype(sinks.dtype)
-        return (unfold(dq), unfold(dk), unfold(dv), dsinks, dsinks_part), out_batched
+        results = call(_fold(dout), _fold(q), _fold(k), _fold(v), _fold(out), _fold(lse), _fold(dlse),
+                       _fold_alibi(axis_size, batch, alibi, _any(in_batched[7])), sinks,
+                       _fold_mask(axis_size, batch, mask_arrays, mask_batched))
+        return vmap_bwd_results(axis_size, batch, results, sinks, alibi, _any(in_batched[7]))
 
     return op
 
@@ -224,19 +219,22 @@ def _attention(q, k, v, alibi, sinks, mask_arrays, static):
 
 
 def _attention_fwd(q, k, v, alibi, sinks, mask_arrays, static):
+    alibi_grad = perturbed(alibi)  # the slopes' gradient only when they are differentiated
+    q, k, v, alibi, sinks = primal_values(q, k, v, alibi, sinks)
+    mask_arrays = tuple(primal_values(*mask_arrays))
     out, lse = _fwd_op(static)(q, k, v, alibi, sinks, mask_arrays)
-    return (out, lse), (q, k, v, out, lse, alibi, sinks, mask_arrays)
+    return (out, lse), (q, k, v, out, lse, alibi, sinks, mask_arrays, alibi if alibi_grad else None)
 
 
 def _attention_bwd(static, saved, cotangents):
-    q, k, v, out, lse, alibi, sinks, mask_arrays = saved
-    dout, dlse = cotangents
-    dq, dk, dv, dsinks, _ = _bwd_op(static)(dout.astype(out.dtype), q, k, v, out, lse, dlse, alibi, sinks,
-                                            mask_arrays)
-    return dq, dk, dv, None, dsinks, tuple(None for _ in mask_arrays)
+    q, k, v, out, lse, alibi, sinks, mask_arrays, alibi_wanted = saved
+    dout, dlse = cotangent_values(*cotangents, out)
+    static = dataclasses.replace(static, alibi_grad=alibi_wanted is not None)
+    dq, dk, dv, dsinks, _, dalibi, _ = _bwd_op(static)(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays)
+    return dq, dk, dv, dalibi, dsinks, tuple(None for _ in mask_arrays)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def block_sparse_attention(q, k, v, block_mask, shape, options: AttnOptions, alibi_slopes, sinks):

@@ -1,4 +1,5 @@
-"""Flash-Decoding for JAX (forward only): the same kernels and plans as the torch front-end.
+"""Flash-Decoding for JAX (forward only: ``jax.grad`` through these ops fails, naming the op): the same
+kernels and plans as the torch front-end.
 
 ``decode_attention``, ``merge_attention_states`` and ``cascade_attention`` run their plans through the
 shared runtime (jax-triton on a GPU, Triton's interpreter in a ``pure_callback`` on the CPU); all work
@@ -22,7 +23,7 @@ from ..core_kernels import INTERPRETER
 from ..core_kernels.decode.plan import (check_append_args, check_cache_values, check_cascade_args,
                                         check_decode_args, check_merge_args, check_scale_values, plan_append,
                                         plan_cascade, plan_decode, plan_merge)
-from ._checks import check_arrays, host_list
+from ._checks import check_arrays, forward_only, host_list
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
@@ -56,10 +57,11 @@ def _host_values(cache_seqlens, block_table):
     return np.asarray(cache_seqlens).tolist(), None if block_table is None else np.asarray(block_table).tolist()
 
 
-def _run(make_plan, given: dict, aliases=None):
+def _run(name: str, make_plan, given: dict, aliases=None):
+    """Execute the forward-only op ``name``'s plan (differentiating through it fails, naming the op)."""
     names = make_plan(INTERPRETER).inputs
     arrays = match_varying(*[given[n] for n in names])
-    return execute(make_plan, dict(zip(names, arrays)), aliases=aliases)
+    return forward_only(name, lambda *a: execute(make_plan, dict(zip(names, a)), aliases=aliases), *arrays)
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -114,7 +116,7 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     def make_plan(target):
         return plan_decode(shape, options, target=target, num_splits=splits)
 
-    out, lse = _run(make_plan, arrays)
+    out, lse = _run("decode_attention", make_plan, arrays)
     return (out, lse) if return_lse else out
 
 
@@ -140,7 +142,8 @@ def merge_attention_states(outs: Array, lses: Array) -> tuple[Array, Array]:
     def make_plan(target):
         return plan_merge(n, rows, dim, dtype, target=target)
 
-    out, lse = _run(make_plan, {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
+    out, lse = _run("merge_attention_states", make_plan,
+                    {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
     return out.reshape(*rows_shape, dim), lse.reshape(rows_shape)
 
 
@@ -177,7 +180,7 @@ def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array
     def make_plan(target):
         return plan_cascade(shape, shared_len, options, target=target, num_splits=splits)
 
-    out, lse = _run(make_plan, arrays)
+    out, lse = _run("cascade_attention", make_plan, arrays)
     return (out, lse) if return_lse else out
 
 
@@ -211,5 +214,5 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
     check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
     # the kernel writes through its k_out / v_out outputs, which take over the caches' buffers
-    return _run(lambda target: plan_append(shape, target=target), arrays,
+    return _run("append_kv_cache", lambda target: plan_append(shape, target=target), arrays,
                 aliases={"k_out": "k_cache", "v_out": "v_cache"})

@@ -24,7 +24,7 @@ from ..core_kernels.decode.plan import check_scale_values
 from ..core_kernels.mla.plan import (check_decode_values, check_index_values, check_mla_args, check_mla_block_mask,
                                      check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
 from . import block_sparse as _bs
-from ._checks import check_arrays
+from ._checks import check_arrays, forward_only
 from ._runtime import dtype_name, execute, match_varying
 
 Array = jax.Array
@@ -319,6 +319,7 @@ def mla_decode(q: Array, kv_cache: Array, *, cache_seqlens: Array, block_table: 
     given = {"q": q, "kv": kv_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
              "indices": indices, "kv_scale": kv_scale}
     names = plan_mla_fwd(shape, options, target=INTERPRETER, num_splits=splits).inputs
-    out, lse = execute(make_plan, dict(zip(names, match_varying(*[given[n] for n in names]))))
+    out, lse = forward_only("mla_decode", lambda *a: execute(make_plan, dict(zip(names, a))),
+                            *match_varying(*[given[n] for n in names]))
     return (out, lse) if return_lse else out
 

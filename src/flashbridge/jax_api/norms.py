@@ -12,8 +12,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from ..core_kernels._plan import check_real
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
-from ._checks import as_seed, check_arrays
+from ._checks import as_seed, check_arrays, check_seed
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
@@ -159,8 +160,12 @@ _fused_norm.defvjp(_fused_norm_fwd, _fused_norm_bwd, symbolic_zeros=True)
 
 
 def _norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
+    # post_residual is layer_norm_dropout_residual's ``residual``: checks name it so
+    check_arrays(x=x, weight=weight, bias=bias, residual=residual if post_residual is None else post_residual)
+    # float64 parameters (with jax_enable_x64; any float dtype is accepted): computed in float32, the cast
+    # returns their gradient in float64
+    weight, bias = (a.astype(jnp.float32) if a is not None and a.dtype == jnp.float64 else a for a in (weight, bias))
     tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual, "post_residual": post_residual}
-    check_arrays(**tensors)
     check_norm_args(**{k: None if a is None else (tuple(a.shape), dtype_name(a.dtype))
                        for k, a in tensors.items()}, eps=eps, dropout_p=dropout_p)
     x, weight, bias, residual, post_residual, seed = match_varying(x, weight, bias, residual, post_residual, seed)
@@ -175,7 +180,7 @@ def rms_norm(x: Array, weight: Optional[Array] = None, *, eps: float = 1e-6,
 
     Args:
         x: ``(..., N)`` float32 / float16 / bfloat16, ``1 <= N <= 65536``.
-        weight: optional ``(N,)`` scale.
+        weight: optional ``(N,)`` scale, any float dtype (float64 is applied in float32).
         eps: added to the mean square, > 0.
         residual: optional ``(..., N)`` (x's dtype or float32), added to x in the same pass.
 
@@ -217,5 +222,7 @@ def layer_norm_dropout_residual(x: Array, weight: Optional[Array], bias: Optiona
     """
     if residual is None:
         raise ValueError("residual: layer_norm_dropout_residual needs a residual array, got None")
+    check_real("dropout_p", dropout_p)
+    check_seed(seed)
     seed_arr = as_seed(seed) if dropout_p > 0 else None
     return _norm(x, weight, bias, None, residual, seed_arr, eps=eps, is_rms=False, dropout_p=dropout_p)

@@ -227,7 +227,7 @@ def _bwd_step(spec: _Spec, calls, dq, dout, q, k, v, out, lse, dlse):
     dv = match_varying(jnp.zeros(v.shape, jnp.float32), q)[0]
     for c in calls:
         rows, keys = (c.q_start, c.q_stop), (c.k_start, c.k_stop)
-        dq_p, dk_p, dv_p, _, _ = _bwd_op(spec.static(c))(
+        dq_p, dk_p, dv_p, *_ = _bwd_op(spec.static(c))(
             _rows(dout, *rows), _rows(q, *rows), _rows(k, *keys), _rows(v, *keys), _rows(out, *rows),
             _rows(lse, *rows, axis=2), _rows(dlse, *rows, axis=2), None, None, None, None)
         dq = _add_rows(dq, *rows, dq_p)

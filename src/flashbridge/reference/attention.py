@@ -145,14 +145,16 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
 def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                         alibi_slopes=None, softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                        max_seqlen_q=None, max_seqlen_k=None, dlse=None, mask=None):
+                        max_seqlen_q=None, max_seqlen_k=None, dlse=None, mask=None, return_dalibi=False):
     """Gradients of :func:`flash_attention` given ``dout`` (shape of out) and optionally ``dlse`` (shape of
     lse). Returns ``(dq, dk, dv, dsinks)``; dsinks is None without sinks. GQA gradients are summed over each
-    group of query heads sharing a kv head.
+    group of query heads sharing a kv head. ``return_dalibi``: a fifth result, the gradient of
+    ``alibi_slopes`` (their shape).
 
     With ``delta_i = sum_d dout_i * out_i - dlse_i``: ``ds = p * (dout v^T - delta)`` (times ``1 - tanh^2``
-    with softcap), ``dq = scale * ds k``, ``dk = scale * ds^T q``, ``dv = p^T dout`` and
-    ``dsink = -sum_i exp(sink - lse_i) * delta_i``.
+    with softcap), ``dq = scale * ds k``, ``dk = scale * ds^T q``, ``dv = p^T dout``,
+    ``dsink = -sum_i exp(sink - lse_i) * delta_i`` and ``dslope_h = -sum_ij p (dout v^T - delta)_ij
+    |i + Sk - Sq - j|`` (ALiBi is added after softcap: no tanh factor).
     """
     q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
     varlen = cu_seqlens_q is not None
@@ -162,6 +164,7 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
     sinks = _f64(sinks)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dsinks = None if sinks is None else np.zeros_like(sinks)
+    dalibi = None if alibi_slopes is None else np.zeros_like(_f64(alibi_slopes))
     for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
         qq, kk, vv, do = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group), dout[qs]
         s, t, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
@@ -174,6 +177,14 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
             delta = delta - np.where(np.isfinite(row_lse), _f64(dlse)[_lse_index(b, qs, varlen)], 0.0)
         dp = np.einsum("qhd,khd->hqk", do, vv)
         ds = p * (dp - delta[..., None])
+        if dalibi is not None:
+            sq, sk = ds.shape[1], ds.shape[2]
+            dist = np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :])
+            term = -np.einsum("hqk,qk->h", ds, dist)
+            if dalibi.ndim == 1:
+                dalibi += term
+            else:
+                dalibi[b] += term
         if t is not None:
             ds = ds * (1.0 - t * t)
         ds = ds * scale
@@ -186,5 +197,7 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
         if sinks is not None:
             p_sink = np.exp(sinks[:, None] - np.where(np.isfinite(row_lse), row_lse, np.inf))  # (H, Sq)
             dsinks -= np.sum(p_sink * delta, axis=1)
+    if return_dalibi:
+        return dq, dk, dv, dsinks, dalibi
     return dq, dk, dv, dsinks
 

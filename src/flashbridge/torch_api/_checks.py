@@ -31,15 +31,38 @@ def check_tensors(tensors: dict[str, Tensor | None], required: tuple[str, ...] =
     return device
 
 
-def seed_tensor(seed: int | Tensor, device: torch.device) -> Tensor:
-    """A dropout seed as the int32 ``(1,)`` tensor the kernels read."""
+def check_seed(seed) -> None:
+    """A dropout seed: a Python int in int32's range or a one-element int32 / int64 tensor (checked even when
+    dropout is off, so that a wrong seed never waits for the first call that uses it)."""
     if isinstance(seed, Tensor):
         if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"seed: expected a Python int or a one-element integer tensor, got "
                             f"{seed.dtype} of shape {tuple(seed.shape)}")
-        return seed.reshape(1).to(device=device, dtype=torch.int32)
+        return
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected a Python int or a one-element integer tensor, got {type(seed).__name__}")
     if not -2**31 <= seed < 2**31:
         raise ValueError(f"seed: must fit in int32, got {seed}")
+
+
+SEED_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the 64-bit golden ratio) as an int64
+
+
+def fold_seed(seed: Tensor) -> Tensor:
+    """An int64 seed tensor as the int32 the kernels read, without reading its value (no device sync): values
+    inside int32's range stay as they are; others get their high word mixed into the low one (an int64 seed
+    of 2**40 used to become seed 0). The same arithmetic as the JAX front-end's."""
+    lo = seed.to(torch.int32)  # the low word
+    extra = (seed >> 32) - (lo >> 31).to(torch.int64)  # 0 exactly when the value fits in int32
+    mix = extra * SEED_MIX
+    mix = ((mix ^ (mix >> 32)) & 0xFFFFFFFF) | 1  # odd, so never 0 where extra is not
+    return lo ^ torch.where(extra == 0, 0, mix).to(torch.int32)
+
+
+def seed_tensor(seed: int | Tensor, device: torch.device) -> Tensor:
+    """A dropout seed as the int32 ``(1,)`` tensor the kernels read (int64 tensors: :func:`fold_seed`)."""
+    check_seed(seed)
+    if isinstance(seed, Tensor):
+        seed = seed.reshape(1).to(device=device)
+        return seed if seed.dtype == torch.int32 else fold_seed(seed)
     return torch.tensor([seed], dtype=torch.int32, device=device)

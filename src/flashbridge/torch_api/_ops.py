@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .._forward_only import no_backward_message
+
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # True while a transform's backward runs: a vjp function called after its torch.func.vjp returned has
 # saved tensors that are functorch wrappers of a finished transform, of type torch.Tensor; only the
@@ -181,6 +183,19 @@ class FusedOp:
                 and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             return _EagerAutograd.apply(*args, self)
         return self.impl(*args)
+
+
+def register_forward_only(op: FusedOp, name: str) -> None:
+    """Give a forward-only op an autograd formula that fails when a gradient reaches it, naming the op
+    (without one, torch returns outputs with ``requires_grad=False`` and the gradient is silently lost)."""
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(no_backward_message(name))
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
 def vmapped_at(t: Optional[Tensor], dim: Optional[int], batch_size: int, at: int = 0) -> Optional[Tensor]:

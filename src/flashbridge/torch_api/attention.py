@@ -128,14 +128,18 @@ def _flash_attn_bwd(
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
     softmax_scale: float, causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dsinks); dsinks is empty ``(0,)`` without sinks."""
+    alibi_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dsinks, dalibi, dalibi_part); dsinks is empty ``(0,)`` without sinks, dalibi (the
+    slopes' shape) and dalibi_part (float32 ``(batch, Hq)``, per sequence) without ``alibi_grad``."""
     shape, options = _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
     q, k, v, dout = _prepare(q), _prepare(k), _prepare(v), _prepare(dout)
+    alibi_grad = alibi_grad and alibi_slopes is not None
     plan = plan_attention_bwd(
         shape, options, target=target_for(q.device), has_dlse=dlse is not None,
         sinks_dtype=None if sinks is None else dtype_name(sinks.dtype),
+        alibi_grad=dtype_name(alibi_slopes.dtype) if alibi_grad else None,
         strides={"q": _strides(q), "k": _strides(k), "v": _strides(v), "dout": _strides(dout)})
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
              "alibi_slopes": alibi_slopes, "sinks": sinks, "cu_seqlens_q": cu_seqlens_q,
@@ -143,15 +147,25 @@ def _flash_attn_bwd(
     results = execute(plan, {n: given[n] if n in ("q", "k", "v", "dout") else given[n].contiguous()
                              for n in plan.inputs})
     dq, dk, dv = results[:3]
-    dsinks = results[3] if sinks is not None else q.new_empty((0,))
-    return dq, dk, dv, dsinks
+    rest = list(results[3:])
+    dsinks = rest.pop(0) if sinks is not None else q.new_empty((0,))
+    if sinks is not None:
+        rest.pop(0)  # dsinks_part
+    dalibi, dalibi_part = (rest[0], rest[1]) if alibi_grad else (q.new_empty((0,)), q.new_empty((0,)))
+    return dq, dk, dv, dsinks, dalibi, dalibi_part
 
 
 @_flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, alibi_grad):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    if alibi_grad and alibi_slopes is not None:
+        n_seqs = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        dalibi = alibi_slopes.new_empty(alibi_slopes.shape)
+        dalibi_part = q.new_empty((n_seqs, q.shape[-2]), dtype=torch.float32)
+    else:
+        dalibi, dalibi_part = q.new_empty((0,)), q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dalibi, dalibi_part
 
 
 @_flash_attn_bwd.register_vmap
@@ -161,11 +175,17 @@ def _(batch, in_dims, dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seq
                                                in_dims))))
     if f is None or sinks is not None:
         return None  # the sinks gradient of a vmapped call: one sum over the batch per element
-    dq, dk, dv, dsinks = _flash_attn_bwd.overload(
+    dq, dk, dv, dsinks, dalibi, part = _flash_attn_bwd.overload(
         f["dout"], f["q"], f["k"], f["v"], f["out"], f["lse"], f["dlse"], f["alibi_slopes"], sinks, None, None,
         *options)
-    return (dq.unflatten(0, (batch, -1)), dk.unflatten(0, (batch, -1)), dv.unflatten(0, (batch, -1)),
-            dsinks), (0, 0, 0, None)
+    unfold = lambda t: t.unflatten(0, (batch, -1))  # noqa: E731
+    alibi_dim = None
+    if options[-1] and alibi_slopes is not None:  # alibi_grad: each element's slopes get their own gradient
+        one_per_head = alibi_slopes.dim() - (in_dims[7] is not None) == 1
+        # slopes (Hq,) of one element: the sum of its sequences' terms; (B, Hq): its sequences' rows
+        dalibi = (unfold(part).sum(1) if one_per_head else unfold(dalibi)).to(alibi_slopes.dtype)
+        part, alibi_dim = unfold(part), 0
+    return (unfold(dq), unfold(dk), unfold(dv), dsinks, dalibi, part), (0, 0, 0, None, alibi_dim, alibi_dim)
 
 
 def _setup_context(ctx, inputs, output):
@@ -180,10 +200,11 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = _flash_attn_bwd(
-        dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-    return (dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None, None, None,
-            None, None)
+    alibi_grad = alibi_slopes is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dsinks, dalibi, _ = _flash_attn_bwd(
+        dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_grad)
+    return (dq, dk, dv, dalibi if alibi_grad else None, dsinks if sinks is not None else None, None, None, None,
+            None, None, None, None, None, None)
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -218,7 +239,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         window_size: ``(left, right)``: query i sees keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``;
             -1 leaves a side unbounded. Combines with causal (which sets right to 0).
         alibi_slopes: ``(Hq,)`` or ``(B, Hq)`` float: adds ``-slope * |i + Sk - Sq - j|`` to the scores,
-            computed in the kernel. Treated as a constant (no gradient).
+            computed in the kernel. Differentiable: with ``requires_grad`` the backward also returns their
+            gradient (computed by the dQ kernel, deterministic; no cost when they need none).
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (applied before ALiBi).
         sinks: ``(Hq,)`` float: a learnable per-head logit that joins the softmax denominator and attends to
             nothing (gpt-oss / StreamingLLM); its gradient is returned.

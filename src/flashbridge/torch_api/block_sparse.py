@@ -106,29 +106,36 @@ def _sparse_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], mask_arrays: list[Optional[Tensor]], q_block: int,
     kv_block: int, window_left: Optional[int], window_right: Optional[int], global_tokens: int, document: bool,
-    softmax_scale: float, softcap: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dsinks); dsinks is empty ``(0,)`` without sinks."""
+    softmax_scale: float, softcap: float, alibi_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dsinks, dalibi); dsinks is empty ``(0,)`` without sinks, dalibi (the slopes'
+    gradient) without ``alibi_grad``."""
     shape, options = _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap)
     layout = _layout(q, k, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens, document)
     q, k, v, dout = _prepare(q), _prepare(k), _prepare(v), _prepare(dout)
+    alibi_grad = alibi_grad and alibi_slopes is not None
     plan = plan_attention_bwd(
         shape, options, target=target_for(q.device), has_dlse=dlse is not None, sparse=layout,
         sinks_dtype=None if sinks is None else dtype_name(sinks.dtype),
+        alibi_grad=dtype_name(alibi_slopes.dtype) if alibi_grad else None,
         strides={"q": _strides(q), "k": _strides(k), "v": _strides(v), "dout": _strides(dout)})
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
              "alibi_slopes": alibi_slopes, "sinks": sinks, **dict(zip(_NAMES, mask_arrays))}
     results = execute(plan, {n: given[n] if n in ("q", "k", "v", "dout") else given[n].contiguous()
                              for n in plan.inputs})
     dq, dk, dv = results[:3]
-    return dq, dk, dv, results[3] if sinks is not None else q.new_empty((0,))
+    dsinks = results[3] if sinks is not None else q.new_empty((0,))
+    dalibi = results[-2] if alibi_grad else q.new_empty((0,))
+    return dq, dk, dv, dsinks, dalibi
 
 
 @_sparse_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, mask_arrays, q_block, kv_block, window_left,
-      window_right, global_tokens, document, softmax_scale, softcap):
+      window_right, global_tokens, document, softmax_scale, softcap, alibi_grad):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    dalibi = (alibi_slopes.new_empty(alibi_slopes.shape) if alibi_grad and alibi_slopes is not None
+              else q.new_empty((0,)))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dalibi
 
 
 def _setup_context(ctx, inputs, output):
@@ -142,9 +149,11 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi_slopes, sinks, *mask_arrays = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = _sparse_bwd(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, list(mask_arrays),
-                                     *ctx.static)
-    return (dq, dk, dv, None, dsinks if sinks is not None else None, None, *([None] * len(ctx.static)))
+    alibi_grad = alibi_slopes is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dsinks, dalibi = _sparse_bwd(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, list(mask_arrays),
+                                             *ctx.static, alibi_grad)
+    return (dq, dk, dv, dalibi if alibi_grad else None, dsinks if sinks is not None else None, None,
+            *([None] * len(ctx.static)))
 
 
 _sparse_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -19,12 +19,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._forward_only import no_backward_message
 from ..core_kernels._config import active_config
 from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_append_args, check_cache_values,
                                         check_cascade_args, check_decode_args, check_merge_args, check_scale_values,
                                         check_scales, plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
-from ._ops import fused_op, underlying, vmapped_at
+from ._ops import fused_op, register_forward_only, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
 
 # validation and plans run once per distinct argument signature (see memoised)
@@ -199,6 +200,11 @@ def _(q, shared_k, shared_v, k_cache, v_cache, cache_seqlens, block_table, sinks
       softmax_scale, causal, softcap, num_splits):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+register_forward_only(_decode_attn, "decode_attention")
+register_forward_only(_merge_attn_states, "merge_attention_states")
+register_forward_only(_cascade_attn, "cascade_attention")
 
 
 @fused_op("append_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -420,6 +426,16 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
     tensors = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
                "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
     check_tensors(tensors, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"))
+    if torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
+        # a write into a cache records nothing for autograd: the gradient of k_new / v_new would be lost
+        raise NotImplementedError(no_backward_message("append_kv_cache") + " (k_new / v_new require grad)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # an expanded view (stride 0): rows share memory, writes would land on each other (and the CPU's
+        # copy back fails after the launch)
+        if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)):
+            raise ValueError(f"{name}: its elements share memory (strides {cache.stride()} for shape "
+                             f"{tuple(cache.shape)}, e.g. an expand()ed view); append_kv_cache writes into the "
+                             "cache, which needs memory of its own (allocate it, or .clone() the view)")
     shape = check_append_args(**{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout)
     values = _host_values(cache_seqlens, block_table)
     if values is not None:

@@ -23,7 +23,7 @@ from ..core_kernels.mla.plan import (MLAConfig, check_decode_values, check_index
 from ..masks import BlockMask
 from ._checks import check_tensors
 from .block_sparse import _layout as _mask_layout, mask_tensors
-from ._ops import fused_op, underlying
+from ._ops import fused_op, register_forward_only, underlying
 from ._runtime import dtype_name, execute, target_for
 
 
@@ -237,6 +237,9 @@ def _mla_decode(q: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, block_table:
 def _(q, kv_cache, cache_seqlens, block_table, indices, kv_scale, head_dim_v, softmax_scale, num_splits):
     b, sq, h, _ = q.shape
     return q.new_empty((b, sq, h, head_dim_v)), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+register_forward_only(_mla_decode, "mla_decode")
 
 
 # ----------------------------------------------------------------------------------------------- public

@@ -10,10 +10,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..core_kernels._plan import check_real
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
+from ._checks import check_seed, check_tensors, seed_tensor
 from ._ops import fused_op, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
-from ._checks import check_tensors, seed_tensor
 
 # validation and plans run once per distinct argument signature (see memoised)
 check_norm_args, plan_norm_fwd, plan_norm_bwd = map(memoised, (check_norm_args, plan_norm_fwd, plan_norm_bwd))
@@ -115,8 +116,13 @@ _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
+    # post_residual is layer_norm_dropout_residual's ``residual``: checks name it so
+    check_tensors({"x": x, "weight": weight, "bias": bias, "residual": residual if post_residual is None
+                   else post_residual}, required=("x",))
+    # float64 parameters (any float dtype is accepted): the kernels compute in float32 anyway; autograd
+    # returns their gradient in float64 through the cast
+    weight, bias = (t.float() if t is not None and t.dtype == torch.float64 else t for t in (weight, bias))
     tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual, "post_residual": post_residual}
-    check_tensors(tensors, required=("x",))
     check_norm_args(**{k: None if t is None else (tuple(t.shape), dtype_name(t.dtype))
                        for k, t in tensors.items()}, eps=eps, dropout_p=dropout_p)
     y, h, _, _ = _norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps), is_rms, float(dropout_p))
@@ -130,7 +136,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, *, eps: float = 1e-6,
     Args:
         x: ``(..., N)`` float32 / float16 / bfloat16, on a CUDA device or on the CPU (Triton interpreter);
             ``1 <= N <= 65536``.
-        weight: optional ``(N,)`` scale (any float dtype).
+        weight: optional ``(N,)`` scale, any float dtype (float64 is applied in float32).
         eps: added to the mean square, > 0.
         residual: optional ``(..., N)`` tensor (x's dtype or float32) added to x in the same pass.
 
@@ -193,5 +199,7 @@ def layer_norm_dropout_residual(x: Tensor, weight: Optional[Tensor], bias: Optio
     """
     if residual is None:
         raise ValueError("residual: layer_norm_dropout_residual needs a residual tensor, got None")
-    seed_t = seed_tensor(seed, x.device) if dropout_p > 0 else None
+    check_real("dropout_p", dropout_p)
+    check_seed(seed)
+    seed_t = seed_tensor(seed, x.device) if isinstance(x, Tensor) and dropout_p > 0 else None
     return _fused_norm(x, weight, bias, None, residual, seed_t, eps=eps, is_rms=False, dropout_p=dropout_p)

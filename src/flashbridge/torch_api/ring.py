@@ -130,10 +130,10 @@ def _block_fwd(q, k, v, call: layout_mod.BlockCall, scale: float):
 
 def _block_bwd(dout, q, k, v, out, lse, dlse, call: layout_mod.BlockCall, scale: float):
     rows, keys = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
-    dq, dk, dv, _ = _flash_attn_bwd(
+    dq, dk, dv, *_ = _flash_attn_bwd(
         dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
         None if dlse is None else dlse[:, :, rows], None, None, None, None, None, None, scale, call.causal,
-        call.window_left, call.window_right, 0.0)
+        call.window_left, call.window_right, 0.0, False)
     return dq, dk, dv
 
 

@@ -15,6 +15,9 @@ The forward saved ``out`` and ``lse`` only; the backward recomputes ``p = exp(s 
    last wave leaves idle (FlexAttention's backward is organised the same way). Same code, same results.
 4. ``attn_bwd_sink_kernel`` (with sinks): ``dsink_h = -sum_i exp(sink_h - lse_i) * delta_i``, one program
    per head summing its rows in a fixed order; also writes the per-sequence partial sums.
+5. ``attn_bwd_alibi_kernel`` (when the ALiBi slopes need a gradient): ``dslope_h = -sum_ij dS_ij |i + diag -
+   j|``; the dQ programs, which own their rows' dS, each store their block's term, and one program per head
+   sums them in a fixed order.
 
 Both main kernels walk their loop axis in three segments as the forward does (masked, full, masked); in the
 dK/dV kernel the first masked segment holds only query blocks inside the sequence, whose loads need no row
@@ -48,6 +51,7 @@ DKDV_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dkb", "stride_dks", "stride_dkh"
 DQ_INT_SCALARS = (*_MAIN_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh")
 FUSED_INT_SCALARS = (*DKDV_INT_SCALARS, "stride_dqb", "stride_dqs", "stride_dqh", "heads_kv", "n_seqs")
 SINK_INT_SCALARS = ("n_seqs", "seqlen_q", "total_q", *_LSE_STRIDES)
+ALIBI_INT_SCALARS = ("n_seqs", "n_blocks")
 
 
 @triton.jit(do_not_specialize_on_alignment=PREPROCESS_INT_SCALARS)
@@ -463,14 +467,18 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
+    dq, dslope, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, elem_ok=None,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, elem_ok=None,
 ):
     """dQ [M, Dqk] of one query block plus the terms of keys ``n_start + arange(BLOCK_N)`` (APPLY_MASK: the
-    scores take the mask, ``elem_ok`` [M, N] for block-sparse masks)."""
+    scores take the mask, ``elem_ok`` [M, N] for block-sparse masks).
+
+    ALIBI_GRAD: ``dslope`` [M] also gathers ``sum_j dS_ij * |i + diag - j|`` per row, dS the gradient of the
+    score after softcap (ALiBi is added after it); the slope's gradient is minus its sum over the rows.
+    Returns (dq, dslope)."""
     offs_c = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_c
     key_ok = offs_n < len_k
@@ -481,36 +489,44 @@ def _dq_step(
                        len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    if ALIBI_GRAD:
+        ds_bias = ds
+        if HAS_SOFTCAP:
+            ds_bias = p * (dp - delta[:, None])
+        dist = tl.abs(offs_m[:, None] + diag - offs_n[None, :]).to(tl.float32)  # [M, N]
+        dslope += tl.sum(ds_bias * dist, 1)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION), dslope
 
 
 @triton.jit
 def _dq_kv_range(
-    dq, q, do, lse2, delta, K_base, V_base, blk_lo, blk_hi, offs_m, offs_dqk, offs_dv,
+    dq, dslope, q, do, lse2, delta, K_base, V_base, blk_lo, blk_hi, offs_m, offs_dqk, offs_dv,
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr,
 ):
-    """Accumulate dQ [M, Dqk] of one query block over key blocks ``[blk_lo, blk_hi)``."""
+    """Accumulate dQ [M, Dqk] (and ``dslope``, see :func:`_dq_step`) of one query block over key blocks
+    ``[blk_lo, blk_hi)``."""
     for blk in range(blk_lo, blk_hi):
-        dq = _dq_step(dq, q, do, lse2, delta, K_base, V_base, blk * BLOCK_N, offs_m, offs_dqk, offs_dv, stride_ks,
-                      stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
-                      BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    return dq
+        dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, blk * BLOCK_N, offs_m, offs_dqk,
+                              offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
+                              window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL,
+                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+    return dq, dslope
 
 
 @triton.jit
 def _dq_kv_list(
-    dq, q, do, lse2, delta, K_base, V_base, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
-    offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+    dq, dslope, q, do, lse2, delta, K_base, V_base, n_blocks, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local,
+    offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr,
 ):
-    """Accumulate dQ over the key blocks of one row of a BlockMask's lists, as the forward's ``fwd_kv_list``
-    walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
+    """Accumulate dQ (and ``dslope``) over the key blocks of one row of a BlockMask's lists, as the forward's
+    ``fwd_kv_list`` walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
     for it in range(0, n_blocks * (MASK_KB // BLOCK_N)):
         slot, sub, n_start = list_step(BLOCKS, it, len_k, BLOCK_N, MASK_KB)
         offs_c = sub + tl.arange(0, BLOCK_N)  # keys within the mask block
@@ -519,10 +535,11 @@ def _dq_kv_list(
             elem_ok = kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK_K, len_k, diag,
                                    window_left, window_right, BLOCK_N, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL,
                                    MASK_DOC, MASK_BITS)
-        dq = _dq_step(dq, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv, stride_ks,
-                      stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
-                      BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, elem_ok)
-    return dq
+        dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
+                              stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
+                              DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+                              DOT_PRECISION, ALIBI_GRAD, elem_ok)
+    return dq, dslope
 
 
 @triton.jit
@@ -531,16 +548,17 @@ def _dq_program(
     sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ,
-    KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h,
-    mask_max, tok_stride_b,
+    DSLOPE_BLOCKS, slope_block, KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K,
+    mask_stride_b, mask_stride_h, mask_max, tok_stride_b,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
-    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, ALIBI_GRAD: tl.constexpr,
 ):
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
-    :func:`query_block`, ``m_start < len_q``)."""
+    :func:`query_block`, ``m_start < len_q``). ALIBI_GRAD: also this block's term of the slope's gradient,
+    stored at ``DSLOPE_BLOCKS[slope_block]`` (see :func:`_dq_step`)."""
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -569,6 +587,7 @@ def _dq_program(
     slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
     diag = len_k - len_q
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if BLOCK_SPARSE:  # the forward's lists (see attn_fwd_kernel): full blocks, then partial ones
         qb = m_start // MASK_QB
         row = tl.cast(b * mask_stride_b + h * mask_stride_h + qb, tl.int64)
@@ -576,36 +595,39 @@ def _dq_program(
         tok = tl.cast(b, tl.int64) * tok_stride_b
         tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
         m_local = offs_m - qb * MASK_QB
-        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
-                         FULL_KV_IDX + lists,
-                         KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
-                         stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
-                         BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
-                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        dq = _dq_kv_list(dq, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
-                         KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks,
-                         stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
-                         BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS,
-                         HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        dq, dslope = _dq_kv_list(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
+            FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv,
+            stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
+            BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+            HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+        dq, dslope = _dq_kv_list(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
+            KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
+            qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+            ALIBI_GRAD)
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
-        dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv,
-                          stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                          DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION)
-        dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv,
-                          stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                          DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION)
+        dq, dslope = _dq_kv_range(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv, stride_ks,
+            stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+        dq, dslope = _dq_kv_range(
+            dq, dslope, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv, stride_ks,
+            stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
         if TAIL_BLOCKS:  # False: the plan proved this segment empty
-            dq = _dq_kv_range(dq, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv,
-                              stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                              DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION)
+            dq, dslope = _dq_kv_range(
+                dq, dslope, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv, stride_ks,
+                stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)
+    if ALIBI_GRAD:
+        tl.store(DSLOPE_BLOCKS + slope_block, -tl.sum(dslope, 0))
 
 
 @triton.jit(do_not_specialize_on_alignment=DQ_INT_SCALARS)
@@ -618,14 +640,14 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
     mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
     stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
-    DQ,  # output: dq in q's layout and dtype
+    DQ, DSLOPE_BLOCKS,  # outputs: dq in q's layout and dtype; ALIBI_GRAD: float32 (batch, heads, query blocks)
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    MASK_GROUP_P2: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr,
 ):
     if BLOCK_SPARSE:  # the mask's query blocks, longest first
         rank, h, b = block_schedule(HEAD_GROUP)
@@ -635,16 +657,19 @@ def attn_bwd_dq_kernel(
     else:
         h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
             CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    slope_block = (b * tl.num_programs(1) + h) * tl.num_programs(0) + m_start // BLOCK_M
     if m_start >= len_q:
+        if ALIBI_GRAD:  # every block of the slopes' partial sums is written
+            tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
         return
     _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
                 softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_lb,
-                stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, KV_NUM, KV_IDX, FULL_KV_NUM,
-                FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h, mask_max, tok_stride_b,
-                DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                STRIDE_ALIGN, LSE_ALIGN, TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC,
-                MASK_BITS)
+                stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DSLOPE_BLOCKS, slope_block, KV_NUM,
+                KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h,
+                mask_max, tok_stride_b, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
+                HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB,
+                MASK_GLOBAL, MASK_DOC, MASK_BITS, ALIBI_GRAD)
 
 
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
@@ -658,7 +683,7 @@ def attn_bwd_kernel(
     mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
     heads_kv, n_seqs,  # runtime scalars
-    DK, DV_OUT, DQ,  # outputs, as in the two kernels
+    DK, DV_OUT, DQ, DSLOPE_BLOCKS,  # outputs, as in the two kernels
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -666,7 +691,7 @@ def attn_bwd_kernel(
     HEAD_GROUP: tl.constexpr, KV_TAIL_BLOCKS: tl.constexpr, Q_TAIL_BLOCKS: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    MASK_GROUP_P2: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
@@ -714,15 +739,19 @@ def attn_bwd_kernel(
         else:
             h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
                 rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
+        slope_block = (b * heads_q + h) * q_blocks + m_start // Q_BLOCK_M
         if m_start < len_q:
             _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                        stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, KV_NUM, KV_IDX,
-                        FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h,
-                        mask_max, tok_stride_b, DQK, DV, Q_BLOCK_M, Q_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL,
-                        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, Q_TAIL_BLOCKS, BLOCK_SPARSE,
-                        MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS)
+                        stride_lb, stride_lh, stride_ab, stride_dqb, stride_dqs, stride_dqh, DQ, DSLOPE_BLOCKS,
+                        slope_block, KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K,
+                        mask_stride_b, mask_stride_h, mask_max, tok_stride_b, DQK, DV, Q_BLOCK_M, Q_BLOCK_N,
+                        BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
+                        LSE_ALIGN, Q_TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS,
+                        ALIBI_GRAD)
+        elif ALIBI_GRAD:  # every block of the slopes' partial sums is written
+            tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)
@@ -750,3 +779,30 @@ def attn_bwd_sink_kernel(
         tl.store(DSINK_PART + b * HQ + h, part)
         total += tl.where(offs == 0, part, 0.0)
     tl.store(DSINK + h, tl.sum(total, 0).to(DSINK.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize_on_alignment=ALIBI_INT_SCALARS)
+def attn_bwd_alibi_kernel(
+    DSLOPE_BLOCKS,  # input: float32 (n_seqs, HQ, n_blocks), the dQ programs' terms
+    n_seqs, n_blocks,  # runtime scalars
+    DSLOPE_PART, DSLOPE,  # outputs: per-sequence sums [n_seqs, HQ] float32; the slopes' gradient
+    HQ: tl.constexpr, BLOCK: tl.constexpr, BATCHED: tl.constexpr,
+):
+    """The ALiBi slopes' gradient from the dQ programs' per-block terms, one program per head summing in a
+    fixed order (deterministic, no atomics): per sequence (``DSLOPE_PART``; BATCHED slopes ``(B, HQ)``: also
+    ``DSLOPE``), and over the sequences for slopes shared by the batch (``(HQ,)``)."""
+    h = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(n_seqs):
+        row = DSLOPE_BLOCKS + (tl.cast(b, tl.int64) * HQ + h) * n_blocks
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_blocks, BLOCK):
+            acc += tl.load(row + start + offs, mask=start + offs < n_blocks, other=0.0)
+        part = tl.sum(acc, 0)
+        tl.store(DSLOPE_PART + b * HQ + h, part)
+        if BATCHED:
+            tl.store(DSLOPE + b * HQ + h, part.to(DSLOPE.dtype.element_ty))
+        total += tl.where(offs == 0, part, 0.0)
+    if not BATCHED:
+        tl.store(DSLOPE + h, tl.sum(total, 0).to(DSLOPE.dtype.element_ty))

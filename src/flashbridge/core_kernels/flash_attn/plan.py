@@ -14,7 +14,7 @@ import math
 from typing import Optional
 
 from .._config import active_config
-from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, fmt_shape, next_power_of_2,
+from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_int, fmt_shape, next_power_of_2,
                      pow2_divisor)
 from ..block_sparse import plan as bsp
 
@@ -214,11 +214,7 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
         # comparisons rather than math.isfinite: torch.compile traces a float argument symbolically
         if not -math.inf < scale < math.inf:
             raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
-    try:
-        left, right = window_size
-        left, right = int(left), int(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    left, right = int_pair("window_size", window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size: each side must be >= -1 (-1 = unbounded), got {(left, right)}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
@@ -226,6 +222,17 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
     return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
+
+
+def int_pair(name: str, value) -> tuple[int, int]:
+    """A pair of ints ``(left, right)``: not a pair is a ``ValueError``, a side that is not an int (a float
+    that ``int()`` would truncate, a string) a ``TypeError``, both naming the argument."""
+    try:
+        left, right = value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a pair of ints (left, right), got {value!r}") from None
+    what = "a pair of ints (left, right)"
+    return check_int(name, left, what), check_int(name, right, what)
 
 
 def check_attention_args(
@@ -580,7 +587,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
 
 
 def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target, has_dlse: bool = False,
-                       sinks_dtype: Optional[str] = None,
+                       sinks_dtype: Optional[str] = None, alibi_grad: Optional[str] = None,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
                        config: Optional[AttentionConfig] = None, sparse: Optional[bsp.SparseLayout] = None) -> Plan:
     """Plan inputs: dout, q, k, v, out, lse, [dlse], [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k],
@@ -589,8 +596,12 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     ``out`` and ``lse`` are the forward's results (contiguous); ``dlse`` a gradient arriving at lse.
     ``strides`` maps "q" / "k" / "v" / "dout" to (batch, row, head) element strides (default: contiguous).
     Results: dq, dk, dv (contiguous, in the inputs' dtype), then with sinks dsinks (``sinks_dtype``,
-    ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules).
+    ``(Hq,)``) and dsinks_part (float32 ``(batch, Hq)``, the per-sequence terms of dsinks, for vmap rules),
+    then with ``alibi_grad`` (the slopes' dtype: their gradient is wanted) dalibi (the slopes' shape) and
+    dalibi_part (float32 ``(batch, Hq)``, per sequence). Without it the dQ kernel compiles no slope term.
     """
+    if alibi_grad is not None and not options.has_alibi:
+        raise ValueError("alibi_grad: the call has no alibi_slopes")
     config = config or active_config(AttentionConfig)
     options, sparse = _sparse_options(options, sparse)
     strides = strides or {}
@@ -627,6 +638,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     main_inputs = ("q", "k", "v", "dout", "lse2", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
                    name("cu_seqlens_k"), *bsp.mask_inputs(sparse, bsp.BWD_ARRAYS))
     mask_flags = bsp.mask_constexprs(sparse, backward=True, group=shape.group)
+    alibi_flag = ("ALIBI_GRAD", alibi_grad is not None)
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
     pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
@@ -660,11 +672,11 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             grid=(math.prod(kv_grid) + math.prod(q_grid),),
             inputs=main_inputs,
             scalars=fused_scalars,
-            outputs=("dk", "dv", "dq"),
+            outputs=("dk", "dv", "dq", "dalibi_blocks"),
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
                         ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail),
-                        *mask_flags),
+                        *mask_flags, alibi_flag),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
@@ -684,16 +696,18 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 grid=q_grid,
                 inputs=main_inputs,
                 scalars=dq_scalars,
-                outputs=("dq",),
+                outputs=("dq", "dalibi_blocks"),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail),
-                            *mask_flags),
+                            *mask_flags, alibi_flag),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]
     buffers = [Spec("delta", shape.lse_shape, "float32"), Spec("lse2", shape.lse_shape, "float32"),
                Spec("dq", shape.q_shape(), shape.dtype), Spec("dk", shape.k_shape(), shape.dtype),
-               Spec("dv", shape.v_shape(), shape.dtype)]
+               Spec("dv", shape.v_shape(), shape.dtype),
+               # one term per dQ program (a one-element placeholder that nothing writes without alibi_grad)
+               Spec("dalibi_blocks", (shape.batch, shape.heads_q, q_programs) if alibi_grad else (1,), "float32")]
     results = ["dq", "dk", "dv"]
     if options.has_sinks:
         buffers += [Spec("dsinks_part", (shape.batch, shape.heads_q), "float32"),
@@ -709,5 +723,19 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                         ("IS_VARLEN", shape.varlen)),
             num_warps=4, num_stages=1))
         results += ["dsinks", "dsinks_part"]
+    if alibi_grad is not None:
+        slopes_shape = (shape.batch, shape.heads_q) if options.alibi_batched else (shape.heads_q,)
+        buffers += [Spec("dalibi_part", (shape.batch, shape.heads_q), "float32"),
+                    Spec("dalibi", slopes_shape, alibi_grad)]
+        launches.append(Launch(
+            kernel=f"{_BWD}:attn_bwd_alibi_kernel",
+            grid=(shape.heads_q,),
+            inputs=("dalibi_blocks",),
+            scalars=(("n_seqs", shape.batch), ("n_blocks", q_programs)),
+            outputs=("dalibi_part", "dalibi"),
+            constexprs=(("HQ", shape.heads_q), ("BLOCK", min(1024, max(16, next_power_of_2(q_programs)))),
+                        ("BATCHED", options.alibi_batched)),
+            num_warps=4, num_stages=1))
+        results += ["dalibi", "dalibi_part"]
     return Plan(inputs=tuple(n for n, here in present.items() if here), buffers=tuple(buffers),
                 launches=tuple(launches), results=tuple(results))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from .._config import active_config
-from .._plan import FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, next_power_of_2
+from .._plan import (FLOAT_DTYPES, Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_real,
+                     next_power_of_2)
 
 MAX_COLS = 65536  # one row lives in one program's registers; wider rows would spill to local memory
 _KERNELS = "norms.kernels"
@@ -81,15 +83,18 @@ def check_norm_args(
             raise ValueError(f"{name}: expected shape ({n_cols},) to match the last dimension of x, "
                              f"got {tuple(arg[0])}")
         check_float_dtype(name, arg[1])
-    for name, arg in (("residual", residual), ("post_residual", post_residual)):
+    # post_residual is layer_norm_dropout_residual's ``residual`` (added after the norm): errors use that name
+    for name, arg in (("residual", residual), ("residual", post_residual)):
         if arg is None:
             continue
         if tuple(arg[0]) != tuple(shape):
             raise ValueError(f"{name}: expected the shape of x {tuple(shape)}, got {tuple(arg[0])}")
         if arg[1] not in (dtype, "float32"):
             raise TypeError(f"{name}: dtype {arg[1]} must match x ({dtype}) or be float32")
-    if not eps > 0:
-        raise ValueError(f"eps: must be > 0, got {eps}")
+    check_real("eps", eps)
+    if not 0 < eps < math.inf:
+        raise ValueError(f"eps: must be > 0 and finite, got {eps}")
+    check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
     return n_rows, n_cols
