@@ -11,6 +11,10 @@ built explicitly, in the order the kernels apply them::
     p = exp(s - lse), lse = log(sum_j exp(s_j) + exp(sink))
 
 A row that sees no key has ``out = 0`` and ``lse = -inf`` (``lse = sink`` when the head has a sink).
+Non-finite values follow IEEE arithmetic and define what the kernels return: a NaN in anything a row
+sees (its query, a visible key or value, its ALiBi slope or sink) makes its ``out`` NaN and, unless it is
+in a value, its ``lse`` NaN; a +inf score (or sink) gives ``lse = +inf`` and ``out = sum_j exp(s_j - inf)
+v_j``: NaN from the +inf keys (``inf / inf``), 0 from the others. Keys a row does not see never reach it.
 """
 from __future__ import annotations
 
@@ -61,21 +65,28 @@ def _scores(q, k, *, scale, softcap, slopes, causal, window_size, extra_mask=Non
 
 
 def _lse(s, sinks):
-    """Row log-sum-exp over keys (and the sink): s (H, Sq, Sk) -> (H, Sq); -inf for empty rows."""
-    m = np.max(s, axis=-1, initial=-np.inf)
+    """Row log-sum-exp over keys (and the sink): s (H, Sq, Sk) -> (H, Sq); -inf for empty rows.
+
+    Non-finite scores follow IEEE arithmetic: a NaN score (or sink) gives NaN, a +inf one +inf (the sum of
+    the exponentials overflows to +inf), -inf ones weigh 0."""
+    m = np.max(s, axis=-1, initial=-np.inf)  # NaN where the row holds one
     if sinks is not None:
         m = np.maximum(m, sinks[:, None])
     m_safe = np.where(np.isfinite(m), m, 0.0)
-    total = np.sum(np.exp(s - m_safe[..., None]), axis=-1)
-    if sinks is not None:
-        total = total + np.exp(sinks[:, None] - m_safe)
-    with np.errstate(divide="ignore"):
-        return np.where(total > 0, m_safe + np.log(total), -np.inf)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.sum(np.exp(s - m_safe[..., None]), axis=-1)
+        if sinks is not None:
+            total = total + np.exp(sinks[:, None] - m_safe)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total == 0, -np.inf, m_safe + np.log(total))
 
 
 def _probs(s, lse):
-    lse_safe = np.where(np.isfinite(lse), lse, np.inf)  # empty rows: p = 0
-    return np.exp(s - lse_safe[..., None])
+    """``exp(s - lse)``: 0 in empty rows (lse -inf); in a row with lse +inf, 0 for finite scores and NaN for
+    +inf ones (``exp(s) / sum = inf / inf``); NaN everywhere in a NaN row."""
+    lse_safe = np.where(lse == -np.inf, np.inf, lse)  # empty rows: p = 0
+    with np.errstate(invalid="ignore"):
+        return np.exp(s - lse_safe[..., None])
 
 
 def _expand_kv(a, group):

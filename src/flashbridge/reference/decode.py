@@ -68,16 +68,20 @@ def decode_attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, kv
 
 def merge_attention_states(outs, lses):
     """Exact merge of N states: ``lse = log sum_n exp(lse_n)``, ``out = sum_n exp(lse_n - lse) out_n``.
-    outs ``(N, ..., D)``, lses ``(N, ...)``; rows where every lse is -inf give out 0, lse -inf."""
+    outs ``(N, ..., D)``, lses ``(N, ...)``; rows where every lse is -inf give out 0, lse -inf. A state with
+    lse -inf saw nothing and contributes 0 whatever its out holds; every other state contributes its
+    weighted out even where the weight underflows, so a NaN out always reaches the result, and a NaN lse
+    makes the row NaN (IEEE arithmetic, as :func:`flashbridge.reference.attention.flash_attention`)."""
     outs, lses = _f64(outs), _f64(lses)
-    m = np.max(lses, axis=0)
+    m = np.max(lses, axis=0)  # NaN where a state's lse is
     m_safe = np.where(np.isfinite(m), m, 0.0)
-    w = np.exp(lses - m_safe)  # (N, ...)
-    total = w.sum(axis=0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        w = np.exp(lses - m_safe)  # (N, ...)
+        total = w.sum(axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(total > 0, m_safe + np.log(total), -np.inf)
-        weights = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
-    out = np.einsum("n...,n...d->...d", weights, np.where(w[..., None] > 0, outs, 0.0))
+        lse = np.where(total == 0, -np.inf, m_safe + np.log(total))
+        weights = np.where(total == 0, 0.0, w / np.where(total == 0, 1.0, total))
+        out = np.einsum("n...,n...d->...d", weights, np.where(lses[..., None] == -np.inf, 0.0, outs))
     return out, lse
 
 
