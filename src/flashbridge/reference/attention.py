@@ -89,6 +89,20 @@ def _probs(s, lse):
         return np.exp(s - lse_safe[..., None])
 
 
+def _attend(p, values, mask):
+    """``out[q, h] = sum_k p[h, q, k] values[k, h]`` over the keys each row sees: p (H, Sq, Sk), values
+    (Sk, H, D), mask (H|1, Sq, Sk). A key a row does not see never reaches it, even when its value is NaN
+    or infinite (a plain product would give ``0 * NaN``); a visible one reaches it even when its weight is 0."""
+    finite = np.isfinite(values)
+    out = np.einsum("hqk,khd->qhd", p, np.where(finite, values, 0.0))
+    if not finite.all():
+        bad = np.swapaxes(np.where(finite, 0.0, values), 0, 1)  # (H, Sk, D): the non-finite values only
+        with np.errstate(invalid="ignore"):
+            terms = np.where(mask[..., None], p[..., None] * bad[:, None], 0.0)  # (H, Sq, Sk, D)
+        out = out + np.swapaxes(terms.sum(axis=2), 0, 1)
+    return out
+
+
 def _expand_kv(a, group):
     return np.repeat(a, group, axis=1)  # (S, Hkv, D) -> (S, Hq, D), head h uses kv head h // group
 
@@ -145,11 +159,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     lse = np.zeros((hq, q.shape[0]) if varlen else (q.shape[0], hq, q.shape[1]))
     for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
         qq, kk, vv = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group)
-        s, _, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
-                          causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
+        s, _, seen = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
+                             causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
         row_lse = _lse(s, sinks)  # (H, Sq)
         p = _probs(s, row_lse)
-        out[qs] = np.einsum("hqk,khd->qhd", p, vv)
+        out[qs] = _attend(p, vv, seen)
         lse[_lse_index(b, qs, varlen)] = row_lse
     return out, lse
 

@@ -109,15 +109,15 @@ def cascade_attention(q, shared_k, shared_v, k_cache, v_cache, *, cache_seqlens,
     for b in range(batch):
         k = gather_cache(k_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=k_scale)
         v = gather_cache(v_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=v_scale)
-        s_shared, _, _ = attn._scores(q[b], np.repeat(sk, group, axis=1), scale=scale, softcap=softcap,
-                                      slopes=None, causal=False, window_size=(-1, -1))
-        s_own, _, _ = attn._scores(q[b], np.repeat(k, group, axis=1), scale=scale, softcap=softcap, slopes=None,
-                                   causal=causal, window_size=(-1, -1))
+        s_shared, _, seen_shared = attn._scores(q[b], np.repeat(sk, group, axis=1), scale=scale, softcap=softcap,
+                                                slopes=None, causal=False, window_size=(-1, -1))
+        s_own, _, seen_own = attn._scores(q[b], np.repeat(k, group, axis=1), scale=scale, softcap=softcap,
+                                          slopes=None, causal=causal, window_size=(-1, -1))
         s = np.concatenate([s_shared, s_own], axis=-1)  # (Hq, Sq, S_shared + L_b)
         row_lse = attn._lse(s, sinks)
         p = attn._probs(s, row_lse)
         values = np.concatenate([np.repeat(sv, group, axis=1), np.repeat(v, group, axis=1)], axis=0)
-        out[b] = np.einsum("hqk,khd->qhd", p, values)
+        out[b] = attn._attend(p, values, np.concatenate([seen_shared, seen_own], axis=-1))
         lse[b] = row_lse
     return out, lse
 

@@ -44,6 +44,48 @@ def seq_range(CU, b, max_len, total, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def packed_offsets_valid(CU, n_seqs, max_len, total, BLOCK: tl.constexpr = 256):
+    """True when packed offsets ``CU`` (``n_seqs + 1`` entries) start at 0, never decrease, end at ``total`` and
+    hold no sequence longer than ``max_len``: then the sequences' programs cover every row exactly once."""
+    ok = (tl.load(CU) == 0) & (tl.load(CU + n_seqs) == total)
+    for i0 in range(0, n_seqs, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        here = i < n_seqs
+        start = tl.load(CU + i, mask=here, other=0)
+        end = tl.load(CU + i + 1, mask=here, other=0)
+        bad = here & ((end < start) | (end - start > max_len))
+        ok = ok & (tl.max(bad.to(tl.int32), 0) == 0)
+    return ok
+
+
+@triton.jit
+def fill_uncovered_rows(CU, n_seqs, max_len, total, rank, n_ranks, O, stride_os, LSE, stride_lse,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LSE: tl.constexpr):
+    """Write NaN into the packed rows that no sequence's program covers, so that invalid offsets never leave
+    uninitialised memory (offsets traced under jit or torch.compile are not checked on the host). Rows
+    ``r`` of ``O[r * stride_os + d]`` (``d < D``) and, with HAS_LSE, ``LSE[r * stride_lse]``; this program
+    takes the row blocks ``rank, rank + n_ranks, ...``.
+
+    Valid offsets (:func:`packed_offsets_valid`, one vectorised pass) leave no such row and the program
+    returns; otherwise each row is tested against every sequence's clamped range (:func:`seq_range`, the
+    ranges the other programs write): slow, but only for offsets that are wrong anyway."""
+    if not packed_offsets_valid(CU, n_seqs, max_len, total):
+        offs_d = tl.arange(0, BLOCK_D)
+        for r0 in range(rank * BLOCK_M, total, n_ranks * BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            covered = rows >= total
+            for b in range(n_seqs):
+                start, length = seq_range(CU, b, max_len, total, True)
+                covered = covered | ((rows >= start) & (rows < start + length))
+            rows64 = tl.cast(rows, tl.int64)
+            nan = tl.full([BLOCK_M, BLOCK_D], float("nan"), tl.float32).to(O.dtype.element_ty)
+            tl.store(O + rows64[:, None] * stride_os + offs_d[None, :], nan,
+                     mask=(~covered)[:, None] & (offs_d < D)[None, :])
+            if HAS_LSE:
+                tl.store(LSE + rows64 * stride_lse, tl.full([BLOCK_M], float("nan"), tl.float32), mask=~covered)
+
+
+@triton.jit
 def block_schedule(HEAD_GROUP: tl.constexpr):
     """(rank, head, batch) of this program on a (blocks, heads, batch) grid; rank 0 is the block that
     runs first. The GPU starts programs in grid order (axis 0 fastest). HEAD_GROUP = 1: that order, all
