@@ -95,10 +95,12 @@ def _attend(p, values, mask):
     or infinite (a plain product would give ``0 * NaN``); a visible one reaches it even when its weight is 0."""
     finite = np.isfinite(values)
     out = np.einsum("hqk,khd->qhd", p, np.where(finite, values, 0.0))
-    if not finite.all():
-        bad = np.swapaxes(np.where(finite, 0.0, values), 0, 1)  # (H, Sk, D): the non-finite values only
+    keys = np.flatnonzero(~finite.all(axis=(1, 2)))  # the keys holding a non-finite value
+    if keys.size:
+        bad = np.swapaxes(np.where(finite, 0.0, values)[keys], 0, 1)  # (H, n_keys, D): the non-finite values
+        seen = np.broadcast_to(mask, p.shape)[..., keys]  # (H, Sq, n_keys)
         with np.errstate(invalid="ignore"):
-            terms = np.where(mask[..., None], p[..., None] * bad[:, None], 0.0)  # (H, Sq, Sk, D)
+            terms = np.where(seen[..., None], p[..., keys, None] * bad[:, None], 0.0)  # (H, Sq, n_keys, D)
         out = out + np.swapaxes(terms.sum(axis=2), 0, 1)
     return out
 
