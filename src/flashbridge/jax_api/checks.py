@@ -36,7 +36,16 @@ def cu_seqlens(cu_seqlens: Array, *, total: int, max_seqlen: Optional[int] = Non
                name: str = "cu_seqlens") -> None:
     """Packed offsets ``(n_seqs + 1,)``: start at 0, never decrease, end at ``total`` (the packed length),
     and (with ``max_seqlen``) no sequence longer than ``max_seqlen``: the rules ``flash_attention`` checks on
-    the host for concrete offsets."""
+    the host for concrete offsets.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.experimental import checkify
+        >>> f = checkify.checkify(jax.jit(lambda cu: cu_seqlens(cu, total=8, max_seqlen=8)))
+        >>> f(jnp.array([0, 5, 3, 8], jnp.int32))[0].get()
+        'cu_seqlens: must be non-decreasing; first decrease after entry 1 (`check` failed)'
+    """
     cu = jnp.asarray(cu_seqlens)
     lengths = cu[1:] - cu[:-1]
     checkify.check(cu[0] == 0, f"{name}: must start at 0, got {{}}", cu[0])
