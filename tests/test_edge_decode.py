@@ -208,3 +208,25 @@ def test_append_with_out_of_range_lengths_writes_only_inside_the_cache(framework
         want[0, :n_new] = new[0]
         want[1, CAP - 1] = new[1, 0]
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_decode_nan_rows_have_nan_lse(framework, num_splits):
+    """MLA decode runs the same online softmax: NaN in one head's query or in a visible latent row gives NaN
+    out and lse (the reference's), latent rows past the lengths (NaN) reach nothing."""
+    from flashbridge.reference import mla as ref_mla
+
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((B, 1, 4, 80)).astype(np.float32)
+    kv = rng.standard_normal((B, CAP, 80)).astype(np.float32)
+    for b, n in enumerate(LENGTHS):
+        kv[b, n:] = NAN
+    q[0, 0, 2, 7] = NAN
+    kv[1, 33, 70] = NAN  # a rope column of a visible row: every head of sequence 1
+    out, lse = _call(framework, "mla_decode", q, kv, cache_seqlens=LENGTHS, head_dim_v=64, num_splits=num_splits,
+                     return_lse=True)
+    want_out, want_lse = ref_mla.mla_decode(q, kv, cache_seqlens=LENGTHS, head_dim_v=64)
+    assert_same_values(lse, want_lse, "lse")
+    assert_same_values(out, want_out, "out")
+    assert np.isnan(lse[1]).all() and np.isnan(lse[0, 2]).all() and np.isfinite(lse[0, :2]).all()
