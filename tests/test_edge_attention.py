@@ -250,7 +250,8 @@ def test_checkify_validates_offsets_under_jit():
     for cu, message in (([0, 30, 10, 40], "cu_seqlens_q: must be non-decreasing"),
                         ([0, 10, 25, 33], r"cu_seqlens_q: the last offset \(33\)"),
                         ([3, 10, 25, 40], "cu_seqlens_q: must start at 0"),
-                        ([0, 10, 30, 40], r"max_seqlen for cu_seqlens_q: 16 is smaller than the longest sequence \(20\)")):
+                        ([0, 10, 30, 40], r"max_seqlen for cu_seqlens_q: 16 is smaller than the longest "
+                                          r"sequence \(20\)")):
         err, _ = checked(q, k, v, jnp.array(cu, jnp.int32))
         with pytest.raises(Exception, match=message):
             err.throw()

@@ -180,7 +180,8 @@ def test_out_of_range_lengths_and_pages_are_clamped_under_jit(framework):
         again = _decode_jitted(framework, q, kp, vp, BAD_LENGTHS, bad)
     num_pages = kp.shape[0]
     lengths = np.clip(BAD_LENGTHS, 0, CAP)
-    want_out, want_lse = ref.decode_attention(q, kp, vp, cache_seqlens=lengths, block_table=np.clip(bad, 0, num_pages - 1))
+    want_out, want_lse = ref.decode_attention(q, kp, vp, cache_seqlens=lengths,
+                                              block_table=np.clip(bad, 0, num_pages - 1))
     assert_same_values(lse, want_lse, "lse")
     assert_same_values(out, want_out, "out")
     assert (out[0] == 0).all() and (lse[0] == -INF).all()  # length 0: nothing seen
