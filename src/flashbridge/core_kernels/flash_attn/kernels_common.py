@@ -60,29 +60,30 @@ def packed_offsets_valid(CU, n_seqs, max_len, total, BLOCK: tl.constexpr = 256):
 
 @triton.jit
 def fill_uncovered_rows(CU, n_seqs, max_len, total, rank, n_ranks, O, stride_os, LSE, stride_lse,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LSE: tl.constexpr):
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LSE: tl.constexpr, ROWS: tl.constexpr = 16):
     """Write NaN into the packed rows that no sequence's program covers, so that invalid offsets never leave
     uninitialised memory (offsets traced under jit or torch.compile are not checked on the host). Rows
     ``r`` of ``O[r * stride_os + d]`` (``d < D``) and, with HAS_LSE, ``LSE[r * stride_lse]``; this program
-    takes the row blocks ``rank, rank + n_ranks, ...``.
+    takes the blocks of ROWS rows ``rank, rank + n_ranks, ...``.
 
     Valid offsets (:func:`packed_offsets_valid`, one vectorised pass) leave no such row and the program
     returns; otherwise each row is tested against every sequence's clamped range (:func:`seq_range`, the
-    ranges the other programs write): slow, but only for offsets that are wrong anyway."""
+    ranges the other programs write): slow, but only for offsets that are wrong anyway. Small tiles: this
+    code shares its kernel with the attention loops."""
     if not packed_offsets_valid(CU, n_seqs, max_len, total):
         offs_d = tl.arange(0, BLOCK_D)
-        for r0 in range(rank * BLOCK_M, total, n_ranks * BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
+        for r0 in range(rank * ROWS, total, n_ranks * ROWS):
+            rows = r0 + tl.arange(0, ROWS)
             covered = rows >= total
             for b in range(n_seqs):
                 start, length = seq_range(CU, b, max_len, total, True)
                 covered = covered | ((rows >= start) & (rows < start + length))
             rows64 = tl.cast(rows, tl.int64)
-            nan = tl.full([BLOCK_M, BLOCK_D], float("nan"), tl.float32).to(O.dtype.element_ty)
+            nan = tl.full([ROWS, BLOCK_D], float("nan"), tl.float32).to(O.dtype.element_ty)
             tl.store(O + rows64[:, None] * stride_os + offs_d[None, :], nan,
                      mask=(~covered)[:, None] & (offs_d < D)[None, :])
             if HAS_LSE:
-                tl.store(LSE + rows64 * stride_lse, tl.full([BLOCK_M], float("nan"), tl.float32), mask=~covered)
+                tl.store(LSE + rows64 * stride_lse, tl.full([ROWS], float("nan"), tl.float32), mask=~covered)
 
 
 @triton.jit
