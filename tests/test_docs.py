@@ -19,7 +19,7 @@ MODULES = [
     "flashbridge.jax_api.attention", "flashbridge.jax_api.attention_flax", "flashbridge.jax_api.cross_entropy",
     "flashbridge.torch_api.decode", "flashbridge.jax_api.decode", "flashbridge.torch_api.rotary",
     "flashbridge.jax_api.rotary", "flashbridge.torch_api.swiglu", "flashbridge.jax_api.swiglu",
-    "flashbridge.torch_api.ring", "flashbridge.jax_api.ring", "flashbridge.tiles",
+    "flashbridge.torch_api.ring", "flashbridge.jax_api.ring", "flashbridge.tiles", "flashbridge.jax_api.checks",
 ]
 
 

@@ -41,6 +41,16 @@ _state = threading.local()
 # launches on different threads (e.g. JAX callbacks of several host devices under shard_map) would undo
 # each other's patches: interpreted launches run one at a time.
 _interpreter_lock = threading.RLock()
+# jit function -> its interpreter twin (see interpreter_twin)
+_TWINS: dict = {}
+
+
+def interpreter_twin(fn, twin) -> None:
+    """Run ``twin`` (a ``@triton.jit`` function with the same arguments and results) instead of ``fn`` when
+    ``fn`` is called inside an interpreted launch. For helpers whose compiled form costs nothing but whose
+    direct interpretation would: the interpreter runs a ``tl.reduce`` with a combine function of our own one
+    element at a time in Python, where the twin's whole-tile operations run as NumPy calls."""
+    _TWINS[fn.fn] = twin.fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +65,7 @@ def _install_call_hook() -> None:
 
     def __call__(self, *args, **kwargs):
         if getattr(_state, "interpreting", 0):
-            return _interpreted(self.fn)(*args, **kwargs)
+            return _interpreted(_TWINS.get(self.fn, self.fn))(*args, **kwargs)
         return original(self, *args, **kwargs)
 
     __call__._flashbridge_hook = True

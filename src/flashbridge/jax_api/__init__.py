@@ -8,6 +8,7 @@ from .._extras import require
 
 require("jax", "jax", "flashbridge.jax_api")
 
+from . import checks  # noqa: E402,F401  (checkify checks of index arrays under jit)
 from .attention import dot_product_attention, flash_attention  # noqa: E402
 from .block_sparse import mask_to_device  # noqa: E402
 from .cross_entropy import cross_entropy, linear_cross_entropy, linear_cross_entropy_from_layer  # noqa: E402

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._extras import require
-from ..core_kernels._poison import poisoning
+from ..core_kernels._poison import poison_value, poisoning
 from ..core_kernels import INTERPRETER, HostArray, Plan, Target, get_kernel
 
 PlanFactory = Callable[[Target], Plan]
@@ -160,7 +160,7 @@ def _host_alloc(spec) -> np.ndarray:
     if spec.zero:
         return np.zeros(spec.shape, dtype=dtype)
     if poisoning():
-        return np.full(spec.shape, np.nan if np.issubdtype(dtype, np.floating) else -1, dtype=dtype)
+        return np.full(spec.shape, poison_value() if np.issubdtype(dtype, np.floating) else -1, dtype=dtype)
     return np.empty(spec.shape, dtype=dtype)
 
 

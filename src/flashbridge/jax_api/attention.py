@@ -266,6 +266,14 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
             like an array argument): only the key blocks it lists are visited; rows that see nothing output 0
             and lse -inf. Not with causal / window_size (build them into the mask) or packed inputs.
 
+    Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
+    anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
+    NaN, and its ``lse`` NaN unless only values hold it, so that a later merge of partial states never takes
+    it for a row that saw nothing; a +inf score or sink gives lse +inf. Keys a row does not see (masked,
+    past its sequence, in other packed sequences) never reach it, with one limit shared by every MMA-based
+    attention: inside one key tile, a NaN *value* of a key that the row does not see (the causal diagonal's
+    tile, a window edge, a partial block) reaches it through ``0 * NaN`` in ``p @ v``.
+
     Returns:
         ``out`` in q's dtype, shaped like q with v's head dim; or ``(out, lse)``.
 

@@ -83,6 +83,13 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     (ValueError), traced or GPU-resident ones are not read (a bad scale there gives a meaningless result).
     Query i of sequence b sits on key ``cache_seqlens[b] - Sq + i``.
 
+    Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
+    anything a row sees (its query, a visible cached key or value, its ALiBi slope or sink) makes the row's
+    ``out`` NaN, and its ``lse`` NaN unless only values hold it, with any split count (a NaN partial is never
+    merged away); a +inf score or sink gives lse +inf. Cache rows at or past ``cache_seqlens[b]`` are never
+    read. Limit (as in every MMA-based attention): inside one key tile, a NaN *value* of a key that a row does
+    not see (causal / window edges with several query tokens) reaches it through ``0 * NaN`` in ``p @ v``.
+
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with lse float32 ``(B, Hq, Sq)``.
 
@@ -123,7 +130,8 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
 def merge_attention_states(outs: Array, lses: Array) -> tuple[Array, Array]:
     """Exact merge of N attention states: ``lse = log sum_n exp(lses[n])``,
     ``out = sum_n exp(lses[n] - lse) outs[n]``. outs ``(N, ..., D)``, lses float32 ``(N, ...)``; returns
-    ``(out (..., D), lse (...))``. See :func:`flashbridge.torch_api.merge_attention_states`.
+    ``(out (..., D), lse (...))``. A state with lse -inf contributes nothing; a NaN out or lse in any other
+    state makes the row NaN. See :func:`flashbridge.torch_api.merge_attention_states`.
 
     Example::
 

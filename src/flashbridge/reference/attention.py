@@ -11,6 +11,10 @@ built explicitly, in the order the kernels apply them::
     p = exp(s - lse), lse = log(sum_j exp(s_j) + exp(sink))
 
 A row that sees no key has ``out = 0`` and ``lse = -inf`` (``lse = sink`` when the head has a sink).
+Non-finite values follow IEEE arithmetic and define what the kernels return: a NaN in anything a row
+sees (its query, a visible key or value, its ALiBi slope or sink) makes its ``out`` NaN and, unless it is
+in a value, its ``lse`` NaN; a +inf score (or sink) gives ``lse = +inf`` and ``out = sum_j exp(s_j - inf)
+v_j``: NaN from the +inf keys (``inf / inf``), 0 from the others. Keys a row does not see never reach it.
 """
 from __future__ import annotations
 
@@ -61,21 +65,44 @@ def _scores(q, k, *, scale, softcap, slopes, causal, window_size, extra_mask=Non
 
 
 def _lse(s, sinks):
-    """Row log-sum-exp over keys (and the sink): s (H, Sq, Sk) -> (H, Sq); -inf for empty rows."""
-    m = np.max(s, axis=-1, initial=-np.inf)
+    """Row log-sum-exp over keys (and the sink): s (H, Sq, Sk) -> (H, Sq); -inf for empty rows.
+
+    Non-finite scores follow IEEE arithmetic: a NaN score (or sink) gives NaN, a +inf one +inf (the sum of
+    the exponentials overflows to +inf), -inf ones weigh 0."""
+    m = np.max(s, axis=-1, initial=-np.inf)  # NaN where the row holds one
     if sinks is not None:
         m = np.maximum(m, sinks[:, None])
     m_safe = np.where(np.isfinite(m), m, 0.0)
-    total = np.sum(np.exp(s - m_safe[..., None]), axis=-1)
-    if sinks is not None:
-        total = total + np.exp(sinks[:, None] - m_safe)
-    with np.errstate(divide="ignore"):
-        return np.where(total > 0, m_safe + np.log(total), -np.inf)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.sum(np.exp(s - m_safe[..., None]), axis=-1)
+        if sinks is not None:
+            total = total + np.exp(sinks[:, None] - m_safe)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total == 0, -np.inf, m_safe + np.log(total))
 
 
 def _probs(s, lse):
-    lse_safe = np.where(np.isfinite(lse), lse, np.inf)  # empty rows: p = 0
-    return np.exp(s - lse_safe[..., None])
+    """``exp(s - lse)``: 0 in empty rows (lse -inf); in a row with lse +inf, 0 for finite scores and NaN for
+    +inf ones (``exp(s) / sum = inf / inf``); NaN everywhere in a NaN row."""
+    lse_safe = np.where(lse == -np.inf, np.inf, lse)  # empty rows: p = 0
+    with np.errstate(invalid="ignore"):
+        return np.exp(s - lse_safe[..., None])
+
+
+def _attend(p, values, mask):
+    """``out[q, h] = sum_k p[h, q, k] values[k, h]`` over the keys each row sees: p (H, Sq, Sk), values
+    (Sk, H, D), mask (H|1, Sq, Sk). A key a row does not see never reaches it, even when its value is NaN
+    or infinite (a plain product would give ``0 * NaN``); a visible one reaches it even when its weight is 0."""
+    finite = np.isfinite(values)
+    out = np.einsum("hqk,khd->qhd", p, np.where(finite, values, 0.0))
+    keys = np.flatnonzero(~finite.all(axis=(1, 2)))  # the keys holding a non-finite value
+    if keys.size:
+        bad = np.swapaxes(np.where(finite, 0.0, values)[keys], 0, 1)  # (H, n_keys, D): the non-finite values
+        seen = np.broadcast_to(mask, p.shape)[..., keys]  # (H, Sq, n_keys)
+        with np.errstate(invalid="ignore"):
+            terms = np.where(seen[..., None], p[..., keys, None] * bad[:, None], 0.0)  # (H, Sq, n_keys, D)
+        out = out + np.swapaxes(terms.sum(axis=2), 0, 1)
+    return out
 
 
 def _expand_kv(a, group):
@@ -134,11 +161,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     lse = np.zeros((hq, q.shape[0]) if varlen else (q.shape[0], hq, q.shape[1]))
     for b, qs, ks in _sequences(q, cu_seqlens_q, cu_seqlens_k, k):
         qq, kk, vv = q[qs], _expand_kv(k[ks], group), _expand_kv(v[ks], group)
-        s, _, _ = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
-                          causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
+        s, _, seen = _scores(qq, kk, scale=scale, softcap=softcap, slopes=_slopes_for(alibi_slopes, b),
+                             causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
         row_lse = _lse(s, sinks)  # (H, Sq)
         p = _probs(s, row_lse)
-        out[qs] = np.einsum("hqk,khd->qhd", p, vv)
+        out[qs] = _attend(p, vv, seen)
         lse[_lse_index(b, qs, varlen)] = row_lse
     return out, lse
 

@@ -68,16 +68,20 @@ def decode_attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, kv
 
 def merge_attention_states(outs, lses):
     """Exact merge of N states: ``lse = log sum_n exp(lse_n)``, ``out = sum_n exp(lse_n - lse) out_n``.
-    outs ``(N, ..., D)``, lses ``(N, ...)``; rows where every lse is -inf give out 0, lse -inf."""
+    outs ``(N, ..., D)``, lses ``(N, ...)``; rows where every lse is -inf give out 0, lse -inf. A state with
+    lse -inf saw nothing and contributes 0 whatever its out holds; every other state contributes its
+    weighted out even where the weight underflows, so a NaN out always reaches the result, and a NaN lse
+    makes the row NaN (IEEE arithmetic, as :func:`flashbridge.reference.attention.flash_attention`)."""
     outs, lses = _f64(outs), _f64(lses)
-    m = np.max(lses, axis=0)
+    m = np.max(lses, axis=0)  # NaN where a state's lse is
     m_safe = np.where(np.isfinite(m), m, 0.0)
-    w = np.exp(lses - m_safe)  # (N, ...)
-    total = w.sum(axis=0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        w = np.exp(lses - m_safe)  # (N, ...)
+        total = w.sum(axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(total > 0, m_safe + np.log(total), -np.inf)
-        weights = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
-    out = np.einsum("n...,n...d->...d", weights, np.where(w[..., None] > 0, outs, 0.0))
+        lse = np.where(total == 0, -np.inf, m_safe + np.log(total))
+        weights = np.where(total == 0, 0.0, w / np.where(total == 0, 1.0, total))
+        out = np.einsum("n...,n...d->...d", weights, np.where(lses[..., None] == -np.inf, 0.0, outs))
     return out, lse
 
 
@@ -105,15 +109,15 @@ def cascade_attention(q, shared_k, shared_v, k_cache, v_cache, *, cache_seqlens,
     for b in range(batch):
         k = gather_cache(k_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=k_scale)
         v = gather_cache(v_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=v_scale)
-        s_shared, _, _ = attn._scores(q[b], np.repeat(sk, group, axis=1), scale=scale, softcap=softcap,
-                                      slopes=None, causal=False, window_size=(-1, -1))
-        s_own, _, _ = attn._scores(q[b], np.repeat(k, group, axis=1), scale=scale, softcap=softcap, slopes=None,
-                                   causal=causal, window_size=(-1, -1))
+        s_shared, _, seen_shared = attn._scores(q[b], np.repeat(sk, group, axis=1), scale=scale, softcap=softcap,
+                                                slopes=None, causal=False, window_size=(-1, -1))
+        s_own, _, seen_own = attn._scores(q[b], np.repeat(k, group, axis=1), scale=scale, softcap=softcap,
+                                          slopes=None, causal=causal, window_size=(-1, -1))
         s = np.concatenate([s_shared, s_own], axis=-1)  # (Hq, Sq, S_shared + L_b)
         row_lse = attn._lse(s, sinks)
         p = attn._probs(s, row_lse)
         values = np.concatenate([np.repeat(sv, group, axis=1), np.repeat(v, group, axis=1)], axis=0)
-        out[b] = np.einsum("hqk,khd->qhd", p, values)
+        out[b] = attn._attend(p, values, np.concatenate([seen_shared, seen_own], axis=-1))
         lse[b] = row_lse
     return out, lse
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from ..core_kernels._plan import memoised as _memoised
-from ..core_kernels._poison import poisoning
+from ..core_kernels._poison import poison_value, poisoning
 from ..core_kernels import INTERPRETER, Plan, Spec, Target, get_kernel
 
 TORCH_DTYPES = {
@@ -53,7 +53,7 @@ def _alloc(spec, dtype: torch.dtype, device) -> torch.Tensor:
     if spec.zero:
         return torch.zeros(spec.shape, dtype=dtype, device=device)
     if poisoning():
-        return torch.full(spec.shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+        return torch.full(spec.shape, poison_value() if dtype.is_floating_point else -1, dtype=dtype, device=device)
     return torch.empty(spec.shape, dtype=dtype, device=device)
 
 

@@ -255,6 +255,14 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             and lse -inf. Combines with softcap, ALiBi, sinks, GQA; not with causal / window_size (build that
             into the mask) or packed inputs.
 
+    Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
+    anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
+    NaN, and its ``lse`` NaN unless only values hold it, so that a later merge of partial states never takes
+    it for a row that saw nothing; a +inf score or sink gives lse +inf. Keys a row does not see (masked,
+    past its sequence, in other packed sequences) never reach it, with one limit shared by every MMA-based
+    attention: inside one key tile, a NaN *value* of a key that the row does not see (the causal diagonal's
+    tile, a window edge, a partial block) reaches it through ``0 * NaN`` in ``p @ v``.
+
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` (packed ``(total_q, Hq, Dv)``) in q's dtype, or ``(out, lse)``.
 

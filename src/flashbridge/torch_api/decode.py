@@ -279,6 +279,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
             reproducible, batch-invariant results; different values agree to rounding.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``.
 
+    Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
+    anything a row sees (its query, a visible cached key or value, its ALiBi slope or sink) makes the row's
+    ``out`` NaN, and its ``lse`` NaN unless only values hold it, with any split count (a NaN partial is never
+    merged away); a +inf score or sink gives lse +inf. Cache rows at or past ``cache_seqlens[b]`` are never
+    read. Limit (as in every MMA-based attention): inside one key tile, a NaN *value* of a key that a row does
+    not see (causal / window edges with several query tokens) reaches it through ``0 * NaN`` in ``p @ v``.
+
     Returns:
         ``out`` ``(B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)``.
 
@@ -347,6 +354,9 @@ def merge_attention_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
 
     Returns:
         ``(out (..., D) in outs' dtype, lse float32 (...))``; rows where every state is empty give 0, -inf.
+        A state with lse -inf contributes nothing (whatever its out holds); any other state's out counts
+        even where its weight underflows, so a NaN out or lse always makes the row NaN (IEEE arithmetic,
+        as the float64 reference); a +inf lse gives lse +inf.
 
     Example::
 

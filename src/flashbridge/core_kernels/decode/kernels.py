@@ -96,9 +96,11 @@ def f16_query(q):
     to bf16 only through a second per-element conversion (``F2F.BF16.F16``). bf16 -> f16 is exact over f16's
     normal range; a tile whose largest |q| reaches 2^15 is first scaled by an exact power of two (folded
     back into the score scale), so no element can overflow f16. Elements below 2^-14 keep f16's subnormal
-    precision (absolute error < 2^-25)."""
+    precision (absolute error < 2^-25). The largest |q| is taken over finite elements: a +inf or NaN in one
+    row (one head of a packed GQA group) must not scale the other rows' queries to 0."""
     qf = q.to(tl.float32)
-    q_max = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    q_abs = tl.abs(qf)
+    q_max = tl.max(tl.max(tl.where(q_abs < float("inf"), q_abs, 0.0), axis=1), axis=0)
     exponent = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(max |q|))
     shift = tl.maximum(exponent - 14, 0)  # max |q| * 2^-shift < 2^15
     scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift

@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_mask_visible, block_schedule,
-                             grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile, lse_log2, mask_bits,
-                             mask_tokens, q_block_range, query_block, query_block_at, recompute_p, score_grad,
-                             score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
+                             fill_uncovered_rows, grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile,
+                             lse_log2, mask_bits, mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
+                             score_grad, score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
                              unravel_grid, list_block, list_length, list_step)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
@@ -419,6 +419,16 @@ def _dkdv_program(
                key_ok, DV, dv)
 
 
+@triton.jit
+def _fill_dkdv(CU_K, n_seqs, seqlen_k, total_k, rank, n_ranks, DK, stride_dks, DV_OUT, stride_dvs, DQK: tl.constexpr,
+               DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """NaN into the dk and dv rows (of one kv head) that no sequence covers: see fill_uncovered_rows."""
+    fill_uncovered_rows(CU_K, n_seqs, seqlen_k, total_k, rank, n_ranks, DK, stride_dks, DK, 0, DQK, BLOCK_DQK,
+                        False)
+    fill_uncovered_rows(CU_K, n_seqs, seqlen_k, total_k, rank, n_ranks, DV_OUT, stride_dvs, DV_OUT, 0, DV, BLOCK_DV,
+                        False)
+
+
 @triton.jit(do_not_specialize_on_alignment=DKDV_INT_SCALARS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
@@ -453,6 +463,10 @@ def attn_bwd_dkdv_kernel(
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
     if n_start >= len_k:
+        if IS_VARLEN and not BLOCK_SPARSE:
+            if (pid_n == tl.num_programs(0) // COL_SPLIT - 1) & (part == 0):  # the extra key block
+                _fill_dkdv(CU_K, tl.num_programs(2), seqlen_k, total_k, b, tl.num_programs(2), DK + kh * stride_dkh,
+                           stride_dks, DV_OUT + kh * stride_dvh, stride_dvs, DQK, DV, BLOCK_DQK, BLOCK_DV)
         return
     _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, part, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
                   softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
@@ -661,6 +675,10 @@ def attn_bwd_dq_kernel(
     if m_start >= len_q:
         if ALIBI_GRAD:  # every block of the slopes' partial sums is written
             tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
+        if IS_VARLEN and not BLOCK_SPARSE:
+            if m_start == (tl.num_programs(0) - 1) * BLOCK_M:  # the extra query block: NaN into uncovered rows
+                fill_uncovered_rows(CU_Q, tl.num_programs(2), seqlen_q, total_q, b, tl.num_programs(2),
+                                    DQ + h * stride_dqh, stride_dqs, DQ, 0, DQK, BLOCK_DQK, False)
         return
     _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES, sm_scale,
                 softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
@@ -697,11 +715,16 @@ def attn_bwd_kernel(
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
     Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
     (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
-    longest work starts earliest and the shorter dQ programs fill in behind it."""
+    longest work starts earliest and the shorter dQ programs fill in behind it. Packed sequences
+    (IS_VARLEN): both grids have one block more, past every sequence, whose programs write NaN into the rows
+    of dk, dv and dq that no sequence covers (invalid offsets; see fill_uncovered_rows), as in the two
+    kernels."""
     if BLOCK_SPARSE:  # the grids span whole mask blocks (see sparse_query_block_at / sparse_key_block)
         kv_blocks = tl.cdiv(seqlen_k, MASK_KB) * (MASK_KB // KV_BLOCK_N)
     else:
         kv_blocks = tl.cdiv(seqlen_k, KV_BLOCK_N)
+        if IS_VARLEN:
+            kv_blocks += 1  # the extra key block (uncovered rows)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
     if pid < n_kv:
@@ -724,11 +747,18 @@ def attn_bwd_kernel(
                           HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, 1, KV_TAIL_BLOCKS, BLOCK_SPARSE,
                           MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q,
                           MASK_GROUP_P2)
+        else:
+            if IS_VARLEN and not BLOCK_SPARSE:
+                if pid_n == kv_blocks - 1:  # the extra key block: NaN into uncovered dk / dv rows
+                    _fill_dkdv(CU_K, n_seqs, seqlen_k, total_k, b, n_seqs, DK + kh * stride_dkh, stride_dks,
+                               DV_OUT + kh * stride_dvh, stride_dvs, DQK, DV, BLOCK_DQK, BLOCK_DV)
     else:
         if BLOCK_SPARSE:
             q_blocks = tl.cdiv(seqlen_q, MASK_QB) * (MASK_QB // Q_BLOCK_M)
         else:
             q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+            if IS_VARLEN:
+                q_blocks += 1  # the extra query block (uncovered rows)
         heads_q = heads_kv * GROUP
         p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
         rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
@@ -750,8 +780,13 @@ def attn_bwd_kernel(
                         BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
                         LSE_ALIGN, Q_TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS,
                         ALIBI_GRAD)
-        elif ALIBI_GRAD:  # every block of the slopes' partial sums is written
-            tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
+        else:
+            if ALIBI_GRAD:  # every block of the slopes' partial sums is written
+                tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
+            if IS_VARLEN and not BLOCK_SPARSE:
+                if m_start == (q_blocks - 1) * Q_BLOCK_M:  # the extra query block: NaN into uncovered dq rows
+                    fill_uncovered_rows(CU_Q, n_seqs, seqlen_q, total_q, b, n_seqs, DQ + h * stride_dqh, stride_dqs,
+                                        DQ, 0, DQK, BLOCK_DQK, False)
 
 
 @triton.jit(do_not_specialize_on_alignment=SINK_INT_SCALARS)

@@ -17,6 +17,8 @@ same code.
 import triton
 import triton.language as tl
 
+from .._loader import interpreter_twin
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -39,6 +41,49 @@ def seq_range(CU, b, max_len, total, IS_VARLEN: tl.constexpr):
         start = b * 0
         length = max_len + b * 0
     return start, length
+
+
+@triton.jit
+def packed_offsets_valid(CU, n_seqs, max_len, total, BLOCK: tl.constexpr = 256):
+    """True when packed offsets ``CU`` (``n_seqs + 1`` entries) start at 0, never decrease, end at ``total`` and
+    hold no sequence longer than ``max_len``: then the sequences' programs cover every row exactly once."""
+    ok = (tl.load(CU) == 0) & (tl.load(CU + n_seqs) == total)
+    for i0 in range(0, n_seqs, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        here = i < n_seqs
+        start = tl.load(CU + i, mask=here, other=0)
+        end = tl.load(CU + i + 1, mask=here, other=0)
+        bad = here & ((end < start) | (end - start > max_len))
+        ok = ok & (tl.max(bad.to(tl.int32), 0) == 0)
+    return ok
+
+
+@triton.jit
+def fill_uncovered_rows(CU, n_seqs, max_len, total, rank, n_ranks, O, stride_os, LSE, stride_lse,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LSE: tl.constexpr, ROWS: tl.constexpr = 16):
+    """Write NaN into the packed rows that no sequence's program covers, so that invalid offsets never leave
+    uninitialised memory (offsets traced under jit or torch.compile are not checked on the host). Rows
+    ``r`` of ``O[r * stride_os + d]`` (``d < D``) and, with HAS_LSE, ``LSE[r * stride_lse]``; this program
+    takes the blocks of ROWS rows ``rank, rank + n_ranks, ...``.
+
+    Valid offsets (:func:`packed_offsets_valid`, one vectorised pass) leave no such row and the program
+    returns; otherwise each row is tested against every sequence's clamped range (:func:`seq_range`, the
+    ranges the other programs write): slow, but only for offsets that are wrong anyway. Small tiles: this
+    code shares its kernel with the attention loops."""
+    if not packed_offsets_valid(CU, n_seqs, max_len, total):
+        offs_d = tl.arange(0, BLOCK_D)
+        for r0 in range(rank * ROWS, total, n_ranks * ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            covered = rows >= total
+            for b in range(n_seqs):
+                start, length = seq_range(CU, b, max_len, total, True)
+                covered = covered | ((rows >= start) & (rows < start + length))
+            rows64 = tl.cast(rows, tl.int64)
+            nan = tl.full([ROWS, BLOCK_D], float("nan"), tl.float32).to(O.dtype.element_ty)
+            tl.store(O + rows64[:, None] * stride_os + offs_d[None, :], nan,
+                     mask=(~covered)[:, None] & (offs_d < D)[None, :])
+            if HAS_LSE:
+                tl.store(LSE + rows64 * stride_lse, tl.full([ROWS], float("nan"), tl.float32), mask=~covered)
 
 
 @triton.jit
@@ -405,15 +450,44 @@ def recompute_p(qk, lse2, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, 
 def softmax_init(SINKS, h, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Running (max, sum) in log2 units. A sink starts the row with its own logit: max = sink, sum = 1,
     so it joins the denominator and attends to nothing. ``h`` is a head index, or a [BLOCK_M] tensor of
-    heads when the rows pack several query heads (decode, merges)."""
+    heads when the rows pack several query heads (decode, merges).
+
+    Non-finite sinks follow IEEE arithmetic (the float64 reference's ``exp(sink)``): -inf adds 0, NaN makes
+    the sum NaN, and +inf starts at (max, sum) = (FLT_MAX, +inf) -- a finite max, so that the rescaling
+    factors ``exp2(m_old - m_new)`` stay 0 or 1 instead of ``exp2(inf - inf)``: every key then weighs 0
+    (the output is 0, or NaN where a value is) and the lse is +inf, unless a score is +inf too (NaN)."""
     if HAS_SINKS:
         sink2 = tl.load(SINKS + h).to(tl.float32) * LOG2E
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink2
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        sink2 = tl.zeros([BLOCK_M], dtype=tl.float32) + sink2
+        pos_inf = sink2 == float("inf")
+        m_i = tl.where(pos_inf, 3.4028234663852886e38, sink2)
+        l_i = tl.where(pos_inf, float("inf"), tl.where(sink2 == sink2, 1.0, sink2))
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     return m_i, l_i
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def max_nan(x, axis):
+    """``tl.max`` that returns NaN where the reduced values hold one (``tl.max`` drops NaNs: PTX ``max``),
+    at the same cost (PTX ``max.NaN``). A running softmax max built from it is NaN as soon as a score is,
+    which is what tells a NaN row from a row with a +inf score (see :func:`softmax_normaliser`)."""
+    return tl.reduce(x, axis, _max_nan)
+
+
+@triton.jit
+def _max_nan_interpreted(x, axis):
+    """:func:`max_nan` in whole-tile operations (its interpreter twin): NaN where any element is NaN."""
+    return tl.max(x, axis) + tl.sum(tl.where(x == x, 0.0, x), axis)
+
+
+interpreter_twin(max_nan, _max_nan_interpreted)
 
 
 @triton.jit
@@ -424,8 +498,11 @@ def online_softmax_probs(m_i, l_i, s, scale):
     The row max is taken on ``s`` and scaled once per row; ``s * scale - max`` is one fused multiply-add.
 
     A row that has seen nothing yet keeps max = -inf; subtracting 0 instead keeps exp2 at 0, never NaN.
+    Non-finite scores follow IEEE arithmetic: the max propagates NaN (:func:`max_nan`), so a NaN score
+    makes the row's max, sum and output NaN; a +inf score makes the max +inf and ``exp2(inf - inf)`` NaN
+    (the reference's ``exp(s) / sum = inf / inf``). Both at the cost of the plain max.
     """
-    m_new = tl.maximum(m_i, tl.max(s, -1) * scale)
+    m_new = _max_nan(m_i, max_nan(s, 1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s * scale - m_use[:, None])  # [M, N]
     alpha = tl.exp2(m_i - m_use)  # [M]
@@ -449,29 +526,35 @@ def merge_states_block(acc, m_i, l_i, lse, o):
     parts; acc, m_i (log2 units), l_i are [E]. The same algebra as :func:`online_softmax_probs` with each
     part standing for one key of weight ``exp(lse)`` and value ``o``: after every block,
     ``acc / l_i`` is the exact merge ``sum_n exp(lse_n - lse) o_n`` and ``m_i + log2(l_i)`` its lse
-    (log2 units). Parts with lse = -inf contribute exactly 0 (even if their o is NaN)."""
+    (log2 units). Parts with lse = -inf contribute exactly 0 (even if their o is NaN); every other part
+    contributes ``w * o`` even where its weight underflows to 0, so a NaN output is never dropped, and a
+    NaN lse makes the merged state NaN (never "saw nothing")."""
     lse2 = lse * LOG2E
-    m_new = tl.maximum(m_i, tl.max(lse2, 0))
+    m_new = _max_nan(m_i, max_nan(lse2, 0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     w = tl.exp2(lse2 - m_use[None, :])  # [N, E]
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(w, 0)
-    acc = acc * alpha + tl.sum(w * tl.where(w > 0.0, o, 0.0), 0)
+    acc = acc * alpha + tl.sum(w * tl.where(lse2 == float("-inf"), 0.0, o), 0)
     return acc, m_new, l_i
 
 
 @triton.jit
 def softmax_normaliser(m_i, l_i):
     """(1 / sum, lse in natural log) of running (max, sum) states of any shape; states that saw nothing
-    give 0 and -inf (their output is 0)."""
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)  # no 1/0 or log(0), even in lanes that are discarded
-    return tl.where(seen, 1.0 / l_safe, 0.0), tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    (sum 0) give 0 and -inf (their output is 0). Non-finite states follow IEEE arithmetic, as the float64
+    reference: a NaN sum gives NaN for both (a NaN row never passes for one that saw nothing: a later
+    merge would drop it), a +inf max (a +inf score) gives lse +inf. Costs a few instructions per row, once."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)  # no 1/0 or log(0), even in lanes that are discarded
+    lse = tl.where(m_i == float("inf"), float("inf"), (m_i + tl.log2(l_safe)) * LN2)
+    return tl.where(empty, 0.0, 1.0 / l_safe), tl.where(empty, float("-inf"), lse)
 
 
 @triton.jit
 def softmax_finalize(acc, m_i, l_i):
-    """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf."""
+    """(out [M, Dv] float32, lse [M] natural log); rows that saw nothing give 0 and -inf, NaN rows NaN and
+    NaN (see :func:`softmax_normaliser`)."""
     inv_l, lse = softmax_normaliser(m_i, l_i)
     return acc * inv_l[:, None], lse
 

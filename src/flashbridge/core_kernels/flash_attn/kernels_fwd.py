@@ -7,7 +7,9 @@ without any mask arithmetic, masked blocks after (the causal diagonal, a ragged 
 may walk their keys in narrower blocks of ``MASKED_BLOCK_N`` (a divisor of ``BLOCK_N``): the same keys, a
 smaller score tile for the loop that also carries the mask arithmetic. Grid:
 ``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``, its order set by ``HEAD_GROUP`` (see :func:`block_schedule`);
-GQA maps query head h to kv head ``h // GROUP``.
+GQA maps query head h to kv head ``h // GROUP``. Packed sequences (IS_VARLEN) add one query block to the
+grid, past every sequence, whose programs (one per head and sequence) write NaN into the rows no sequence
+covers when the offsets are invalid (see :func:`fill_uncovered_rows`; they return at once for valid ones).
 
 BLOCK_SPARSE (a flashbridge.masks.BlockMask): the same program walks the key blocks its query block lists
 instead -- the full ones without mask arithmetic, then the partial ones through the mask's element test
@@ -16,9 +18,9 @@ instead -- the full ones without mask arithmetic, then the partial ones through 
 import triton
 import triton.language as tl
 
-from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, fwd_kv_list, fwd_kv_range,
-                             kv_block_range, list_length, load_tile, mask_tokens, query_block, score_params,
-                             softmax_finalize, softmax_init, sparse_query_block_at)
+from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, fill_uncovered_rows, fwd_kv_list,
+                             fwd_kv_range, kv_block_range, list_length, load_tile, mask_tokens, query_block,
+                             score_params, softmax_finalize, softmax_init, sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
@@ -62,6 +64,11 @@ def attn_fwd_kernel(
         h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
             CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     if m_start >= len_q:
+        if IS_VARLEN and not BLOCK_SPARSE:
+            if m_start == (tl.num_programs(0) - 1) * BLOCK_M:  # the extra query block: NaN into uncovered rows
+                fill_uncovered_rows(CU_Q, tl.num_programs(2), seqlen_q, total_q, b, tl.num_programs(2),
+                                    O + h * stride_oh, stride_os, LSE + tl.cast(h, tl.int64) * stride_lh, 1, DV,
+                                    BLOCK_DV, True)
         return
 
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [M] query index within the sequence

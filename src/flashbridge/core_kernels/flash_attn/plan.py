@@ -564,7 +564,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                *bsp.mask_scalars(sparse, backward=False))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
-        grid=(q_programs, shape.heads_q, shape.batch),
+        # packed sequences: one query block more, whose programs fill the rows no sequence covers (bad offsets)
+        grid=(q_programs + shape.varlen, shape.heads_q, shape.batch),
         inputs=tuple(n if present[n] else "q" for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q",
                                                          "cu_seqlens_k", *bsp.FWD_ARRAYS)),
         scalars=scalars,
@@ -660,6 +661,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     else:  # whole mask blocks (the kernels take them in the mask's order)
         kv_programs = bsp.sparse_blocks(shape.seqlen_k, sparse.kv_block, kv_n)
         q_programs = bsp.sparse_blocks(shape.seqlen_q, sparse.q_block, q_m)
+    # packed sequences: one key / query block more, whose programs fill the rows no sequence covers (bad offsets)
+    kv_programs, q_programs = kv_programs + shape.varlen, q_programs + shape.varlen
     kv_grid = (kv_programs * col_split, shape.heads_kv, shape.batch)
     q_grid = (q_programs, shape.heads_q, shape.batch)
     # one launch needs one warp count: with different ones (D=256's unsplit tiles: 4 and 8) the dQ path
