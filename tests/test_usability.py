@@ -281,7 +281,7 @@ def _func_case(family: str):
     slopes = torch.rand(1, 2, generator=g)
     angles = torch.rand(5, 6, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
-    window = masks.sliding_window(40, 9, block_size=16)
+    window = masks.streaming(40, 4, 9, block_size=16)  # not a band: the list walk
     return {
         "rms_norm": (lambda x, w, res: ft.rms_norm(x, w, residual=res), [r(5, 16), r(16), r(5, 16)]),
         "layer_norm": (lambda x, w, b: ft.layer_norm(x, w, b), [r(5, 16), r(16), r(16)]),
@@ -590,7 +590,7 @@ def _compile_case(op: str, n: int):
                 (q, kv, 0.3), (q, kv))
     if op == "flash_attention_block_mask":
         q, k, v = r(2, 4 * n, 2, 16, grad=True), r(2, 4 * n, 1, 16, grad=True), r(2, 4 * n, 1, 16, grad=True)
-        mask = masks.sliding_window(4 * n, 9, block_size=16)  # built once per length, outside the model
+        mask = masks.streaming(4 * n, 4, 9, block_size=16)  # built once per length, outside the model (lists)
         return (lambda q, k, v, mask: ft.flash_attention(q, k, v, block_mask=mask)), (q, k, v, mask), (q, k, v)
     raise KeyError(op)
 
