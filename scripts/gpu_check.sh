@@ -17,7 +17,7 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/env.txt"
 if [ -n "${1:-}" ]; then
   echo "=== tests ($(date +%T))"
-  timeout "${TEST_LIMIT:-240}" python3 -m pytest -m gpu -q -n "${TEST_WORKERS:-4}" -p no:cacheprovider --timeout 120 $1 \
+  timeout "${TEST_LIMIT:-240}" python3 -m pytest -m gpu -v -rfE -n "${TEST_WORKERS:-4}" -p no:cacheprovider --timeout 120 $1 \
     > "$OUT/tests_gpu.log" 2>&1; rc=$?; tail -25 "$OUT/tests_gpu.log"; status=$((status | rc))
 fi
 for item in ${2:-}; do

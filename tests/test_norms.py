@@ -217,12 +217,13 @@ def test_rows_of_extreme_magnitude_both_frameworks(op, case, has_res):
     np.testing.assert_array_equal(np64(tx.grad), np64(jdx))
 
 
-@pytest.mark.parametrize("n", [1, 2, 40])
+@pytest.mark.parametrize("n", [1, 2, 40, 1000])
 def test_layer_norm_of_constant_rows_far_above_sqrt_eps(n):
     """A row of equal values near 1e20 or 1e38 has variance 0 and rstd 1 / sqrt(eps) (eps vanishes against the
-    row's scale): y = bias, dx = rstd * (g - mean(g)), in both frameworks."""
+    row's scale): y = bias, dx = rstd * (g - mean(g)), in both frameworks. A value with a full mantissa
+    (3.636029...) makes the float32 sums round: the mean still has to be the value itself."""
     eps = 1e-6
-    x = np.repeat(np.array([[1e20], [-3e30], [3e38], [1.5]], np.float32), n, axis=1).astype(np.float64)
+    x = np.repeat(np.array([[1e20], [-3e30], [3e38], [1.5], [3.636029]], np.float32), n, axis=1).astype(np.float64)
     rng = np.random.default_rng(n)
     w, b, dy = (rounded(rng.standard_normal(s), "float32") for s in ((n,), (n,), x.shape))
     ref_y = R.layer_norm(x, w, b, eps=eps)

@@ -398,7 +398,8 @@ def merge_states_kernel(
 @triton.jit
 def e4m3_bits(x):
     """float32 -> the e4m3fn bit pattern (uint8) of ``x``, rounded to nearest even and saturated at +-448;
-    NaN stays NaN (0x7F, or 0xFF with the sign bit set: e4m3fn's only NaN encodings).
+    NaN stays NaN, stored as 0x7F whatever its sign (a GPU's conversions and multiplies do not keep a NaN's
+    sign bit, so keeping it would make the CPU and GPU bytes differ).
 
     Computed with integer arithmetic rather than ``x.to(tl.float8e4nv)`` because Triton's interpreter
     converts wrongly (a rounding carry into the exponent halves the value; negative subnormals lose bits);
@@ -416,7 +417,7 @@ def e4m3_bits(x):
     normal = (((ia >> 23) - 120) << 3) | ((ia >> 20) & 7)
     # subnormal range: multiples of 2^-9; adding 2^14 rounds to them (nearest even) in float32
     sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
-    bits = tl.where(nan, 0x7F, tl.where(a < 0.015625, sub, normal)) | sign
+    bits = tl.where(nan, 0x7F, tl.where(a < 0.015625, sub, normal) | sign)
     return bits.to(tl.uint8)
 
 

@@ -65,12 +65,11 @@ def _row_mean_m2(h, mask, N_COLS: tl.constexpr, LOG2_CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _row_pow2_scale(h, eps):
-    """Per row of h [BLOCK_M, NCHUNK, CHUNK]: (s, 1 / s), s the power of two at or below
-    max(max|h|, sqrt(eps)), so the scaled row has magnitudes below 2 and eps / s**2 is in [1 ... 4) or
+def _row_pow2_scale(amax, eps):
+    """Per row, from its largest magnitude ``amax`` [BLOCK_M]: (s, 1 / s), s the power of two at or below
+    max(amax, sqrt(eps)), so the scaled row has magnitudes below 2 and eps / s**2 is in [1 ... 4) or
     below. Built from the exponent bits, clamped to [2**-126, 2**126] so that both s and 1 / s are normal
     (a NaN or inf row gets 2**126 and stays non-finite)."""
-    amax = tl.max(tl.max(tl.abs(h), axis=2), axis=1)  # [BLOCK_M]
     m = tl.maximum(amax, tl.sqrt(tl.zeros_like(amax) + eps))
     e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent, m >= 0
     e = tl.minimum(tl.maximum(e, 1), 253)
@@ -114,7 +113,15 @@ def norm_fwd_kernel(
         h = h_out.to(tl.float32)
 
     # Statistics of the row scaled by a power of two (exact): no overflow or underflow of the squares.
-    scale, inv_scale = _row_pow2_scale(h, eps)  # [BLOCK_M] each
+    if IS_RMS:
+        amax = tl.max(tl.max(tl.abs(h), axis=2), axis=1)  # [BLOCK_M]
+    else:
+        # LayerNorm also needs to know a row of equal values: its variance is 0 exactly, but its float32
+        # sums round (the mean misses the value by an ulp, which rstd = 1 / sqrt(eps) would amplify)
+        hmax = tl.max(tl.max(tl.where(mask, h, -float("inf")), axis=2), axis=1)
+        hmin = tl.min(tl.min(tl.where(mask, h, float("inf")), axis=2), axis=1)
+        amax = tl.maximum(hmax, -hmin)
+    scale, inv_scale = _row_pow2_scale(amax, eps)  # [BLOCK_M] each
     h = h * inv_scale[:, None, None]
     eps_scaled = eps * inv_scale * inv_scale  # eps * inv_scale first: inv_scale**2 alone may overflow
     if IS_RMS:
@@ -124,7 +131,9 @@ def norm_fwd_kernel(
         rstd_out = rstd * inv_scale
     else:
         mean, m2 = _row_mean_m2(h, mask, N_COLS, LOG2_CHUNKS)  # [BLOCK_M] each
-        var_eps = m2 / N_COLS + eps_scaled
+        constant = hmax == hmin
+        mean = tl.where(constant, hmax * inv_scale, mean)
+        var_eps = tl.where(constant, 0.0, m2 / N_COLS) + eps_scaled
         # Below 2**-126 only for a row of equal values far above sqrt(eps) (a non-constant scaled row has
         # variance >= 2**-64; eps_scaled underflowed): there every h - mean is 0 and rstd is 1 / sqrt(eps).
         ok = var_eps >= 1.1754943508222875e-38
