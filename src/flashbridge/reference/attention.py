@@ -9,6 +9,7 @@ built explicitly, in the order the kernels apply them::
     s = s - slope * |i + Sk - Sq - j|                    ALiBi (bottom-right aligned, like causal)
     s = -inf where key j is not visible from query i     causal / window / bounds
     p = exp(s - lse), lse = log(sum_j exp(s_j) + exp(sink))
+    out = (p * keep / (1 - dropout_p)) @ v              dropout (keep: attention_dropout_mask); lse undropped
 
 A row that sees no key has ``out = 0`` and ``lse = -inf`` (``lse = sink`` when the head has a sink).
 Non-finite values follow IEEE arithmetic and define what the kernels return: a NaN in anything a row
@@ -21,6 +22,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from .random import philox_uniform
 
 
 def _f64(a):
@@ -127,6 +130,13 @@ def _slopes_for(alibi_slopes, b):
     return a if a.ndim == 1 else a[b]
 
 
+def _dropout_for(dropout_mask, dropout_p, b, sq, sk):
+    """Sequence b's dropout factors ``keep / (1 - p)`` (H, Sq, Sk), or None without dropout."""
+    if dropout_mask is None:
+        return None
+    return np.asarray(dropout_mask, dtype=bool)[b, :, :sq, :sk] / (1.0 - float(dropout_p))
+
+
 def _mask_for(mask, b):
     """The dense extra mask of sequence b: ``mask`` (B|1, Hq|1, Sq, Sk) (or fewer leading dims) ->
     (Hq|1, Sq, Sk), or None."""
@@ -144,12 +154,14 @@ def _lse_index(b, sl, varlen):
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
                     softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                    max_seqlen_k=None, mask=None):
+                    max_seqlen_k=None, mask=None, dropout_mask=None, dropout_p=0.0):
     """out = softmax(mods(softmax_scale * q k^T)) v in float64. Returns ``(out, lse)``.
 
     Shapes as the public op: out ``(B, Sq, Hq, Dv)`` and lse ``(B, Hq, Sq)``, or packed ``(total_q, Hq, Dv)``
     and ``(Hq, total_q)``. ``max_seqlen_*`` are accepted for signature parity and ignored. ``mask``: bool
     ``(B|1, Hq|1, Sq, Sk)``, query i sees key j only where True (dense inputs; a BlockMask's ``to_dense()``).
+    ``dropout_mask``: bool ``(B, Hq, Sq, Sk)`` (max lengths when packed), the kept probabilities
+    (:func:`attention_dropout_mask`), scaled by ``1 / (1 - dropout_p)``; lse is the undropped softmax's.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     varlen = cu_seqlens_q is not None
@@ -165,14 +177,16 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
                              causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
         row_lse = _lse(s, sinks)  # (H, Sq)
         p = _probs(s, row_lse)
-        out[qs] = _attend(p, vv, seen)
+        z = _dropout_for(dropout_mask, dropout_p, b, qq.shape[0], kk.shape[0])
+        out[qs] = _attend(p if z is None else p * z, vv, seen)
         lse[_lse_index(b, qs, varlen)] = row_lse
     return out, lse
 
 
 def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                         alibi_slopes=None, softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                        max_seqlen_q=None, max_seqlen_k=None, dlse=None, mask=None, return_dalibi=False):
+                        max_seqlen_q=None, max_seqlen_k=None, dlse=None, mask=None, return_dalibi=False,
+                        dropout_mask=None, dropout_p=0.0):
     """Gradients of :func:`flash_attention` given ``dout`` (shape of out) and optionally ``dlse`` (shape of
     lse). Returns ``(dq, dk, dv, dsinks)``; dsinks is None without sinks. GQA gradients are summed over each
     group of query heads sharing a kv head. ``return_dalibi``: a fifth result, the gradient of
@@ -181,7 +195,8 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
     With ``delta_i = sum_d dout_i * out_i - dlse_i``: ``ds = p * (dout v^T - delta)`` (times ``1 - tanh^2``
     with softcap), ``dq = scale * ds k``, ``dk = scale * ds^T q``, ``dv = p^T dout``,
     ``dsink = -sum_i exp(sink - lse_i) * delta_i`` and ``dslope_h = -sum_ij p (dout v^T - delta)_ij
-    |i + Sk - Sq - j|`` (ALiBi is added after softcap: no tanh factor).
+    |i + Sk - Sq - j|`` (ALiBi is added after softcap: no tanh factor). Dropout (``dropout_mask`` as in
+    :func:`flash_attention`, factors z): ``out = (p z) v``, ``dv = (p z)^T dout``, ``dp = (dout v^T) z``.
     """
     q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
     varlen = cu_seqlens_q is not None
@@ -198,11 +213,15 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
                           causal=causal, window_size=window_size, extra_mask=_mask_for(mask, b))
         row_lse = _lse(s, sinks)
         p = _probs(s, row_lse)  # (H, Sq, Sk)
-        o = np.einsum("hqk,khd->hqd", p, vv)
+        z = _dropout_for(dropout_mask, dropout_p, b, qq.shape[0], kk.shape[0])
+        pz = p if z is None else p * z
+        o = np.einsum("hqk,khd->hqd", pz, vv)
         delta = np.einsum("hqd,qhd->hq", o, do)
         if dlse is not None:
             delta = delta - np.where(np.isfinite(row_lse), _f64(dlse)[_lse_index(b, qs, varlen)], 0.0)
         dp = np.einsum("qhd,khd->hqk", do, vv)
+        if z is not None:
+            dp = dp * z
         ds = p * (dp - delta[..., None])
         if dalibi is not None:
             sq, sk = ds.shape[1], ds.shape[2]
@@ -217,7 +236,7 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
         ds = ds * scale
         dq[qs] = np.einsum("hqk,khd->qhd", ds, kk)
         dkk = np.einsum("hqk,qhd->khd", ds, qq)
-        dvv = np.einsum("hqk,qhd->khd", p, do)
+        dvv = np.einsum("hqk,qhd->khd", pz, do)
         sk = dkk.shape[0]
         dk[ks] = dkk.reshape(sk, hkv, group, dkk.shape[-1]).sum(axis=2)
         dv[ks] = dvv.reshape(sk, hkv, group, dvv.shape[-1]).sum(axis=2)
@@ -228,3 +247,15 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
         return dq, dk, dv, dsinks, dalibi
     return dq, dk, dv, dsinks
 
+
+
+def attention_dropout_mask(seed: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                           dropout_p: float) -> np.ndarray:
+    """The keep-mask attention dropout draws, bool ``(batch, heads, seqlen_q, seqlen_k)``: element (b, h, i,
+    j) is kept when the Philox uniform (:func:`flashbridge.reference.random.philox_uniform`) of ``(seed,
+    ((b * heads + h) * seqlen_q + i) * seqlen_k + j)`` is >= ``dropout_p`` rounded to float32 -- the
+    kernels' rule (``dropout_multiplier`` in core_kernels/flash_attn/kernels_common.py). Packed sequences
+    use the maximum lengths and their own index within the batch: take ``[b, :, :len_q, :len_k]``."""
+    b, h, i, j = np.ogrid[:batch, :heads, :seqlen_q, :seqlen_k]
+    offs = ((b.astype(np.int64) * heads + h) * seqlen_q + i) * seqlen_k + j
+    return philox_uniform(int(seed), offs) >= np.float32(dropout_p)

@@ -7,6 +7,7 @@ dimension contiguous) on CUDA, so the BHSD -> BSHD transpose of the SDPA wrapper
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
-                                            plan_attention_bwd, plan_attention_fwd)
-from ._checks import check_tensors
+                                            check_dropout, plan_attention_bwd, plan_attention_fwd)
+from ._checks import check_seed, check_tensors, seed_tensor
 from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
 
@@ -44,7 +45,7 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
 
 
 def _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, causal, window_left, window_right, softcap):
+             softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0):
     """Rebuild the validated (shape, options) inside an op from its flat arguments."""
     shape, _ = check_attention_args(
         q=_info(q), k=_info(k), v=_info(v), alibi_slopes=_info(alibi_slopes), sinks=_info(sinks),
@@ -53,7 +54,8 @@ def _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
     options = AttnOptions(
         softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, has_alibi=alibi_slopes is not None,
-        alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2, has_sinks=sinks is not None)
+        alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2, has_sinks=sinks is not None,
+        dropout_p=dropout_p)
     return shape, options
 
 
@@ -64,16 +66,17 @@ def _flash_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int], softmax_scale: float, causal: bool, window_left: Optional[int],
-    window_right: Optional[int], softcap: float,
+    window_right: Optional[int], softcap: float, seed: Optional[Tensor] = None, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """Returns (out, lse): out in q's layout with v's head dim, lse float32 (B, Hq, Sq) or (Hq, total_q)."""
+    """Returns (out, lse): out in q's layout with v's head dim, lse float32 (B, Hq, Sq) or (Hq, total_q).
+    ``seed``: int32 (1,), used when dropout_p > 0."""
     shape, options = _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
+                              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     plan = plan_attention_fwd(shape, options, target=target_for(q.device),
                               strides={"q": _strides(q), "k": _strides(k), "v": _strides(v)})
     given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks,
-             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+             "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "seed": seed}
     out, lse = execute(plan, {n: given[n].contiguous() if n not in ("q", "k", "v") else given[n]
                               for n in plan.inputs})
     return out, lse
@@ -81,7 +84,7 @@ def _flash_attn_fwd(
 
 @_flash_attn_fwd.register_fake
 def _(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      causal, window_left, window_right, softcap):
+      causal, window_left, window_right, softcap, seed=None, dropout_p=0.0):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -116,7 +119,7 @@ def _fold_batch(batch: int, args: dict) -> Optional[dict]:
 def _(batch, in_dims, q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *options):
     names = ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q")
     f = _fold_batch(batch, dict(zip(names, zip((q, k, v, alibi_slopes, sinks, cu_seqlens_q), in_dims))))
-    if f is None:
+    if f is None or (len(options) > 7 and options[-1] > 0):  # dropout: the mask depends on the batch index
         return None
     out, lse = _flash_attn_fwd.overload(f["q"], f["k"], f["v"], f["alibi_slopes"], sinks, None, None, *options)
     return (out.unflatten(0, (batch, -1)), lse.unflatten(0, (batch, -1))), (0, 0)
@@ -128,12 +131,12 @@ def _flash_attn_bwd(
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
     softmax_scale: float, causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float,
-    alibi_grad: bool,
+    alibi_grad: bool, seed: Optional[Tensor] = None, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dsinks, dalibi, dalibi_part); dsinks is empty ``(0,)`` without sinks, dalibi (the
     slopes' shape) and dalibi_part (float32 ``(batch, Hq)``, per sequence) without ``alibi_grad``."""
     shape, options = _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
+                              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
     q, k, v, dout = _prepare(q), _prepare(k), _prepare(v), _prepare(dout)
     alibi_grad = alibi_grad and alibi_slopes is not None
     plan = plan_attention_bwd(
@@ -143,7 +146,7 @@ def _flash_attn_bwd(
         strides={"q": _strides(q), "k": _strides(k), "v": _strides(v), "dout": _strides(dout)})
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
              "alibi_slopes": alibi_slopes, "sinks": sinks, "cu_seqlens_q": cu_seqlens_q,
-             "cu_seqlens_k": cu_seqlens_k}
+             "cu_seqlens_k": cu_seqlens_k, "seed": seed}
     results = execute(plan, {n: given[n] if n in ("q", "k", "v", "dout") else given[n].contiguous()
                              for n in plan.inputs})
     dq, dk, dv = results[:3]
@@ -157,7 +160,8 @@ def _flash_attn_bwd(
 
 @_flash_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, alibi_grad):
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, alibi_grad, seed=None,
+      dropout_p=0.0):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     if alibi_grad and alibi_slopes is not None:
         n_seqs = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
@@ -173,7 +177,7 @@ def _(batch, in_dims, dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seq
     names = ("dout", "q", "k", "v", "out", "lse", "dlse", "alibi_slopes", "sinks", "cu_seqlens_q")
     f = _fold_batch(batch, dict(zip(names, zip((dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q),
                                                in_dims))))
-    if f is None or sinks is not None:
+    if f is None or sinks is not None or (len(options) > 8 and options[-1] > 0):
         return None  # the sinks gradient of a vmapped call: one sum over the batch per element
     dq, dk, dv, dsinks, dalibi, part = _flash_attn_bwd.overload(
         f["dout"], f["q"], f["k"], f["v"], f["out"], f["lse"], f["dlse"], f["alibi_slopes"], sinks, None, None,
@@ -190,28 +194,36 @@ def _(batch, in_dims, dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seq
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-     causal, window_left, window_right, softcap) = inputs
+     causal, window_left, window_right, softcap, *drop) = inputs
+    seed, dropout_p = drop if drop else (None, 0.0)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seed)
     ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
+    ctx.dropout_p = dropout_p
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seed = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     alibi_grad = alibi_slopes is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dsinks, dalibi, _ = _flash_attn_bwd(
-        dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_grad)
+        dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_grad,
+        seed, ctx.dropout_p)
     return (dq, dk, dv, dalibi if alibi_grad else None, dsinks if sinks is not None else None, None, None, None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _attention(q, k, v, options: AttnOptions, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-               max_seqlen_k):
+               max_seqlen_k, seed: Optional[Tensor] = None):
+    if options.dropout_p > 0:
+        return _flash_attn_fwd(
+            q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
+            float(options.softcap), seed, float(options.dropout_p))
     return _flash_attn_fwd(
         q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
@@ -225,7 +237,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                    deterministic: bool = True, return_lse: bool = False, block_mask=None) -> Tensor | tuple[Tensor, Tensor]:
+                    deterministic: bool = True, return_lse: bool = False, block_mask=None, dropout_p: float = 0.0,
+                    seed: Optional[int | Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -254,6 +267,13 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             only the key blocks it lists are visited (block-sparse attention); rows that see nothing output 0
             and lse -inf. Combines with softcap, ALiBi, sinks, GQA; not with causal / window_size (build that
             into the mask) or packed inputs.
+        dropout_p: attention dropout on the probabilities (after the softmax, before ``@ v``): each is kept
+            with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; lse stays the undropped
+            softmax's (as flash-attn). The mask is a function of ``(seed, batch, head, query, key)`` (Philox,
+            the generator of the dropout norms): the same seed gives the same mask here, in
+            ``flashbridge.jax_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
+        seed: a Python int (int32 range) or a one-element integer tensor; required when ``dropout_p > 0``.
+            Not with ``block_mask``.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
@@ -281,6 +301,15 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     shape, options = check_attention_args(
         **{n: _info(t) for n, t in tensors.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    if seed is not None:
+        check_seed(seed)
+    dropout_p = check_dropout(dropout_p, seed is not None)
+    if dropout_p > 0 and block_mask is not None:
+        raise ValueError("dropout_p: not supported with block_mask")
+    seed_t = None
+    if dropout_p > 0:
+        options = dataclasses.replace(options, dropout_p=dropout_p)
+        seed_t = seed_tensor(seed, q.device)
     if (shape.varlen and not torch.compiler.is_compiling()
             and underlying(cu_seqlens_q) is cu_seqlens_q and underlying(cu_seqlens_k) is cu_seqlens_k):
         # Reading the offsets costs a device sync on CUDA (one for both: they usually are one tensor); under
@@ -297,7 +326,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks)
     else:
         out, lse = _attention(q, k, v, options, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k)
+                              max_seqlen_q, max_seqlen_k, seed_t)
     return (out, lse) if return_lse else out
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_mask_visible, block_schedule,
+                             dropout_multiplier, dropout_state,
                              fill_uncovered_rows, grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile,
                              lse_log2, mask_bits, mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
                              score_grad, score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
@@ -140,7 +141,7 @@ def _dkdv_step(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
-    COL_SPLIT: tl.constexpr, elem_ok=None,
+    COL_SPLIT: tl.constexpr, elem_ok=None, drop=None, h=0,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
@@ -176,9 +177,15 @@ def _dkdv_step(
     p_t, t_t = recompute_p(qk_t, lse2[None, :], offs_m[None, :], offs_n[:, None], qk_scale, cap2,
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                            HAS_ALIBI, elem_ok)  # [N, M]
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    if drop is not None:  # dropout (head h): dV takes the dropped P, dS the dropped dP (as the forward's P @ V)
+        z_t = dropout_multiplier(offs_m[None, :], offs_n[:, None], h, drop)  # [N, M]
+        dv = tl.dot((p_t * z_t).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     if not DP_FIRST:
         dp_t = _dot_t_parts(v, do, v_o, do_o, DOT_PRECISION, COL_SPLIT)  # [N, M]
+    if drop is not None:
+        dp_t = dp_t * z_t
     ds_t = score_grad(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -191,7 +198,7 @@ def _dkdv_q_range(
     len_q, len_k, window_left, window_right, GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr,
     CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr, drop=None,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[blk_lo, blk_hi)`` of every query head of kv
     head ``kh``'s GQA group (``*_seq``: the sequence's rows of head 0). GROUP > 1 walks the (head, block)
@@ -208,7 +215,7 @@ def _dkdv_q_range(
                                 offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_dos, qk_scale,
                                 cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
                                 BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                DOT_PRECISION, EARLY_DP, COL_SPLIT)
+                                DOT_PRECISION, EARLY_DP, COL_SPLIT, None, drop, kh)
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -221,7 +228,7 @@ def _dkdv_q_range(
                                 L2_seq + l_off, D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
                                 stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left,
                                 window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS,
-                                HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
+                                HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, None, drop, h)
     return dk, dv
 
 
@@ -235,6 +242,7 @@ def _dkdv_q_list(
     MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
+    drop=None,
 ):
     """The block-sparse counterpart of :func:`_dkdv_q_range`: accumulate dK, dV of one key block over the
     query blocks (of MASK_QB queries) listed in rows ``row0 + g * row_step`` of a BlockMask's transposed lists
@@ -288,7 +296,7 @@ def _dkdv_q_list(
                             D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs,
                             stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK,
                             DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP,
-                            HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, elem_ok)
+                            HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, elem_ok, drop, h)
     return dk, dv
 
 
@@ -302,7 +310,7 @@ def _dkdv_sparse(
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
     MASK_GROUP_P2: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr,
+    EARLY_DP: tl.constexpr, COL_SPLIT: tl.constexpr, drop=None,
 ):
     """dK, dV of the key block at ``n_start`` (BLOCK_N divides MASK_KB) over the query blocks of the mask's
     transposed lists, for every query head of kv head ``kh``'s group: full blocks without mask arithmetic or
@@ -320,14 +328,14 @@ def _dkdv_sparse(
                           stride_doh, stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left,
                           window_right, GROUP, MASK_GROUP_P2, MASK_PER_HEAD, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV,
                           MASK_QB, MASK_KB, False, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-                          HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT)
+                          HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, drop)
     dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, Q_NUM, Q_IDX,
                           Q_BITS_IDX, row0, mask_t_stride_h, mask_t_max, BITS, TOK_Q + tok, tk, offs_n, n_local,
                           offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh,
                           stride_lh, stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP,
                           MASK_GROUP_P2, MASK_PER_HEAD, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, True,
                           MASK_RAGGED_Q, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION, EARLY_DP, COL_SPLIT)
+                          DOT_PRECISION, EARLY_DP, COL_SPLIT, drop)
     return dk, dv
 
 
@@ -346,6 +354,7 @@ def _dkdv_program(
     LSE_ALIGN: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr,
     MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr, MASK_GROUP_P2: tl.constexpr,
+    drop=None,
 ):
     """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``: all their
     columns, or with COL_SPLIT = 2 the half ``part`` (0 or 1) of them (see :func:`_dkdv_step`)."""
@@ -389,7 +398,7 @@ def _dkdv_program(
                               stride_ab, qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK,
                               DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC,
                               MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q, MASK_GROUP_P2, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION, EARLY_DP, COL_SPLIT)
+                              DOT_PRECISION, EARLY_DP, COL_SPLIT, drop)
     else:
         # Three segments: [lo, a_hi) masked scores whose rows all lie inside the sequence (the causal diagonal:
         # no row checks on the loads, a third fewer instructions per step), [a_hi, b_hi) fully visible,
@@ -410,7 +419,7 @@ def _dkdv_program(
                                    stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale,
                                    cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV, BLOCK_M,
                                    BLOCK_DQK, BLOCK_DV, seg != 1, seg == 2, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                   DOT_PRECISION, EARLY_DP, COL_SPLIT)
+                                   DOT_PRECISION, EARLY_DP, COL_SPLIT, drop)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
@@ -434,11 +443,12 @@ def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
     Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
+    SEED,  # int32 (1,), HAS_DROPOUT
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
     mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,  # runtime scalars
+    dropout_p, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,  # runtime scalars
     DK, DV_OUT,  # outputs: dk in k's layout and dtype, dv in v's
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -447,7 +457,7 @@ def attn_bwd_dkdv_kernel(
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, COL_SPLIT: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    MASK_GROUP_P2: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # grid axis 0: key blocks x COL_SPLIT column parts, a block's parts adjacent (they share its K / V and
     # every Q / dO tile in L2); key block 0 sees the most causal queries: it starts first
@@ -462,6 +472,9 @@ def attn_bwd_dkdv_kernel(
     q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
     k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
     n_start = pid_n * BLOCK_N
+    drop = None
+    if HAS_DROPOUT:
+        drop = dropout_state(SEED, dropout_p, b, tl.num_programs(1) * GROUP, seqlen_q, seqlen_k)
     if n_start >= len_k:
         if IS_VARLEN and not BLOCK_SPARSE:
             if (pid_n == tl.num_programs(0) // COL_SPLIT - 1) & (part == 0):  # the extra key block
@@ -476,7 +489,7 @@ def attn_bwd_dkdv_kernel(
                   mask_t_stride_h, mask_t_max, tok_stride_b, GROUP, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                   HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, COL_SPLIT,
                   TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD,
-                  MASK_RAGGED_Q, MASK_GROUP_P2)
+                  MASK_RAGGED_Q, MASK_GROUP_P2, drop)
 
 
 @triton.jit
@@ -485,7 +498,7 @@ def _dq_step(
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, elem_ok=None,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, elem_ok=None, drop=None, h=0,
 ):
     """dQ [M, Dqk] of one query block plus the terms of keys ``n_start + arange(BLOCK_N)`` (APPLY_MASK: the
     scores take the mask, ``elem_ok`` [M, N] for block-sparse masks).
@@ -502,6 +515,8 @@ def _dq_step(
     p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
                        len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+    if drop is not None:  # dropout (head h): the forward's P @ V used the dropped P, so dP is dropped too
+        dp = dp * dropout_multiplier(offs_m[:, None], offs_n[None, :], h, drop)
     ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
     if ALIBI_GRAD:
         ds_bias = ds
@@ -518,7 +533,7 @@ def _dq_kv_range(
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, h=0,
 ):
     """Accumulate dQ [M, Dqk] (and ``dslope``, see :func:`_dq_step`) of one query block over key blocks
     ``[blk_lo, blk_hi)``."""
@@ -526,7 +541,7 @@ def _dq_kv_range(
         dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, blk * BLOCK_N, offs_m, offs_dqk,
                               offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
                               window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL,
-                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, None, drop, h)
     return dq, dslope
 
 
@@ -537,7 +552,7 @@ def _dq_kv_list(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, h=0,
 ):
     """Accumulate dQ (and ``dslope``) over the key blocks of one row of a BlockMask's lists, as the forward's
     ``fwd_kv_list`` walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
@@ -552,7 +567,7 @@ def _dq_kv_list(
         dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
                               stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                               DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION, ALIBI_GRAD, elem_ok)
+                              DOT_PRECISION, ALIBI_GRAD, elem_ok, drop, h)
     return dq, dslope
 
 
@@ -569,6 +584,7 @@ def _dq_program(
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     TAIL_BLOCKS: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    drop=None,
 ):
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
     :func:`query_block`, ``m_start < len_q``). ALIBI_GRAD: also this block's term of the slope's gradient,
@@ -614,29 +630,29 @@ def _dq_program(
             FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv,
             stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
             BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-            HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+            HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
         dq, dslope = _dq_kv_list(
             dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
             KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
             qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-            ALIBI_GRAD)
+            ALIBI_GRAD, drop, h)
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
         if TAIL_BLOCKS:  # False: the plan proved this segment empty
             dq, dslope = _dq_kv_range(
                 dq, dslope, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv, stride_ks,
                 stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD)
+                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)
@@ -649,11 +665,12 @@ def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
     Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
+    SEED,  # int32 (1,), HAS_DROPOUT
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
     mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
-    stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
+    dropout_p, stride_dqb, stride_dqs, stride_dqh,  # runtime scalars
     DQ, DSLOPE_BLOCKS,  # outputs: dq in q's layout and dtype; ALIBI_GRAD: float32 (batch, heads, query blocks)
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -661,7 +678,7 @@ def attn_bwd_dq_kernel(
     LSE_ALIGN: tl.constexpr, HEAD_GROUP: tl.constexpr, TAIL_BLOCKS: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     if BLOCK_SPARSE:  # the mask's query blocks, longest first
         rank, h, b = block_schedule(HEAD_GROUP)
@@ -672,6 +689,9 @@ def attn_bwd_dq_kernel(
         h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
             CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
     slope_block = (b * tl.num_programs(1) + h) * tl.num_programs(0) + m_start // BLOCK_M
+    drop = None
+    if HAS_DROPOUT:
+        drop = dropout_state(SEED, dropout_p, b, tl.num_programs(1), seqlen_q, seqlen_k)
     if m_start >= len_q:
         if ALIBI_GRAD:  # every block of the slopes' partial sums is written
             tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
@@ -687,7 +707,7 @@ def attn_bwd_dq_kernel(
                 KV_IDX, FULL_KV_NUM, FULL_KV_IDX, KV_BITS_IDX, BITS, TOK_Q, TOK_K, mask_stride_b, mask_stride_h,
                 mask_max, tok_stride_b, DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
                 HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN, LSE_ALIGN, TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB,
-                MASK_GLOBAL, MASK_DOC, MASK_BITS, ALIBI_GRAD)
+                MASK_GLOBAL, MASK_DOC, MASK_BITS, ALIBI_GRAD, drop)
 
 
 @triton.jit(do_not_specialize_on_alignment=FUSED_INT_SCALARS)
@@ -695,12 +715,13 @@ def attn_bwd_kernel(
     Q, K, V, DO, LSE2, DELTA, SLOPES, CU_Q, CU_K,  # inputs
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, KV_ORDER,
     Q_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask arrays (BLOCK_SPARSE; placeholders otherwise)
+    SEED,  # int32 (1,), HAS_DROPOUT
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_ab,
     mask_stride_b, mask_stride_h, mask_max, mask_t_stride_b, mask_t_stride_h, mask_t_max, tok_stride_b,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
-    heads_kv, n_seqs,  # runtime scalars
+    dropout_p, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs,
+    stride_dqh, heads_kv, n_seqs,  # runtime scalars
     DK, DV_OUT, DQ, DSLOPE_BLOCKS,  # outputs, as in the two kernels
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, Q_BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -709,7 +730,7 @@ def attn_bwd_kernel(
     HEAD_GROUP: tl.constexpr, KV_TAIL_BLOCKS: tl.constexpr, Q_TAIL_BLOCKS: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
@@ -736,6 +757,9 @@ def attn_bwd_kernel(
         q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
+        drop = None
+        if HAS_DROPOUT:
+            drop = dropout_state(SEED, dropout_p, b, heads_kv * GROUP, seqlen_q, seqlen_k)
         if n_start < len_k:
             _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, 0, Q, K, V, DO, LSE2, DELTA, SLOPES,
                           sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
@@ -746,7 +770,7 @@ def attn_bwd_kernel(
                           GROUP, DQK, DV, KV_BLOCK_M, KV_BLOCK_N, BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP,
                           HAS_ALIBI, DOT_PRECISION, EARLY_DP, STRIDE_ALIGN, LSE_ALIGN, 1, KV_TAIL_BLOCKS, BLOCK_SPARSE,
                           MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS, MASK_PER_HEAD, MASK_RAGGED_Q,
-                          MASK_GROUP_P2)
+                          MASK_GROUP_P2, drop)
         else:
             if IS_VARLEN and not BLOCK_SPARSE:
                 if pid_n == kv_blocks - 1:  # the extra key block: NaN into uncovered dk / dv rows
@@ -770,6 +794,9 @@ def attn_bwd_kernel(
             h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
                 rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
         slope_block = (b * heads_q + h) * q_blocks + m_start // Q_BLOCK_M
+        drop = None
+        if HAS_DROPOUT:
+            drop = dropout_state(SEED, dropout_p, b, heads_q, seqlen_q, seqlen_k)
         if m_start < len_q:
             _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
@@ -779,7 +806,7 @@ def attn_bwd_kernel(
                         mask_stride_b, mask_stride_h, mask_max, tok_stride_b, DQK, DV, Q_BLOCK_M, Q_BLOCK_N,
                         BLOCK_DQK, BLOCK_DV, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STRIDE_ALIGN,
                         LSE_ALIGN, Q_TAIL_BLOCKS, BLOCK_SPARSE, MASK_QB, MASK_KB, MASK_GLOBAL, MASK_DOC, MASK_BITS,
-                        ALIBI_GRAD)
+                        ALIBI_GRAD, drop)
         else:
             if ALIBI_GRAD:  # every block of the slopes' partial sums is written
                 tl.store(DSLOPE_BLOCKS + slope_block, 0.0)

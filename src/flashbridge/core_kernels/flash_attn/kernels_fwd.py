@@ -18,7 +18,8 @@ instead -- the full ones without mask arithmetic, then the partial ones through 
 import triton
 import triton.language as tl
 
-from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, fill_uncovered_rows, fwd_kv_list,
+from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, dropout_state, fill_uncovered_rows,
+                             fwd_kv_list,
                              fwd_kv_range, kv_block_range, list_length, load_tile, mask_tokens, query_block,
                              score_params, softmax_finalize, softmax_init, sparse_query_block_at)
 
@@ -35,10 +36,11 @@ FWD_INT_SCALARS = (
 def attn_fwd_kernel(
     Q, K, V, SLOPES, SINKS, CU_Q, CU_K,  # inputs (unused ones are placeholders, see the HAS_* flags)
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
+    SEED,  # int32 (1,), HAS_DROPOUT
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
-    mask_stride_b, mask_stride_h, mask_max, tok_stride_b,  # runtime scalars
+    mask_stride_b, mask_stride_h, mask_max, tok_stride_b, dropout_p,  # runtime scalars
     O, LSE,  # outputs: out [.., Hq, DV] in q's dtype, lse float32
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -46,7 +48,7 @@ def attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr, STRIDE_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr,
     MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, HEAD_GROUP: tl.constexpr,
     MASKED_BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
-    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -89,6 +91,9 @@ def attn_fwd_kernel(
     diag = len_k - len_q
     m_i, l_i = softmax_init(SINKS, h, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    drop = None
+    if HAS_DROPOUT:
+        drop = dropout_state(SEED, dropout_p, b, tl.num_programs(1), seqlen_q, seqlen_k)
 
     if BLOCK_SPARSE:
         # This query block's row of the mask's lists (BLOCK_M divides MASK_QB); batch / head strides are 0
@@ -105,13 +110,13 @@ def attn_fwd_kernel(
                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
                                     window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
                                     MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-                                    HAS_ALIBI, DOT_PRECISION, 0, POSITIVE_SCALE)
+                                    HAS_ALIBI, DOT_PRECISION, 0, POSITIVE_SCALE, drop, h)
         acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(KV_NUM, row, mask_max),
                                     KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local,
                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
                                     window_left, window_right, DQK, DV, MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
                                     MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
-                                    DOT_PRECISION, MASKED_STAGES, POSITIVE_SCALE)
+                                    DOT_PRECISION, MASKED_STAGES, POSITIVE_SCALE, drop, h)
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
@@ -124,7 +129,7 @@ def attn_fwd_kernel(
                                          qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV,
                                          BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
                                          HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
-                                         POSITIVE_SCALE)
+                                         POSITIVE_SCALE, drop, h)
     out, lse = softmax_finalize(acc, m_i, l_i)
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh

@@ -14,7 +14,7 @@ import math
 from typing import Optional
 
 from .._config import active_config
-from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_int, fmt_shape, next_power_of_2,
+from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_int, check_real, fmt_shape, next_power_of_2,
                      pow2_divisor)
 from ..block_sparse import plan as bsp
 
@@ -192,6 +192,9 @@ class AttnOptions:
     has_alibi: bool
     alibi_batched: bool  # slopes (B, Hq) rather than (Hq,)
     has_sinks: bool
+    # Attention dropout on the probabilities (0 = none: the kernels compile without it); with p > 0 the
+    # plans take an int32 (1,) "seed" input.
+    dropout_p: float = 0.0
 
     @property
     def has_local(self) -> bool:
@@ -222,6 +225,17 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: must be >= 0 (0 disables it), got {softcap}")
     return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
+
+
+def check_dropout(dropout_p, has_seed: bool) -> float:
+    """Attention dropout's probability as a float in [0, 1); a seed is required with p > 0 (the mask is a
+    function of it: no hidden global state)."""
+    check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and not has_seed:
+        raise ValueError("seed: required when dropout_p > 0 (a Python int or a one-element integer tensor)")
+    return float(dropout_p)
 
 
 def int_pair(name: str, value) -> tuple[int, int]:
@@ -549,7 +563,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
           for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
     present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
                "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
-               **bsp.present_arrays(sparse, bsp.FWD_ARRAYS)}
+               **bsp.present_arrays(sparse, bsp.FWD_ARRAYS), "seed": options.dropout_p > 0}
     fwd_entry = "fwd_masked" if options.causal or options.has_local or sparse else "fwd"
     bm, bn, warps, stages = _tile(fwd_entry, shape, target, config)
     masked_bn = _masked_block_n(fwd_entry, shape, target, config, bn)
@@ -561,13 +575,13 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
     scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
                ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)),
-               *bsp.mask_scalars(sparse, backward=False))
+               *bsp.mask_scalars(sparse, backward=False), ("dropout_p", float(options.dropout_p)))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
         # packed sequences: one query block more, whose programs fill the rows no sequence covers (bad offsets)
         grid=(q_programs + shape.varlen, shape.heads_q, shape.batch),
         inputs=tuple(n if present[n] else "q" for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q",
-                                                         "cu_seqlens_k", *bsp.FWD_ARRAYS)),
+                                                         "cu_seqlens_k", *bsp.FWD_ARRAYS, "seed")),
         scalars=scalars,
         outputs=("out", "lse"),
         constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
@@ -578,7 +592,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("HEAD_GROUP", _head_group(config, options, target) if sparse is None
                      else bsp.head_group(config.head_group, sparse, target.interpret)),
-                    ("MASKED_BLOCK_N", masked_bn), *bsp.mask_constexprs(sparse, backward=False)),
+                    ("MASKED_BLOCK_N", masked_bn), *bsp.mask_constexprs(sparse, backward=False),
+                    ("HAS_DROPOUT", options.dropout_p > 0)),
         num_warps=warps,
         num_stages=stages,
     )
@@ -612,7 +627,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     present = {"dout": True, "q": True, "k": True, "v": True, "out": True, "lse": True, "dlse": has_dlse,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
                "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
-               **bsp.present_arrays(sparse, bsp.BWD_ARRAYS)}
+               **bsp.present_arrays(sparse, bsp.BWD_ARRAYS), "seed": options.dropout_p > 0}
 
     def name(n):
         return n if present[n] else "q"  # placeholder pointer for an absent input
@@ -634,12 +649,14 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
     q_tail = _tail_blocks(shape, options, shape.seqlen_k, q_n)  # dQ walks key blocks
     main_scalars = (*_common_scalars(shape, options), *_strided("q", st["q"]), *_strided("k", st["k"]),
                     *_strided("v", st["v"]), *_strided("do", st["dout"]), *lse_scalars,
-                    ("stride_ab", _alibi_stride(shape, options)), *bsp.mask_scalars(sparse, backward=True))
+                    ("stride_ab", _alibi_stride(shape, options)), *bsp.mask_scalars(sparse, backward=True),
+                    ("dropout_p", float(options.dropout_p)))
     dims = (("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v))
     main_inputs = ("q", "k", "v", "dout", "lse2", "delta", name("alibi_slopes"), name("cu_seqlens_q"),
-                   name("cu_seqlens_k"), *bsp.mask_inputs(sparse, bsp.BWD_ARRAYS))
+                   name("cu_seqlens_k"), *bsp.mask_inputs(sparse, bsp.BWD_ARRAYS), name("seed"))
     mask_flags = bsp.mask_constexprs(sparse, backward=True, group=shape.group)
     alibi_flag = ("ALIBI_GRAD", alibi_grad is not None)
+    drop_flag = ("HAS_DROPOUT", options.dropout_p > 0)
 
     # delta reads two [pre_m, Dv] tiles: about 32 elements of each per thread on a GPU.
     pre_m = 64 if target.interpret else max(16, min(128, 8192 // bdv))
@@ -679,7 +696,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
                         ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail),
-                        *mask_flags, alibi_flag),
+                        *mask_flags, alibi_flag, drop_flag),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
@@ -692,7 +709,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 outputs=("dk", "dv"),
                 constexprs=(*dims, ("BLOCK_M", kv_m), ("BLOCK_N", kv_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, early_dp, *_align(dkdv_scalars), ("HEAD_GROUP", head_group),
-                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail), *mask_flags),
+                            ("COL_SPLIT", col_split), ("TAIL_BLOCKS", kv_tail), *mask_flags, drop_flag),
                 num_warps=kv_warps, num_stages=kv_stages),
             Launch(
                 kernel=f"{_BWD}:attn_bwd_dq_kernel",
@@ -702,7 +719,7 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
                 outputs=("dq", "dalibi_blocks"),
                 constexprs=(*dims, ("BLOCK_M", q_m), ("BLOCK_N", q_n), ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv),
                             *flags, *_align(dq_scalars), ("HEAD_GROUP", head_group), ("TAIL_BLOCKS", q_tail),
-                            *mask_flags, alibi_flag),
+                            *mask_flags, alibi_flag, drop_flag),
                 num_warps=q_warps, num_stages=q_stages),
         ]
     launches = [preprocess, *main]

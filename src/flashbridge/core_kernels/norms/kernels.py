@@ -22,6 +22,8 @@ the row's rms (RMSNorm) or standard deviation (LayerNorm) is below ~1e37.
 import triton
 import triton.language as tl
 
+from .._random import dropout_keep
+
 
 @triton.jit
 def _welford_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
@@ -74,13 +76,6 @@ def _row_pow2_scale(amax, eps):
     e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent, m >= 0
     e = tl.minimum(tl.maximum(e, 1), 253)
     return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dropout_keep(SEED, offs, dropout_p):
-    # Same (seed, offset) -> same mask in the forward, the backward and both front-ends.
-    seed = tl.load(SEED)
-    return tl.rand(seed, offs) >= dropout_p
 
 
 # Runtime integers get no divisibility specialisation from their values (jax-triton gives none), so that
@@ -148,7 +143,7 @@ def norm_fwd_kernel(
     if HAS_B:
         z += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, :]
     if HAS_DROPOUT:
-        z = tl.where(_dropout_keep(SEED, offs, dropout_p), z / (1.0 - dropout_p), 0.0)
+        z = tl.where(dropout_keep(tl.load(SEED), offs, dropout_p), z / (1.0 - dropout_p), 0.0)
     if HAS_POST_RES:
         z += tl.load(POST_RES + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + offs, z.to(Y.dtype.element_ty), mask=mask)
@@ -180,7 +175,7 @@ def norm_bwd_kernel(
         h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)  # grad of z
         if HAS_DROPOUT:
-            g = tl.where(_dropout_keep(SEED, offs, dropout_p), g / (1.0 - dropout_p), 0.0)
+            g = tl.where(dropout_keep(tl.load(SEED), offs, dropout_p), g / (1.0 - dropout_p), 0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         if IS_RMS:
             xhat = h * rstd[:, None]
