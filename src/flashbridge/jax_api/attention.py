@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values, int_pair,
-                                            plan_attention_bwd, plan_attention_fwd)
-from ._checks import check_arrays
+from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
+                                            check_dropout, int_pair, plan_attention_bwd, plan_attention_fwd)
+from ._checks import as_seed, check_arrays, check_seed
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
 
@@ -56,7 +56,7 @@ def _with_alibi(options: AttnOptions, alibi) -> AttnOptions:
 
 # ----------------------------------------------------------------------------------------------- kernels
 
-def _fwd_call(q, k, v, alibi, sinks, cu_q, cu_k, *, static: _Static):
+def _fwd_call(q, k, v, alibi, sinks, cu_q, cu_k, seed=None, *, static: _Static):
     shape = _shape(static, q, k, v, alibi, sinks, cu_q, cu_k)
     options = _with_alibi(static.options, alibi)
 
@@ -64,12 +64,12 @@ def _fwd_call(q, k, v, alibi, sinks, cu_q, cu_k, *, static: _Static):
         return plan_attention_fwd(shape, options, target=target)
 
     given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q,
-             "cu_seqlens_k": cu_k}
+             "cu_seqlens_k": cu_k, "seed": seed}
     out, lse = execute(make_plan, {n: a for n, a in given.items() if a is not None})
     return out, lse
 
 
-def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, *, static: _Static):
+def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, seed=None, *, static: _Static):
     shape = _shape(static, q, k, v, alibi, sinks, cu_q, cu_k)
     options = _with_alibi(static.options, alibi)
     alibi_grad = static.alibi_grad and alibi is not None
@@ -80,7 +80,7 @@ def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, *, static
                                   alibi_grad=dtype_name(alibi.dtype) if alibi_grad else None)
 
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
-             "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+             "alibi_slopes": alibi, "sinks": sinks, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "seed": seed}
     results = execute(make_plan, {n: a for n, a in given.items() if a is not None})
     return split_bwd_results(results, sinks is not None, alibi_grad)
 
@@ -137,10 +137,11 @@ def _fold_alibi(axis_size, batch, alibi, batched):
     return _fold(alibi)
 
 
-def _must_map(varlen: bool, in_batched_sinks) -> bool:
-    # Packed sequences cannot be folded into one batch without new offsets, and the kernels read one sink
-    # per head: map those cases one example at a time.
-    return varlen or _any(in_batched_sinks)
+def _must_map(varlen: bool, in_batched_sinks, dropout: bool = False) -> bool:
+    # Packed sequences cannot be folded into one batch without new offsets, the kernels read one sink per
+    # head, and the dropout mask depends on the sequence's index in its batch: map those cases one example
+    # at a time.
+    return varlen or _any(in_batched_sinks) or dropout
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,9 +150,9 @@ def _fwd_op(static: _Static):
     op = jax.custom_batching.custom_vmap(call)
 
     @op.def_vmap
-    def _rule(axis_size, in_batched, q, k, v, alibi, sinks, cu_q, cu_k):
-        args = [q, k, v, alibi, sinks, cu_q, cu_k]
-        if _must_map(cu_q is not None, in_batched[4]):
+    def _rule(axis_size, in_batched, q, k, v, alibi, sinks, cu_q, cu_k, seed=None):
+        args = [q, k, v, alibi, sinks, cu_q, cu_k, seed]
+        if _must_map(cu_q is not None, in_batched[4], seed is not None):
             outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
             return outs, (True, True)
         q, k, v = _batched(axis_size, [q, k, v], in_batched[:3])
@@ -170,9 +171,9 @@ def _bwd_op(static: _Static):
     op = jax.custom_batching.custom_vmap(call)
 
     @op.def_vmap
-    def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k):
-        args = [dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k]
-        if _must_map(cu_q is not None, in_batched[8]):
+    def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, seed=None):
+        args = [dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k, seed]
+        if _must_map(cu_q is not None, in_batched[8], seed is not None):
             outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
             return outs, tuple(None if o is None else True for o in outs)
         dout, q, k, v, out, lse, dlse = _batched(axis_size, args[:7], in_batched[:7])
@@ -187,8 +188,8 @@ def _bwd_op(static: _Static):
 # ------------------------------------------------------------------------------------ differentiable op
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, alibi, sinks, cu_q, cu_k, static):
-    return _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k)
+def _attention(q, k, v, alibi, sinks, cu_q, cu_k, static, seed=None):
+    return _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k, seed)
 
 
 def primal_values(*args):
@@ -210,20 +211,21 @@ def cotangent_values(dout, dlse, out):
     return dout.astype(out.dtype), dlse
 
 
-def _attention_fwd(q, k, v, alibi, sinks, cu_q, cu_k, static):
+def _attention_fwd(q, k, v, alibi, sinks, cu_q, cu_k, static, seed=None):
     # The slopes' gradient is computed only when they are differentiated (known here, at trace time).
     alibi_grad = perturbed(alibi)
-    q, k, v, alibi, sinks, cu_q, cu_k = primal_values(q, k, v, alibi, sinks, cu_q, cu_k)
-    out, lse = _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k)
-    return (out, lse), (q, k, v, out, lse, alibi, sinks, cu_q, cu_k, alibi if alibi_grad else None)
+    q, k, v, alibi, sinks, cu_q, cu_k, seed = primal_values(q, k, v, alibi, sinks, cu_q, cu_k, seed)
+    out, lse = _fwd_op(static)(q, k, v, alibi, sinks, cu_q, cu_k, seed)
+    return (out, lse), (q, k, v, out, lse, alibi, sinks, cu_q, cu_k, alibi if alibi_grad else None, seed)
 
 
 def _attention_bwd(static, saved, cotangents):
-    q, k, v, out, lse, alibi, sinks, cu_q, cu_k, alibi_wanted = saved
+    q, k, v, out, lse, alibi, sinks, cu_q, cu_k, alibi_wanted, seed = saved
     dout, dlse = cotangent_values(*cotangents, out)
     static = dataclasses.replace(static, alibi_grad=alibi_wanted is not None)
-    dq, dk, dv, dsinks, _, dalibi, _ = _bwd_op(static)(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k)
-    return dq, dk, dv, dalibi, dsinks, None, None
+    dq, dk, dv, dsinks, _, dalibi, _ = _bwd_op(static)(dout, q, k, v, out, lse, dlse, alibi, sinks, cu_q, cu_k,
+                                                       seed)
+    return dq, dk, dv, dalibi, dsinks, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -240,7 +242,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
                     softcap: float = 0.0, sinks: Optional[Array] = None, cu_seqlens_q: Optional[Array] = None,
                     cu_seqlens_k: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
                     max_seqlen_k: Optional[int] = None, deterministic: bool = True, return_lse: bool = False,
-                    block_mask=None) -> Array | tuple[Array, Array]:
+                    block_mask=None, dropout_p: float = 0.0, seed: Optional[int | Array] = None,
+                    ) -> Array | tuple[Array, Array]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -265,6 +268,13 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         block_mask: a :class:`flashbridge.masks.BlockMask` (a pytree: pass it through jit / vmap / shard_map
             like an array argument): only the key blocks it lists are visited; rows that see nothing output 0
             and lse -inf. Not with causal / window_size (build them into the mask) or packed inputs.
+        dropout_p: attention dropout on the probabilities (after the softmax, before ``@ v``): each is kept
+            with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; lse stays the undropped
+            softmax's (as flash-attn). The mask is a function of ``(seed, batch, head, query, key)`` (Philox,
+            the generator of the dropout norms): the same seed gives the same mask here, in
+            ``flashbridge.torch_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
+        seed: a Python int (int32 range) or an integer array of one element (may be traced); required when
+            ``dropout_p > 0``. Not with ``block_mask``. Under vmap, dropout maps one example at a time.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
@@ -290,12 +300,22 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     shape, options = check_attention_args(
         **{n: _info(a) for n, a in arrays.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    if seed is not None:
+        check_seed(seed)
+    dropout_p = check_dropout(dropout_p, seed is not None)
+    if dropout_p > 0 and block_mask is not None:
+        raise ValueError("dropout_p: not supported with block_mask")
     if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
         offsets_q, offsets_k = jax.device_get((cu_seqlens_q, cu_seqlens_k))  # one transfer for both
         check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
     if block_mask is not None:
         from .block_sparse import block_sparse_attention
         out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks)
+        return (out, lse) if return_lse else out
+    if dropout_p > 0:
+        static = _Static(dataclasses.replace(options, dropout_p=dropout_p), max_seqlen_q, max_seqlen_k)
+        *arrays, seed_a = match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, as_seed(seed))
+        out, lse = _attention(*arrays, static, seed_a)
         return (out, lse) if return_lse else out
     static = _Static(options, max_seqlen_q, max_seqlen_k)
     out, lse = _attention(*match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
