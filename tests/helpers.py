@@ -122,9 +122,11 @@ def naive_masked_attention(q, k, v, mask, *, scale=None, softcap=0.0, sinks=None
 # --------------------------------------------------------------------------------------------- attention
 
 def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), alibi_slopes=None,
-                softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, **_):
+                softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, dropout_mask=None, dropout_p=0.0,
+                **_):
     """Attention computed plainly in the inputs' dtype (differentiable): the 'naive same-dtype
-    implementation' the tolerance is measured against. Returns (out, lse)."""
+    implementation' the tolerance is measured against. Returns (out, lse). ``dropout_mask``: the bool keep
+    mask ``(B, Hq, Sq_max, Sk_max)`` (``reference.attention.attention_dropout_mask``)."""
     import torch
 
     from flashbridge.reference.attention import visible_mask
@@ -155,6 +157,9 @@ def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
             s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(-1, sq, 1)], dim=-1)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.nan_to_num(torch.softmax(s, dim=-1))[..., :sk]
+        if dropout_mask is not None:
+            keep = torch.as_tensor(np.asarray(dropout_mask)[i, :, :sq, :sk], device=q.device)
+            p = torch.where(keep, p / (1.0 - dropout_p), 0.0).to(dtype)
         outs.append(torch.einsum("hqk,khd->qhd", p, vv))
         lses.append(lse)
     if cu_seqlens_q is None:

@@ -415,12 +415,12 @@ def test_causal_mask_needs_no_bound_check(spec):
         assert torch.equal(a, b)
 
 
-def test_sdpa_drop_in_rejects_masks_and_dropout():
+def test_sdpa_drop_in_rejects_masks_and_bad_dropout():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="attn_mask"):
         torch_api.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout_p"):
-        torch_api.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+        torch_api.scaled_dot_product_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(ValueError, match="enable_gqa"):
         torch_api.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
 

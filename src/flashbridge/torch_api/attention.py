@@ -337,9 +337,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 
     Same layout (``(..., H, L, E)`` query, ``(..., H_kv, S, E)`` key, ``(..., H_kv, S, Ev)`` value, at least
     3 dims; a 3-D input has one head) and the same causal convention as SDPA (``is_causal`` masks keys
-    ``j > i``, aligned to the top-left corner). ``attn_mask`` must be None and ``dropout_p`` 0: flash
-    kernels never materialise a mask or the weights; use :func:`flash_attention` for sliding windows,
-    ALiBi, softcap and sinks.
+    ``j > i``, aligned to the top-left corner). ``attn_mask`` must be None: flash kernels never materialise a
+    mask or the weights; use :func:`flash_attention` for sliding windows, ALiBi, softcap and sinks.
+    ``dropout_p > 0`` draws the dropout seed from torch's default generator (as SDPA draws its mask), then
+    runs :func:`flash_attention`'s dropout.
 
     Example::
 
@@ -349,8 +350,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if attn_mask is not None:
         raise ValueError("attn_mask: only None is supported (use is_causal=True for causal masking, or "
                          "flashbridge.torch_api.flash_attention for windows / ALiBi / varlen)")
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: attention dropout is not supported, got {dropout_p}")
+    dropout_p = check_dropout(dropout_p, True)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -377,7 +377,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         # SDPA's causal mask is aligned to the top-left corner: j <= i, i.e. the bottom-right diagonal
         # shifted by Sq - Sk.
         options = AttnOptions(**{**options.__dict__, "window_right": shape.seqlen_q - shape.seqlen_k})
-    out, _ = _attention(q, k, v, options, None, None, None, None, None, None)
+    seed = None
+    if dropout_p > 0:
+        options = dataclasses.replace(options, dropout_p=dropout_p)
+        seed = torch.randint(-2**31, 2**31 - 1, (1,), dtype=torch.int32, device=q.device)
+    out, _ = _attention(q, k, v, options, None, None, None, None, None, None, seed)
     out = out.transpose(1, 2)  # (B, H, L, Ev)
     if query.dim() == 3:
         return out.squeeze(1)

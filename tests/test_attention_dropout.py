@@ -1,0 +1,202 @@
+"""Attention dropout (``flash_attention(..., dropout_p=, seed=)``), both frameworks, on the CPU (interpreter).
+
+The keep-mask is a function of (seed, batch, head, query, key) through Triton's Philox generator; the float64
+reference takes the exact mask from ``reference.attention.attention_dropout_mask`` (a NumPy Philox, bit for
+bit), so forward and gradients are checked against it with the accuracy rule (error <= 2 x a naive float32
+implementation's error + a floor). The mask is also read back from the kernel itself (values = identity).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
+from flashbridge.core_kernels import INTERPRETER
+from flashbridge.reference import attention as ref
+from flashbridge.reference.random import philox_uniform
+from flashbridge.torch_api import flash_attention, scaled_dot_product_attention
+from helpers import assert_close, naive_torch, np64, torch_to_jax
+
+# name: (b, sq, sk, hq, hkv, d, options, seqlens for packed input)
+CASES = {
+    "dense": (2, 17, 33, 2, 2, 16, dict(), None),
+    "gqa-causal": (1, 40, 40, 4, 2, 32, dict(causal=True), None),
+    "window-softcap": (2, 33, 17, 2, 1, 16, dict(window_size=(5, 3), softcap=2.0), None),
+    "varlen-causal": (None, None, None, 2, 1, 16, dict(causal=True), [(17, 23), (1, 9), (30, 30)]),
+}
+
+
+def _inputs(case, seed=0, dtype=torch.float32):
+    b, sq, sk, hq, hkv, d, options, seqlens = case
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(options)
+    if seqlens is None:
+        shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d))
+        dims = (b, sq, sk)
+    else:
+        cq = torch.tensor([0, *np.cumsum([s[0] for s in seqlens])], dtype=torch.int32)
+        ck = torch.tensor([0, *np.cumsum([s[1] for s in seqlens])], dtype=torch.int32)
+        shapes = ((int(cq[-1]), hq, d), (int(ck[-1]), hkv, d), (int(ck[-1]), hkv, d))
+        dims = (len(seqlens), max(s[0] for s in seqlens), max(s[1] for s in seqlens))
+        kw.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=dims[1], max_seqlen_k=dims[2])
+    q, k, v = (torch.randn(s, generator=g).to(dtype) for s in shapes)
+    return q, k, v, kw, dims
+
+
+def _grads(fn, q, k, v, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_gradients_match_the_reference_with_the_kernels_mask(name):
+    p, seed = 0.3, 1234
+    q, k, v, kw, (b, sq, sk) = _inputs(CASES[name])
+    mask = ref.attention_dropout_mask(seed, b, q.shape[-2], sq, sk, p)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(9))
+    ours = _grads(lambda *a: flash_attention(*a, dropout_p=p, seed=seed, **kw), q, k, v, dout)
+    naive = _grads(lambda *a: naive_torch(*a, dropout_mask=mask, dropout_p=p, **kw)[0], q, k, v, dout)
+    ref_kw = {n: (a.numpy() if isinstance(a, torch.Tensor) else a) for n, a in kw.items()}
+    r_out, r_lse = ref.flash_attention(np64(q), np64(k), np64(v), dropout_mask=mask, dropout_p=p, **ref_kw)
+    r_grads = ref.flash_attention_bwd(np64(dout), np64(q), np64(k), np64(v), dropout_mask=mask, dropout_p=p,
+                                      **ref_kw)[:3]
+    for what, a, r, n in zip(("out", "dq", "dk", "dv"), ours, (r_out, *r_grads), naive):
+        assert_close(a, r, n, name=what)
+    # lse is the undropped softmax's
+    _, lse = flash_attention(q, k, v, dropout_p=p, seed=seed, return_lse=True, **kw)
+    np.testing.assert_allclose(lse.numpy(), r_lse, rtol=1e-5, atol=1e-5)
+
+
+def _kernel_mask(seed, b, s, h, p, *, framework="torch"):
+    """The kernel's keep-mask (b, h, s, s), read back with values = identity (Dv = Sk): out[b, i, h, j] =
+    p_ij * keep_ij / (1 - p), nonzero exactly where kept (no mask: every p_ij > 0)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, s, h, 16, generator=g) * 0.1
+    k = torch.randn(b, s, h, 16, generator=g) * 0.1
+    v = torch.eye(s).expand(b, h, s, s).transpose(1, 2).contiguous()  # v[b, j, h, :] = e_j
+    if framework == "jax":
+        from flashbridge import jax_api
+        out = np.asarray(jax_api.flash_attention(*map(torch_to_jax, (q, k, v)), dropout_p=p, seed=seed))
+    else:
+        out = flash_attention(q, k, v, dropout_p=p, seed=seed).numpy()
+    return np.transpose(out != 0, (0, 2, 1, 3))
+
+
+def test_kernel_mask_is_the_reference_generators_and_the_same_in_both_frameworks():
+    b, s, h, p, seed = 2, 32, 2, 0.25, 77
+    expected = ref.attention_dropout_mask(seed, b, h, s, s, p)
+    assert np.array_equal(_kernel_mask(seed, b, s, h, p), expected)
+    assert np.array_equal(_kernel_mask(seed, b, s, h, p, framework="jax"), expected)
+
+
+def test_keep_rate_and_seeds():
+    p = 0.2
+    big = ref.attention_dropout_mask(5, 4, 8, 128, 256, p)  # 1M draws
+    assert abs(big.mean() - (1 - p)) < 3e-3
+    kernel = _kernel_mask(5, 2, 64, 2, p)
+    assert abs(kernel.mean() - (1 - p)) < 0.02
+    assert np.array_equal(kernel, ref.attention_dropout_mask(5, 2, 2, 64, 64, p))
+    # the same seed, the same mask (an int or a tensor); another seed, another mask
+    q, k, v, kw, _ = _inputs(CASES["dense"])
+    a = flash_attention(q, k, v, dropout_p=p, seed=11)
+    assert torch.equal(a, flash_attention(q, k, v, dropout_p=p, seed=torch.tensor([11], dtype=torch.int32)))
+    assert torch.equal(a, flash_attention(q, k, v, dropout_p=p, seed=torch.tensor(11)))
+    assert not torch.equal(a, flash_attention(q, k, v, dropout_p=p, seed=12))
+    assert not np.array_equal(ref.attention_dropout_mask(11, 2, 2, 17, 33, p),
+                              ref.attention_dropout_mask(12, 2, 2, 17, 33, p))
+
+
+def test_numpy_philox_is_tl_rand():
+    # a few known words of Triton's tl.rand (checked against the interpreter when this generator was written)
+    u = philox_uniform(0, np.arange(4, dtype=np.int64))
+    assert u.dtype == np.float32 and np.all((u >= 0) & (u < 1))
+    assert np.array_equal(philox_uniform(0, np.arange(4)), u)  # deterministic
+    assert not np.array_equal(philox_uniform(1, np.arange(4)), u)
+    hi = philox_uniform(3, np.array([5_000_000_000, 5_000_000_000 + 2**32]))
+    assert hi[0] != hi[1]  # the offset's high word reaches the counter
+
+
+def test_torch_and_jax_give_the_same_bits_forward_and_backward():
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge import jax_api
+
+    q, k, v, kw, _ = _inputs(CASES["gqa-causal"])
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(2))
+    t = _grads(lambda *a: flash_attention(*a, dropout_p=0.1, seed=99, **kw), q, k, v, dout)
+    jdout = torch_to_jax(dout)
+
+    def loss(q, k, v):
+        return jnp.vdot(jax_api.flash_attention(q, k, v, dropout_p=0.1, seed=jnp.int32(99), **kw), jdout)
+
+    jq, jk, jv = map(torch_to_jax, (q, k, v))
+    j_out = jax_api.flash_attention(jq, jk, jv, dropout_p=0.1, seed=99, **kw)
+    j_grads = jax.grad(loss, argnums=(0, 1, 2))(jq, jk, jv)
+    for a, b in zip(t, (j_out, *j_grads)):
+        assert np.array_equal(a.detach().numpy(), np.asarray(b))
+
+
+def test_jax_vmap_maps_dropout_one_example_at_a_time():
+    import jax
+
+    from flashbridge import jax_api
+
+    q, k, v, _, _ = _inputs(CASES["dense"])
+    jq, jk, jv = map(torch_to_jax, (q, k, v))
+    mapped = jax.vmap(lambda q, k, v: jax_api.flash_attention(q[None], k[None], v[None], dropout_p=0.5,
+                                                              seed=4)[0])(jq, jk, jv)
+    for i in range(q.shape[0]):
+        one = jax_api.flash_attention(jq[i:i + 1], jk[i:i + 1], jv[i:i + 1], dropout_p=0.5, seed=4)[0]
+        assert np.array_equal(np.asarray(mapped[i]), np.asarray(one))
+
+
+def test_dropout_zero_is_the_kernel_without_dropout():
+    q, k, v, kw, _ = _inputs(CASES["gqa-causal"])
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(2))
+    plain = _grads(lambda *a: flash_attention(*a, **kw), q, k, v, dout)
+    zero = _grads(lambda *a: flash_attention(*a, dropout_p=0.0, seed=3, **kw), q, k, v, dout)
+    for a, b in zip(plain, zero):
+        assert torch.equal(a, b)
+    shape = AttnShape(1, 40, 40, 40, 40, 4, 2, 32, 32, "float32", False)
+    options = AttnOptions(softmax_scale=0.2, causal=True, window_left=None, window_right=0, softcap=0.0,
+                          has_alibi=False, alibi_batched=False, has_sinks=False)
+    for plan in (plan_attention_fwd(shape, options, target=INTERPRETER),
+                 plan_attention_bwd(shape, options, target=INTERPRETER)):
+        assert "seed" not in plan.inputs
+        for launch in plan.launches:
+            assert dict(launch.constexprs).get("HAS_DROPOUT", False) is False
+
+
+def test_sdpa_drop_in_draws_its_seed_from_torchs_generator():
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch.manual_seed(123)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=True)
+    torch.manual_seed(123)
+    seed = torch.randint(-2**31, 2**31 - 1, (1,), dtype=torch.int32)
+    # top-left causal == bottom-right for square inputs
+    expected = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                               dropout_p=0.4, seed=seed).transpose(1, 2)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_dropout_argument_errors(framework):
+    if framework == "jax":
+        from flashbridge import jax_api as api
+        q = torch_to_jax(torch.randn(1, 8, 2, 16))
+    else:
+        import flashbridge.torch_api as api
+        q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="seed: required"):
+        api.flash_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
+        api.flash_attention(q, q, q, dropout_p=1.0, seed=1)
+    with pytest.raises(TypeError, match="dropout_p"):
+        api.flash_attention(q, q, q, dropout_p="0.1", seed=1)
+    with pytest.raises(TypeError, match="seed"):
+        api.flash_attention(q, q, q, dropout_p=0.1, seed=1.5)
+    with pytest.raises(ValueError, match="seed"):
+        api.flash_attention(q, q, q, dropout_p=0.1, seed=2**40)
