@@ -48,7 +48,7 @@ def _attn_dtypes(dtype: str) -> dict:
     d = {n: dtype for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
     d.update({n: "float32" for n in ("lse", "lse2", "delta", "alibi_slopes", "sinks", "dlse", "dsinks",
                                      "dsinks_part", "dalibi_blocks", "dalibi", "dalibi_part")})
-    return {**d, "cu_seqlens_q": "int32", "cu_seqlens_k": "int32"}
+    return {**d, "cu_seqlens_q": "int32", "cu_seqlens_k": "int32", "seed": "int32"}
 
 
 def _attn_case(causal: bool, varlen: bool = False):
@@ -151,6 +151,28 @@ def test_attention_fused_backward_compiles_identically_and_vectorised():
                            _attn_dtypes("bfloat16"))
     assert vector_loads(ptx) > 0, "no 16-byte loads in the one-launch attention backward"
     assert_wgmma_pipelined(ptx, "one-launch attention backward")
+
+
+@pytest.mark.parametrize("kernel", ["attn_fwd_kernel", ":attn_bwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])
+def test_attention_dropout_compiles_identically(kernel):
+    """Attention dropout (HAS_DROPOUT: the Philox mask in the forward's P @ V and the backward's dV / dP): the
+    same PTX from both launchers (the probability is a float32 scalar in both), MMAs still pipelined."""
+    import dataclasses
+
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+
+    shape, options = _attn_case(causal=True)
+    options = dataclasses.replace(options, dropout_p=0.1)
+    if kernel == "attn_fwd_kernel":
+        launches = plan_attention_fwd(shape, options, target=H200).launches
+    else:
+        config = AttentionConfig(fused_backward=kernel == ":attn_bwd_kernel")
+        launches = plan_attention_bwd(shape, options, target=H200, config=config).launches
+    launch = next(l for l in launches if l.kernel.endswith(kernel))
+    assert launch.constexpr_dict()["HAS_DROPOUT"] and "seed" in launch.inputs
+    ptx = assert_same_ptx(launch, _attn_dtypes("bfloat16"))
+    if kernel in ("attn_fwd_kernel", ":attn_bwd_kernel"):
+        assert_wgmma_pipelined(ptx, f"{kernel} with dropout")
 
 
 def test_attention_backward_with_the_slopes_gradient_compiles_identically():

@@ -141,7 +141,7 @@ def _dkdv_step(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, HAS_LOCAL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_DP: tl.constexpr,
-    COL_SPLIT: tl.constexpr, elem_ok=None, drop=None, h=0,
+    COL_SPLIT: tl.constexpr, elem_ok=None, drop=None, b=0, h=0,
 ):
     """dK, dV [N, D] of one key block plus the terms of query block ``blk`` of one head (bases of that
     head's rows), working on S^T [N, M] so that both products come out in key-major order without a
@@ -178,7 +178,7 @@ def _dkdv_step(
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                            HAS_ALIBI, elem_ok)  # [N, M]
     if drop is not None:  # dropout (head h): dV takes the dropped P, dS the dropped dP (as the forward's P @ V)
-        z_t = dropout_multiplier(offs_m[None, :], offs_n[:, None], h, drop)  # [N, M]
+        z_t = dropout_multiplier(offs_m[None, :], offs_n[:, None], b, h, drop)  # [N, M]
         dv = tl.dot((p_t * z_t).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     else:
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -215,7 +215,7 @@ def _dkdv_q_range(
                                 offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_dos, qk_scale,
                                 cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK, DV, BLOCK_M,
                                 BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                DOT_PRECISION, EARLY_DP, COL_SPLIT, None, drop, kh)
+                                DOT_PRECISION, EARLY_DP, COL_SPLIT, None, drop, b, kh)
     else:
         n_blk = blk_hi - blk_lo
         for it in range(0, GROUP * n_blk):
@@ -228,7 +228,7 @@ def _dkdv_q_range(
                                 L2_seq + l_off, D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
                                 stride_qs, stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left,
                                 window_right, DQK, DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS,
-                                HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, None, drop, h)
+                                HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, None, drop, b, h)
     return dk, dv
 
 
@@ -296,7 +296,7 @@ def _dkdv_q_list(
                             D_seq + l_off, blk, offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs,
                             stride_dos, qk_scale, cap2, slope2, diag, len_q, len_k, window_left, window_right, DQK,
                             DV, BLOCK_M, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_ROWS, HAS_LOCAL, HAS_SOFTCAP,
-                            HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, elem_ok, drop, h)
+                            HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, elem_ok, drop, b, h)
     return dk, dv
 
 
@@ -474,7 +474,7 @@ def attn_bwd_dkdv_kernel(
     n_start = pid_n * BLOCK_N
     drop = None
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, b, tl.num_programs(1) * GROUP, seqlen_q, seqlen_k)
+        drop = dropout_state(SEED, dropout_p, tl.num_programs(1) * GROUP, seqlen_q, seqlen_k)
     if n_start >= len_k:
         if IS_VARLEN and not BLOCK_SPARSE:
             if (pid_n == tl.num_programs(0) // COL_SPLIT - 1) & (part == 0):  # the extra key block
@@ -498,7 +498,7 @@ def _dq_step(
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, elem_ok=None, drop=None, h=0,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, elem_ok=None, drop=None, b=0, h=0,
 ):
     """dQ [M, Dqk] of one query block plus the terms of keys ``n_start + arange(BLOCK_N)`` (APPLY_MASK: the
     scores take the mask, ``elem_ok`` [M, N] for block-sparse masks).
@@ -516,7 +516,7 @@ def _dq_step(
                        len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     if drop is not None:  # dropout (head h): the forward's P @ V used the dropped P, so dP is dropped too
-        dp = dp * dropout_multiplier(offs_m[:, None], offs_n[None, :], h, drop)
+        dp = dp * dropout_multiplier(offs_m[:, None], offs_n[None, :], b, h, drop)
     ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
     if ALIBI_GRAD:
         ds_bias = ds
@@ -533,7 +533,7 @@ def _dq_kv_range(
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, h=0,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, b=0, h=0,
 ):
     """Accumulate dQ [M, Dqk] (and ``dslope``, see :func:`_dq_step`) of one query block over key blocks
     ``[blk_lo, blk_hi)``."""
@@ -541,7 +541,7 @@ def _dq_kv_range(
         dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, blk * BLOCK_N, offs_m, offs_dqk,
                               offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
                               window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL,
-                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, None, drop, h)
+                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, None, drop, b, h)
     return dq, dslope
 
 
@@ -552,7 +552,7 @@ def _dq_kv_list(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, h=0,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, b=0, h=0,
 ):
     """Accumulate dQ (and ``dslope``) over the key blocks of one row of a BlockMask's lists, as the forward's
     ``fwd_kv_list`` walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
@@ -567,7 +567,7 @@ def _dq_kv_list(
         dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
                               stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
                               DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION, ALIBI_GRAD, elem_ok, drop, h)
+                              DOT_PRECISION, ALIBI_GRAD, elem_ok, drop, b, h)
     return dq, dslope
 
 
@@ -630,29 +630,29 @@ def _dq_program(
             FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv,
             stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N,
             BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-            HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
+            HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
         dq, dslope = _dq_kv_list(
             dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(KV_NUM, row, mask_max), KV_IDX + lists,
             KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
             qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             MASK_QB, MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-            ALIBI_GRAD, drop, h)
+            ALIBI_GRAD, drop, b, h)
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
+            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
+            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
         if TAIL_BLOCKS:  # False: the plan proved this segment empty
             dq, dslope = _dq_kv_range(
                 dq, dslope, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv, stride_ks,
                 stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, h)
+                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)
@@ -691,7 +691,7 @@ def attn_bwd_dq_kernel(
     slope_block = (b * tl.num_programs(1) + h) * tl.num_programs(0) + m_start // BLOCK_M
     drop = None
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, b, tl.num_programs(1), seqlen_q, seqlen_k)
+        drop = dropout_state(SEED, dropout_p, tl.num_programs(1), seqlen_q, seqlen_k)
     if m_start >= len_q:
         if ALIBI_GRAD:  # every block of the slopes' partial sums is written
             tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
@@ -748,6 +748,9 @@ def attn_bwd_kernel(
             kv_blocks += 1  # the extra key block (uncovered rows)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
+    drop = None  # built here, outside the branches: a None cannot leave a runtime branch
+    if HAS_DROPOUT:
+        drop = dropout_state(SEED, dropout_p, heads_kv * GROUP, seqlen_q, seqlen_k)
     if pid < n_kv:
         p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
         pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)
@@ -757,9 +760,6 @@ def attn_bwd_kernel(
         q_start, len_q = seq_range(CU_Q, b, seqlen_q, total_q, IS_VARLEN)
         k_start, len_k = seq_range(CU_K, b, seqlen_k, total_k, IS_VARLEN)
         n_start = pid_n * KV_BLOCK_N
-        drop = None
-        if HAS_DROPOUT:
-            drop = dropout_state(SEED, dropout_p, b, heads_kv * GROUP, seqlen_q, seqlen_k)
         if n_start < len_k:
             _dkdv_program(kh, b, q_start, len_q, k_start, len_k, n_start, 0, Q, K, V, DO, LSE2, DELTA, SLOPES,
                           sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,
@@ -794,9 +794,6 @@ def attn_bwd_kernel(
             h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block_at(
                 rank, h, b, q_blocks, CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, Q_BLOCK_M, IS_VARLEN)
         slope_block = (b * heads_q + h) * q_blocks + m_start // Q_BLOCK_M
-        drop = None
-        if HAS_DROPOUT:
-            drop = dropout_state(SEED, dropout_p, b, heads_q, seqlen_q, seqlen_k)
         if m_start < len_q:
             _dq_program(h, b, kh, q_start, len_q, k_start, len_k, m_start, Q, K, V, DO, LSE2, DELTA, SLOPES,
                         sm_scale, softcap, window_left, window_right, stride_qb, stride_qs, stride_qh, stride_kb,

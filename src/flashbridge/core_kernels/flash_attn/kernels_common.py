@@ -523,22 +523,22 @@ def fold_values(acc, p, alpha, v, DOT_PRECISION: tl.constexpr):
 # ---------------------------------------------------------------------------------------------- dropout
 
 @triton.jit
-def dropout_state(SEED, dropout_p, b, n_heads, seqlen_q, seqlen_k):
-    """A program's attention-dropout state for sequence ``b``: (seed, p, b * n_heads, seqlen_q, seqlen_k),
-    the kernel's (maximum) sequence lengths. Kernels build it only with HAS_DROPOUT and pass ``None``
+def dropout_state(SEED, dropout_p, n_heads, seqlen_q, seqlen_k):
+    """A kernel's attention-dropout state: (seed, p, query heads, seqlen_q, seqlen_k), the kernel's (maximum)
+    sequence lengths. Kernels build it once, before any branch, only with HAS_DROPOUT, and pass ``None``
     otherwise, so that dropout_p = 0 compiles the kernels without dropout."""
-    return tl.load(SEED), dropout_p, tl.cast(b, tl.int64) * n_heads, seqlen_q, seqlen_k
+    return tl.load(SEED), dropout_p, n_heads, seqlen_q, seqlen_k
 
 
 @triton.jit
-def dropout_multiplier(q_idx, k_idx, h, drop):
+def dropout_multiplier(q_idx, k_idx, b, h, drop):
     """Attention dropout's factor for the elements (sequence b, query head h, query ``q_idx``, key ``k_idx``):
     ``1 / (1 - p)`` where kept, 0 where dropped (float32, the broadcast shape of the index tensors; transposed
     in dK/dV). The element is kept when the Philox uniform of ``(seed, ((b * H + h) * Sq + i) * Sk + j)`` is
     >= p (``dropout_keep``; ``Sq`` / ``Sk`` the maximum lengths): one mask for the forward's P @ V and the
     backward's dV and dP, torch and JAX, CPU and GPU. ``drop``: :func:`dropout_state`."""
-    seed, dropout_p, bh, seqlen_q, seqlen_k = drop
-    offs = ((bh + h) * seqlen_q + q_idx) * seqlen_k + k_idx
+    seed, dropout_p, n_heads, seqlen_q, seqlen_k = drop
+    offs = ((tl.cast(b, tl.int64) * n_heads + h) * seqlen_q + q_idx) * seqlen_k + k_idx
     return tl.where(dropout_keep(seed, offs, dropout_p), 1.0 / (1.0 - tl.cast(dropout_p, tl.float32)), 0.0)
 
 
@@ -607,16 +607,16 @@ def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen
 def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
                  window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None,
-                 drop=None, h=0):
+                 drop=None, b=0, h=0):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers (:func:`block_probs`) -> fold
     ``v`` [N, Dv] into the running (acc, m_i, l_i). Shared by every forward iteration strategy (dense
-    ranges, paged decode). ``drop`` (:func:`dropout_state`, head ``h``): dropout on the folded weights only;
-    the running sum, and so the lse, is the undropped softmax's (as flash-attn)."""
+    ranges, paged decode). ``drop`` (:func:`dropout_state`; sequence ``b``, head ``h``): dropout on the folded
+    weights only; the running sum, and so the lse, is the undropped softmax's (as flash-attn)."""
     p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k,
                                      window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                                      POSITIVE_SCALE, elem_ok)
     if drop is not None:
-        p = p * dropout_multiplier(q_idx, k_idx, h, drop)
+        p = p * dropout_multiplier(q_idx, k_idx, b, h, drop)
     return fold_values(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
 
@@ -626,7 +626,7 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None,
-                 drop=None, h=0):
+                 drop=None, b=0, h=0):
     """One KV block of the forward: load K, V rows ``n_start + offs_n``, score, fold into (acc, m_i, l_i).
 
     ``K_base`` / ``V_base`` point at key row 0 of this (sequence, kv head); ``offs_n`` is ``arange(BLOCK_N)``.
@@ -643,7 +643,7 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
     return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
                         seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION, POSITIVE_SCALE, elem_ok, drop, h)
+                        DOT_PRECISION, POSITIVE_SCALE, elem_ok, drop, b, h)
 
 
 @triton.jit
@@ -652,7 +652,7 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, h=0):
+                 MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, b=0, h=0):
     """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order.
 
     MASKED_STAGES > 0: a masked segment (the causal diagonal, window edges, a ragged tail: a few blocks)
@@ -666,14 +666,14 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, h)
+                POSITIVE_SCALE, None, drop, b, h)
     else:
         for blk in range(blk_lo, blk_hi):
             acc, m_i, l_i = fwd_kv_block(
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, h)
+                POSITIVE_SCALE, None, drop, b, h)
     return acc, m_i, l_i
 
 
@@ -714,7 +714,7 @@ def _fwd_list_step(
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, h=0,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, b=0, h=0,
 ):
     """Step ``it`` of :func:`fwd_kv_list`: key block ``BLOCKS[it // SPLIT]``, its ``it % SPLIT``-th slice."""
     slot, sub, n_start = list_step(BLOCKS, it, seqlen_k, BLOCK_N, MASK_KB)
@@ -727,7 +727,7 @@ def _fwd_list_step(
     return fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, tl.arange(0, BLOCK_N), offs_dqk, offs_dv,
                         stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                         DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                        POSITIVE_SCALE, elem_ok, drop, h)
+                        POSITIVE_SCALE, elem_ok, drop, b, h)
 
 
 @triton.jit
@@ -738,7 +738,7 @@ def fwd_kv_list(
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED_STAGES: tl.constexpr = 0,
-    POSITIVE_SCALE: tl.constexpr = False, drop=None, h=0,
+    POSITIVE_SCALE: tl.constexpr = False, drop=None, b=0, h=0,
 ):
     """The block-sparse iteration strategy: the ``n_blocks`` key blocks (of MASK_KB keys) listed at
     ``BLOCKS`` -- one row of a BlockMask's full or partial lists -- each in MASK_KB // BLOCK_N steps of
@@ -755,14 +755,14 @@ def fwd_kv_list(
                 acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
-                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, h)
+                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
     else:
         for it in range(0, n_steps):
             acc, m_i, l_i = _fwd_list_step(
                 acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
-                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, h)
+                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
     return acc, m_i, l_i
 
 

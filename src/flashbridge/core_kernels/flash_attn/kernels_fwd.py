@@ -93,7 +93,7 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     drop = None
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, b, tl.num_programs(1), seqlen_q, seqlen_k)
+        drop = dropout_state(SEED, dropout_p, tl.num_programs(1), seqlen_q, seqlen_k)
 
     if BLOCK_SPARSE:
         # This query block's row of the mask's lists (BLOCK_M divides MASK_QB); batch / head strides are 0
@@ -110,13 +110,13 @@ def attn_fwd_kernel(
                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
                                     window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
                                     MASK_KB, False, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-                                    HAS_ALIBI, DOT_PRECISION, 0, POSITIVE_SCALE, drop, h)
+                                    HAS_ALIBI, DOT_PRECISION, 0, POSITIVE_SCALE, drop, b, h)
         acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(KV_NUM, row, mask_max),
                                     KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local,
                                     offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k,
                                     window_left, window_right, DQK, DV, MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB,
                                     MASK_KB, True, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
-                                    DOT_PRECISION, MASKED_STAGES, POSITIVE_SCALE, drop, h)
+                                    DOT_PRECISION, MASKED_STAGES, POSITIVE_SCALE, drop, b, h)
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
@@ -129,7 +129,7 @@ def attn_fwd_kernel(
                                          qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV,
                                          BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
                                          HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
-                                         POSITIVE_SCALE, drop, h)
+                                         POSITIVE_SCALE, drop, b, h)
     out, lse = softmax_finalize(acc, m_i, l_i)
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh
