@@ -12,6 +12,7 @@ count of visible (query, key) pairs replaces Sq * Sk), backward = 2.5 x forward.
     python benchmarks/bench_attention.py --ab 4       # the defaults against fused_backward=False, alternating 4x
     python benchmarks/bench_attention.py --ab 4 --ab-config '{"dkdv_block_m": 32}'   # ... against another setting
     python benchmarks/bench_attention.py --bar-rows 5   # the target rows: ours, Flex and SDPA flash alternating 5x
+    python benchmarks/bench_attention.py --dropout 5    # dropout_p=0.1 against 0 (forward, backward), alternating 5x
     python benchmarks/bench_attention.py --dims 64 --seqlens 1024 --no-extra \
         --only 'flashbridge-torch steady,flashbridge-jax steady' --tag cmdbuf   # some rows, a named file
     python benchmarks/bench_attention.py --steady-diagnosis 64,1024   # why the JAX steady forward trails there
@@ -378,6 +379,40 @@ def bar_rows(reps: int, d: int = 128, seqlens=(4096, 16384)) -> list[dict]:
     return out
 
 
+def dropout_rows(reps: int, p: float = 0.1, d: int = 128, seqlens=(4096, 16384)) -> list[dict]:
+    """Attention dropout's cost: ``flash_attention(..., dropout_p=p, seed=...)`` against ``dropout_p=0`` on the
+    same inputs (torch path, MHA H=16, B * S = 16384, full and causal), forward and backward timed per call,
+    the two alternating ``reps`` times in one process; the bar is p=0.1 within 15% of p=0 (ratio >= 0.87)."""
+    out = []
+    seed = torch.tensor([1234], dtype=torch.int32, device="cuda")
+    for s in seqlens:
+        for causal in (False, True):
+            b = TOKENS // s
+            q, k, v = (randn(b, s, H, d, requires_grad=True) for _ in range(3))
+            pairs = visible_pairs(s, s, causal)
+            runs = {0.0: lambda: flash_attention(q, k, v, causal=causal),
+                    p: lambda: flash_attention(q, k, v, causal=causal, dropout_p=p, seed=seed)}
+            samples = {0.0: [], p: []}
+            for _ in range(reps):
+                for key, fn in runs.items():
+                    samples[key].append(_time_fwd_bwd(fn, (q, k, v)))
+                    torch.cuda.empty_cache()
+            med = {key: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
+                   for key, v in samples.items()}
+            row = {"case": f"D{d} S{s} {'causal' if causal else 'full'}", "b": b, "s": s, "d": d, "causal": causal,
+                   "dropout_p": p, "samples_ms": {str(key): v for key, v in samples.items()},
+                   "median_ms": {str(key): v for key, v in med.items()},
+                   "tflops": {str(key): (tflops(pairs, b, H, d, v[0], False), tflops(pairs, b, H, d, v[1], True))
+                              for key, v in med.items()},
+                   "fwd_ratio": med[0.0][0] / med[p][0], "bwd_ratio": med[0.0][1] / med[p][1],
+                   "fwd_bwd_ratio": sum(med[0.0]) / sum(med[p])}
+            out.append(row)
+            print(f"{row['case']}: p=0 {med[0.0][0]:.3f} / {med[0.0][1]:.3f} ms, p={p} {med[p][0]:.3f} / "
+                  f"{med[p][1]:.3f} ms (forward / backward); speed ratio forward {row['fwd_ratio']:.3f}, backward "
+                  f"{row['bwd_ratio']:.3f}, both {row['fwd_bwd_ratio']:.3f} (bar >= 0.87)", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- tune
 
 # program-level AttentionConfig settings --tune / --order-only time with the default tiles: the program
@@ -554,6 +589,9 @@ def main():
     parser.add_argument("--bar-rows", type=int, metavar="N",
                         help="only the target rows (D=128, S=4096 / 16384, full and causal): ours, "
                              "FlexAttention and SDPA flash per call, alternating N times in one process, medians")
+    parser.add_argument("--dropout", type=int, metavar="N",
+                        help="only dropout_p=0.1 against 0 (D=128, S=4096 / 16384, full and causal), forward and "
+                             "backward, alternating N times in one process, medians")
     parser.add_argument("--ab-config", default='{"fused_backward": false}', metavar="JSON",
                         help="the AttentionConfig keywords --ab compares the defaults with")
     parser.add_argument("--ab-dims", default="128,64", metavar="D,...",
@@ -625,6 +663,10 @@ def main():
             name += "_d" + "-".join(map(str, ab_dims))
         name += "_h200"
         print(f"wrote {save(name, {'environment': environment(), 'against': other, 'rows': rows})}")
+        return
+    if args.dropout:
+        rows = dropout_rows(args.dropout)
+        print(f"wrote {save('attention_dropout_h200', {'environment': environment(), 'rows': rows})}")
         return
     if args.bar_rows:
         rows = bar_rows(args.bar_rows)
