@@ -200,3 +200,21 @@ def test_dropout_argument_errors(framework):
         api.flash_attention(q, q, q, dropout_p=0.1, seed=1.5)
     with pytest.raises(ValueError, match="seed"):
         api.flash_attention(q, q, q, dropout_p=0.1, seed=2**40)
+
+
+def test_torch_compile_fullgraph_with_a_seed_tensor():
+    q, k, v, kw, _ = _inputs(CASES["dense"])
+    seed = torch.tensor([21], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+    def f(q, k, v, seed):
+        return flash_attention(q, k, v, dropout_p=0.25, seed=seed).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(*leaves, seed)
+    grads = torch.autograd.grad(loss, leaves)
+    eager_loss = f(*leaves, seed)
+    eager = torch.autograd.grad(eager_loss, leaves)
+    assert torch.equal(loss, eager_loss)
+    for a, b in zip(grads, eager):
+        assert torch.equal(a, b)
