@@ -218,3 +218,39 @@ def test_torch_compile_fullgraph_with_a_seed_tensor():
     assert torch.equal(loss, eager_loss)
     for a, b in zip(grads, eager):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["streaming", "bits"])
+def test_block_mask_walks_draw_the_same_mask_torch(kind):
+    """The block-sparse list walks (forward and both backward loops) apply the dense kernels' mask."""
+    from flashbridge import masks
+
+    s, h, d, p, seed = 80, 2, 16, 0.3, 5
+    if kind == "streaming":
+        m = masks.streaming(s, 4, 24, block_size=16)
+    else:
+        rng = np.random.default_rng(0)
+        m = masks.from_dense(rng.random((s, s)) < 0.6, block_size=16)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, s, h, d, generator=g) for _ in range(4))
+    keep = ref.attention_dropout_mask(seed, 1, h, s, s, p)
+    dense = np.asarray(m.to_dense())
+    ours = _grads(lambda *a: flash_attention(*a, block_mask=m, dropout_p=p, seed=seed), q, k, v, dout)
+    r_out, _ = ref.flash_attention(np64(q), np64(k), np64(v), mask=dense, dropout_mask=keep, dropout_p=p)
+    r_grads = ref.flash_attention_bwd(np64(dout), np64(q), np64(k), np64(v), mask=dense, dropout_mask=keep,
+                                      dropout_p=p)[:3]
+    for what, a, r in zip(("out", "dq", "dk", "dv"), ours, (r_out, *r_grads)):
+        np.testing.assert_allclose(a.detach().numpy(), r, rtol=1e-4, atol=2e-5, err_msg=what)
+
+
+def test_torch_opcheck_with_dropout():
+    from flashbridge.torch_api.attention import _flash_attn_bwd, _flash_attn_fwd
+
+    q, k, v, _, _ = _inputs(CASES["dense"])
+    seed = torch.tensor([3], dtype=torch.int32)
+    args = (q.requires_grad_(), k, v, None, None, None, None, None, None, 0.25, False, None, None, 0.0, seed, 0.2)
+    torch.library.opcheck(_flash_attn_fwd.custom_op, args)
+    out, lse = _flash_attn_fwd(*args)
+    torch.library.opcheck(_flash_attn_bwd.custom_op, (torch.randn_like(out), q.detach(), k, v, out.detach(),
+                                                      lse.detach(), None, None, None, None, None, None, None, 0.25, False, None,
+                                                      None, 0.0, False, seed, 0.2))

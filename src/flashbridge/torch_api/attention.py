@@ -210,8 +210,9 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv, dsinks, dalibi, _ = _flash_attn_bwd(
         dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_grad,
         seed, ctx.dropout_p)
-    return (dq, dk, dv, dalibi if alibi_grad else None, dsinks if sinks is not None else None, None, None, None,
-            None, None, None, None, None, None, None, None)
+    # one gradient per argument as given (seed and dropout_p are optional)
+    return (dq, dk, dv, dalibi if alibi_grad else None, dsinks if sinks is not None else None,
+            *([None] * (len(ctx.needs_input_grad) - 5)))
 
 
 _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -273,7 +274,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             the generator of the dropout norms): the same seed gives the same mask here, in
             ``flashbridge.jax_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
         seed: a Python int (int32 range) or a one-element integer tensor; required when ``dropout_p > 0``.
-            Not with ``block_mask``.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
@@ -304,8 +304,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if seed is not None:
         check_seed(seed)
     dropout_p = check_dropout(dropout_p, seed is not None)
-    if dropout_p > 0 and block_mask is not None:
-        raise ValueError("dropout_p: not supported with block_mask")
     seed_t = None
     if dropout_p > 0:
         options = dataclasses.replace(options, dropout_p=dropout_p)
@@ -323,7 +321,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         check_cu_seqlens_values(offsets_q, offsets_k, shape)
     if block_mask is not None:
         from .block_sparse import block_sparse_attention
-        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks)
+        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks, seed_t)
     else:
         out, lse = _attention(q, k, v, options, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, seed_t)

@@ -65,13 +65,13 @@ def _layout(q: Tensor, k: Tensor, arrays, q_block: int, kv_block: int, window_le
     return layout_of(view)
 
 
-def _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap):
+def _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap, dropout_p=0.0):
     shape, _ = check_attention_args(q=_info(q), k=_info(k), v=_info(v), alibi_slopes=_info(alibi_slopes),
                                     sinks=_info(sinks))
     options = AttnOptions(softmax_scale=softmax_scale, causal=False, window_left=None, window_right=None,
                           softcap=softcap, has_alibi=alibi_slopes is not None,
                           alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2,
-                          has_sinks=sinks is not None)
+                          has_sinks=sinks is not None, dropout_p=dropout_p)
     return shape, options
 
 
@@ -82,21 +82,23 @@ def _sparse_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     mask_arrays: list[Optional[Tensor]], q_block: int, kv_block: int, window_left: Optional[int],
     window_right: Optional[int], global_tokens: int, document: bool, softmax_scale: float, softcap: float,
+    seed: Optional[Tensor] = None, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """Returns (out, lse) as flash_attn_fwd does; ``mask_arrays`` in BlockMask.array_names order."""
-    shape, options = _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap)
+    """Returns (out, lse) as flash_attn_fwd does; ``mask_arrays`` in BlockMask.array_names order; ``seed``
+    int32 (1,), used when dropout_p > 0."""
+    shape, options = _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap, dropout_p)
     layout = _layout(q, k, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens, document)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     plan = plan_attention_fwd(shape, options, target=target_for(q.device), sparse=layout,
                               strides={"q": _strides(q), "k": _strides(k), "v": _strides(v)})
-    given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks,
+    given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks, "seed": seed,
              **dict(zip(_NAMES, mask_arrays))}
     return execute(plan, {n: given[n] if n in ("q", "k", "v") else given[n].contiguous() for n in plan.inputs})
 
 
 @_sparse_fwd.register_fake
 def _(q, k, v, alibi_slopes, sinks, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens,
-      document, softmax_scale, softcap):
+      document, softmax_scale, softcap, seed=None, dropout_p=0.0):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
                                                                    dtype=torch.float32)
 
@@ -106,11 +108,11 @@ def _sparse_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], mask_arrays: list[Optional[Tensor]], q_block: int,
     kv_block: int, window_left: Optional[int], window_right: Optional[int], global_tokens: int, document: bool,
-    softmax_scale: float, softcap: float, alibi_grad: bool,
+    softmax_scale: float, softcap: float, alibi_grad: bool, seed: Optional[Tensor] = None, dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dsinks, dalibi); dsinks is empty ``(0,)`` without sinks, dalibi (the slopes'
     gradient) without ``alibi_grad``."""
-    shape, options = _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap)
+    shape, options = _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap, dropout_p)
     layout = _layout(q, k, mask_arrays, q_block, kv_block, window_left, window_right, global_tokens, document)
     q, k, v, dout = _prepare(q), _prepare(k), _prepare(v), _prepare(dout)
     alibi_grad = alibi_grad and alibi_slopes is not None
@@ -120,7 +122,7 @@ def _sparse_bwd(
         alibi_grad=dtype_name(alibi_slopes.dtype) if alibi_grad else None,
         strides={"q": _strides(q), "k": _strides(k), "v": _strides(v), "dout": _strides(dout)})
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse,
-             "alibi_slopes": alibi_slopes, "sinks": sinks, **dict(zip(_NAMES, mask_arrays))}
+             "alibi_slopes": alibi_slopes, "sinks": sinks, "seed": seed, **dict(zip(_NAMES, mask_arrays))}
     results = execute(plan, {n: given[n] if n in ("q", "k", "v", "dout") else given[n].contiguous()
                              for n in plan.inputs})
     dq, dk, dv = results[:3]
@@ -131,29 +133,34 @@ def _sparse_bwd(
 
 @_sparse_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, mask_arrays, q_block, kv_block, window_left,
-      window_right, global_tokens, document, softmax_scale, softcap, alibi_grad):
+      window_right, global_tokens, document, softmax_scale, softcap, alibi_grad, seed=None, dropout_p=0.0):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     dalibi = (alibi_slopes.new_empty(alibi_slopes.shape) if alibi_grad and alibi_slopes is not None
               else q.new_empty((0,)))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dalibi
 
 
+_N_STATIC = 8  # q_block ... softcap; then the optional seed, dropout_p
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, sinks, mask_arrays, *static) = inputs
+    seed, dropout_p = static[_N_STATIC:] if len(static) > _N_STATIC else (None, 0.0)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, *mask_arrays)
-    ctx.static = tuple(static)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, seed, *mask_arrays)
+    ctx.static = tuple(static[:_N_STATIC])
+    ctx.dropout_p = dropout_p
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, sinks, *mask_arrays = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, seed, *mask_arrays = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     alibi_grad = alibi_slopes is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dsinks, dalibi = _sparse_bwd(dout, q, k, v, out, lse, dlse, alibi_slopes, sinks, list(mask_arrays),
-                                             *ctx.static, alibi_grad)
+                                             *ctx.static, alibi_grad, seed, ctx.dropout_p)
     return (dq, dk, dv, dalibi if alibi_grad else None, dsinks if sinks is not None else None, None,
-            *([None] * len(ctx.static)))
+            *([None] * (len(ctx.needs_input_grad) - 6)))  # one per argument as given (seed, dropout_p optional)
 
 
 _sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -162,14 +169,17 @@ _sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------- public
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask, shape, options: AttnOptions,
-                           alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse)."""
+                           alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                           seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse); ``seed`` with
+    ``options.dropout_p > 0``."""
     layout = check_block_mask(block_mask, shape, options)
     t = block_mask.terms
     arrays = band_arrays(layout, lambda: mask_tensors(block_mask, q.device))  # none for a band: run dense
+    drop = (seed, float(options.dropout_p)) if options.dropout_p > 0 else ()
     return _sparse_fwd(q, k, v, alibi_slopes, sinks, arrays, layout.q_block,
                        layout.kv_block, t.window_left, t.window_right, t.global_tokens, t.document,
-                       float(options.softmax_scale), float(options.softcap))
+                       float(options.softmax_scale), float(options.softcap), *drop)
 
 
 def masks_from_flex(flex_block_mask, *, chunk: int = 512) -> _masks.BlockMask:
