@@ -221,8 +221,9 @@ def test_torch_compile_fullgraph_with_a_seed_tensor():
 
 
 @pytest.mark.parametrize("kind", ["streaming", "bits"])
-def test_block_mask_walks_draw_the_same_mask_torch(kind):
-    """The block-sparse list walks (forward and both backward loops) apply the dense kernels' mask."""
+def test_block_mask_walks_draw_the_same_mask(kind):
+    """The block-sparse list walks (forward and both backward loops) apply the dense kernels' mask; JAX gives
+    torch's bits."""
     from flashbridge import masks
 
     s, h, d, p, seed = 80, 2, 16, 0.3, 5
@@ -241,6 +242,22 @@ def test_block_mask_walks_draw_the_same_mask_torch(kind):
                                       dropout_p=p)[:3]
     for what, a, r in zip(("out", "dq", "dk", "dv"), ours, (r_out, *r_grads)):
         np.testing.assert_allclose(a.detach().numpy(), r, rtol=1e-4, atol=2e-5, err_msg=what)
+    if kind == "streaming":
+        import jax
+        import jax.numpy as jnp
+
+        from flashbridge import jax_api
+
+        jdout = torch_to_jax(dout)
+
+        def loss(*a):
+            o = jax_api.flash_attention(*a, block_mask=m, dropout_p=p, seed=seed)
+            return jnp.vdot(o, jdout), o
+
+        grad_fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+        (_, j_out), j_grads = grad_fn(*map(torch_to_jax, (q, k, v)))
+        for a, b in zip(ours, (j_out, *j_grads)):
+            assert np.array_equal(a.detach().numpy(), np.asarray(b))
 
 
 def test_torch_opcheck_with_dropout():
@@ -251,6 +268,6 @@ def test_torch_opcheck_with_dropout():
     args = (q.requires_grad_(), k, v, None, None, None, None, None, None, 0.25, False, None, None, 0.0, seed, 0.2)
     torch.library.opcheck(_flash_attn_fwd.custom_op, args)
     out, lse = _flash_attn_fwd(*args)
-    torch.library.opcheck(_flash_attn_bwd.custom_op, (torch.randn_like(out), q.detach(), k, v, out.detach(),
-                                                      lse.detach(), None, None, None, None, None, None, None, 0.25, False, None,
-                                                      None, 0.0, False, seed, 0.2))
+    bwd_args = (torch.randn_like(out), q.detach(), k, v, out.detach(), lse.detach(), None, None, None, None, None,
+                None, None, 0.25, False, None, None, 0.0, False, seed, 0.2)
+    torch.library.opcheck(_flash_attn_bwd.custom_op, bwd_args)

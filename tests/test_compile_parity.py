@@ -153,7 +153,8 @@ def test_attention_fused_backward_compiles_identically_and_vectorised():
     assert_wgmma_pipelined(ptx, "one-launch attention backward")
 
 
-@pytest.mark.parametrize("kernel", ["attn_fwd_kernel", ":attn_bwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])
+@pytest.mark.parametrize("kernel", ["attn_fwd_kernel", ":attn_bwd_kernel", "attn_bwd_dkdv_kernel",
+                                    "attn_bwd_dq_kernel"])
 def test_attention_dropout_compiles_identically(kernel):
     """Attention dropout (HAS_DROPOUT: the Philox mask in the forward's P @ V and the backward's dV / dP): the
     same PTX from both launchers (the probability is a float32 scalar in both), MMAs still pipelined."""

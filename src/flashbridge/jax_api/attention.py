@@ -274,7 +274,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
             the generator of the dropout norms): the same seed gives the same mask here, in
             ``flashbridge.torch_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
         seed: a Python int (int32 range) or an integer array of one element (may be traced); required when
-            ``dropout_p > 0``. Not with ``block_mask``. Under vmap, dropout maps one example at a time.
+            ``dropout_p > 0``. Under vmap, dropout maps one example at a time.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
@@ -303,17 +303,18 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     if seed is not None:
         check_seed(seed)
     dropout_p = check_dropout(dropout_p, seed is not None)
-    if dropout_p > 0 and block_mask is not None:
-        raise ValueError("dropout_p: not supported with block_mask")
     if shape.varlen and _is_concrete(cu_seqlens_q) and _is_concrete(cu_seqlens_k):
         offsets_q, offsets_k = jax.device_get((cu_seqlens_q, cu_seqlens_k))  # one transfer for both
         check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
+    if dropout_p > 0:
+        options = dataclasses.replace(options, dropout_p=dropout_p)
     if block_mask is not None:
         from .block_sparse import block_sparse_attention
-        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks)
+        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks,
+                                          as_seed(seed) if dropout_p > 0 else None)
         return (out, lse) if return_lse else out
     if dropout_p > 0:
-        static = _Static(dataclasses.replace(options, dropout_p=dropout_p), max_seqlen_q, max_seqlen_k)
+        static = _Static(options, max_seqlen_q, max_seqlen_k)
         *arrays, seed_a = match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, as_seed(seed))
         out, lse = _attention(*arrays, static, seed_a)
         return (out, lse) if return_lse else out

@@ -77,7 +77,7 @@ def _with_alibi(options: AttnOptions, alibi) -> AttnOptions:
 
 # ----------------------------------------------------------------------------------------------- kernels
 
-def _fwd_call(q, k, v, alibi, sinks, mask_arrays, *, static: _Static):
+def _fwd_call(q, k, v, alibi, sinks, mask_arrays, seed=None, *, static: _Static):
     shape = _shape(q, k, v, alibi, sinks)
     options = _with_alibi(static.options, alibi)
     layout = _layout(static, mask_arrays)
@@ -85,12 +85,13 @@ def _fwd_call(q, k, v, alibi, sinks, mask_arrays, *, static: _Static):
     def make_plan(target):
         return plan_attention_fwd(shape, options, target=target, sparse=layout)
 
-    given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi, "sinks": sinks, **dict(zip(_NAMES, mask_arrays))}
+    given = {"q": q, "k": k, "v": v, "alibi_slopes": alibi, "sinks": sinks, "seed": seed,
+             **dict(zip(_NAMES, mask_arrays))}
     out, lse = execute(make_plan, {n: a for n, a in given.items() if a is not None})
     return out, lse
 
 
-def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays, *, static: _Static):
+def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays, seed=None, *, static: _Static):
     shape = _shape(q, k, v, alibi, sinks)
     options = _with_alibi(static.options, alibi)
     layout = _layout(static, mask_arrays)
@@ -102,7 +103,7 @@ def _bwd_call(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays, *, stati
                                   alibi_grad=dtype_name(alibi.dtype) if alibi_grad else None)
 
     given = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dlse": dlse, "alibi_slopes": alibi,
-             "sinks": sinks, **dict(zip(_NAMES, mask_arrays))}
+             "sinks": sinks, "seed": seed, **dict(zip(_NAMES, mask_arrays))}
     results = execute(make_plan, {n: a for n, a in given.items() if a is not None})
     return split_bwd_results(results, sinks is not None, alibi_grad)
 
@@ -158,9 +159,10 @@ def _fold_mask(axis_size: int, batch: int, arrays, batched: bool):
     return tuple(out[n] for n in _NAMES)
 
 
-def _must_map(in_batched_sinks) -> bool:
-    # the kernels read one sink per head: examples with their own sinks map one at a time
-    return _any(in_batched_sinks)
+def _must_map(in_batched_sinks, dropout: bool = False) -> bool:
+    # the kernels read one sink per head, and the dropout mask depends on the sequence's index in its batch:
+    # those examples map one at a time
+    return _any(in_batched_sinks) or dropout
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,9 +171,9 @@ def _fwd_op(static: _Static):
     op = jax.custom_batching.custom_vmap(call)
 
     @op.def_vmap
-    def _rule(axis_size, in_batched, q, k, v, alibi, sinks, mask_arrays):
-        args = [q, k, v, alibi, sinks, mask_arrays]
-        if _must_map(in_batched[4]):
+    def _rule(axis_size, in_batched, q, k, v, alibi, sinks, mask_arrays, seed=None):
+        args = [q, k, v, alibi, sinks, mask_arrays, seed]
+        if _must_map(in_batched[4], seed is not None):
             outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
             return outs, (True, True)
         mask_batched = _any(in_batched[5])
@@ -193,9 +195,9 @@ def _bwd_op(static: _Static):
     op = jax.custom_batching.custom_vmap(call)
 
     @op.def_vmap
-    def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays):
-        args = [dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays]
-        if _must_map(in_batched[8]):
+    def _rule(axis_size, in_batched, dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays, seed=None):
+        args = [dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays, seed]
+        if _must_map(in_batched[8], seed is not None):
             outs = jax.lax.map(lambda a: call(*a), tuple(_batched(axis_size, args, in_batched)))
             return outs, tuple(None if o is None else True for o in outs)
         mask_batched = _any(in_batched[9])
@@ -214,36 +216,41 @@ def _bwd_op(static: _Static):
 # ------------------------------------------------------------------------------------ differentiable op
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, alibi, sinks, mask_arrays, static):
-    return _fwd_op(static)(q, k, v, alibi, sinks, mask_arrays)
+def _attention(q, k, v, alibi, sinks, mask_arrays, static, seed=None):
+    return _fwd_op(static)(q, k, v, alibi, sinks, mask_arrays, seed)
 
 
-def _attention_fwd(q, k, v, alibi, sinks, mask_arrays, static):
+def _attention_fwd(q, k, v, alibi, sinks, mask_arrays, static, seed=None):
     alibi_grad = perturbed(alibi)  # the slopes' gradient only when they are differentiated
-    q, k, v, alibi, sinks = primal_values(q, k, v, alibi, sinks)
+    q, k, v, alibi, sinks, seed = primal_values(q, k, v, alibi, sinks, seed)
     mask_arrays = tuple(primal_values(*mask_arrays))
-    out, lse = _fwd_op(static)(q, k, v, alibi, sinks, mask_arrays)
-    return (out, lse), (q, k, v, out, lse, alibi, sinks, mask_arrays, alibi if alibi_grad else None)
+    out, lse = _fwd_op(static)(q, k, v, alibi, sinks, mask_arrays, seed)
+    return (out, lse), (q, k, v, out, lse, alibi, sinks, mask_arrays, alibi if alibi_grad else None, seed)
 
 
 def _attention_bwd(static, saved, cotangents):
-    q, k, v, out, lse, alibi, sinks, mask_arrays, alibi_wanted = saved
+    q, k, v, out, lse, alibi, sinks, mask_arrays, alibi_wanted, seed = saved
     dout, dlse = cotangent_values(*cotangents, out)
     static = dataclasses.replace(static, alibi_grad=alibi_wanted is not None)
-    dq, dk, dv, dsinks, _, dalibi, _ = _bwd_op(static)(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays)
-    return dq, dk, dv, dalibi, dsinks, tuple(None for _ in mask_arrays)
+    dq, dk, dv, dsinks, _, dalibi, _ = _bwd_op(static)(dout, q, k, v, out, lse, dlse, alibi, sinks, mask_arrays,
+                                                       seed)
+    return dq, dk, dv, dalibi, dsinks, tuple(None for _ in mask_arrays), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def block_sparse_attention(q, k, v, block_mask, shape, options: AttnOptions, alibi_slopes, sinks):
-    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse)."""
+def block_sparse_attention(q, k, v, block_mask, shape, options: AttnOptions, alibi_slopes, sinks, seed=None):
+    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse); ``seed`` (int32 (1,))
+    with ``options.dropout_p > 0``."""
     layout = check_block_mask(block_mask, shape, options)
     static = _Static(options, block_mask.seq_len_q, block_mask.seq_len_k, block_mask.q_block, block_mask.kv_block,
                      block_mask.terms)
     host = all(a is None or isinstance(a, np.ndarray) for a in block_mask.arrays)  # a host mask: copied once
     arrays = band_arrays(layout, lambda: (mask_to_device(block_mask) if host else block_mask).arrays)  # band: none
+    if options.dropout_p > 0:
+        q, k, v, alibi_slopes, sinks, seed, *arrays = match_varying(q, k, v, alibi_slopes, sinks, seed, *arrays)
+        return _attention(q, k, v, alibi_slopes, sinks, tuple(arrays), static, seed)
     q, k, v, alibi_slopes, sinks, *arrays = match_varying(q, k, v, alibi_slopes, sinks, *arrays)
     return _attention(q, k, v, alibi_slopes, sinks, tuple(arrays), static)
 

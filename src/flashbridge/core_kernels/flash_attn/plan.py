@@ -14,8 +14,8 @@ import math
 from typing import Optional
 
 from .._config import active_config
-from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_int, check_real, fmt_shape, next_power_of_2,
-                     pow2_divisor)
+from .._plan import (Launch, Plan, Spec, Target, cdiv, check_float_dtype, check_int, check_real, fmt_shape,
+                     next_power_of_2, pow2_divisor)
 from ..block_sparse import plan as bsp
 
 MAX_HEAD_DIM = 256
