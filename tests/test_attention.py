@@ -469,8 +469,8 @@ def test_multihead_attention_rejects_unsupported_masks():
         mha(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.bool).fill_diagonal_(True))
     with pytest.raises(ValueError, match="key_padding_mask"):
         mha(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="dropout"):
-        torch_api.MultiheadAttention(16, 2, dropout=0.1, batch_first=True).train()(x, x, x)
+    with pytest.raises(ValueError, match="dropout_p"):
+        torch_api.MultiheadAttention(16, 2, dropout=1.0, batch_first=True).train()(x, x, x)
     with pytest.raises(ValueError, match="add_bias_kv"):
         torch_api.MultiheadAttention(16, 2, add_bias_kv=True)
 

@@ -271,3 +271,17 @@ def test_torch_opcheck_with_dropout():
     bwd_args = (torch.randn_like(out), q.detach(), k, v, out.detach(), lse.detach(), None, None, None, None, None,
                 None, None, 0.25, False, None, None, 0.0, False, seed, 0.2)
     torch.library.opcheck(_flash_attn_bwd.custom_op, bwd_args)
+
+
+def test_multihead_attention_dropout_in_training_mode():
+    import flashbridge.torch_api as ft
+
+    mha = ft.MultiheadAttention(32, 2, dropout=0.3, batch_first=True)
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)
+    a, _ = mha.train()(x, x, x, need_weights=False)
+    torch.manual_seed(5)
+    b, _ = mha(x, x, x, need_weights=False)
+    c, _ = mha(x, x, x, need_weights=False)
+    plain, _ = mha.eval()(x, x, x, need_weights=False)
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, plain)

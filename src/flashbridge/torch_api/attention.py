@@ -409,8 +409,9 @@ class MultiheadAttention(nn.Module):
     Supported masks: none, or causal (``is_causal=True``, or ``attn_mask`` equal to the causal mask from
     ``nn.Transformer.generate_square_subsequent_mask``); anything else raises ``ValueError``. The flash
     kernels never build the weights: with ``need_weights=True`` (torch's default) they are computed
-    separately by an explicit softmax, so pass ``need_weights=False`` for speed. Dropout, ``add_bias_kv``
-    and ``add_zero_attn`` are not supported.
+    separately by an explicit softmax (before dropout), so pass ``need_weights=False`` for speed. In training
+    mode ``dropout`` is attention dropout (:func:`flash_attention`'s, its seed drawn from torch's default
+    generator). ``add_bias_kv`` and ``add_zero_attn`` are not supported.
 
     Example::
 
@@ -485,9 +486,6 @@ class MultiheadAttention(nn.Module):
         if key_padding_mask is not None:
             raise ValueError("key_padding_mask: not supported; pack the sequences and call "
                              "flashbridge.torch_api.flash_attention with cu_seqlens instead")
-        if self.training and self.dropout > 0.0:
-            raise ValueError(f"dropout: attention dropout is not supported (dropout={self.dropout} in training "
-                             "mode); construct the module with dropout=0.0 or call .eval()")
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)  # (L, 1, E)
@@ -510,7 +508,11 @@ class MultiheadAttention(nn.Module):
         _, options = check_attention_args(q=_info(q), k=_info(k), v=_info(v))
         if causal:  # torch's causal mask is top-left aligned
             options = AttnOptions(**{**options.__dict__, "window_right": lq - lk})
-        out, _ = _attention(q, k, v, options, None, None, None, None, None, None)
+        seed = None
+        if self.training and self.dropout > 0.0:
+            options = dataclasses.replace(options, dropout_p=check_dropout(self.dropout, True))
+            seed = torch.randint(-2**31, 2**31 - 1, (1,), dtype=torch.int32, device=q.device)
+        out, _ = _attention(q, k, v, options, None, None, None, None, None, None, seed)
         out = self.out_proj(out.reshape(n, lq, h * d))
         weights = None
         if need_weights:
