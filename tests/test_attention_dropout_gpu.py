@@ -109,3 +109,24 @@ def test_dropout_bf16_forward_and_gradients(case):
     (_, j_out), j_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(jq, jk, jv)
     for a, b in zip(ours, (j_out, *j_grads)):
         assert np.array_equal(np.asarray(b.astype(jnp.float32)), a.detach().float().cpu().numpy())
+
+
+def test_gpu_generator_matches_numpy_past_32_bit_offsets():
+    """Large batches reach offsets past 2**32 (B * H * Sq * Sk): the Triton build on the GPU must put the
+    offset's high word into the counter as ``reference.random.philox_uniform`` does."""
+    import triton
+    import triton.language as tl
+
+    from flashbridge.core_kernels._random import dropout_keep
+    from flashbridge.reference.random import philox_uniform
+
+    @triton.jit
+    def keep_kernel(SEED, OUT, base, N: tl.constexpr):
+        offs = base + tl.arange(0, N).to(tl.int64)
+        tl.store(OUT + tl.arange(0, N), dropout_keep(tl.load(SEED), offs, 0.5).to(tl.int8))
+
+    for seed, base in ((7, 0), (7, 5_000_000_000), (-3, 2**40 + 123)):
+        out = torch.empty(256, dtype=torch.int8, device="cuda")
+        keep_kernel[(1,)](torch.tensor([seed], dtype=torch.int32, device="cuda"), out, base, 256)
+        expected = philox_uniform(seed, base + np.arange(256, dtype=np.int64)) >= np.float32(0.5)
+        assert np.array_equal(out.cpu().numpy().astype(bool), expected)
