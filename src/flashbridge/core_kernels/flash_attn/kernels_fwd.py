@@ -141,8 +141,8 @@ def attn_fwd_kernel(
                                          qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV,
                                          BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
                                          HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
-                                         POSITIVE_SCALE, (BLOCK_TABLE, b, table_stride, num_pages, stride_kb, stride_vb),
-                                         PAGE_SIZE)
+                                         POSITIVE_SCALE, (BLOCK_TABLE, b, table_stride, num_pages, stride_kb,
+                                                          stride_vb), PAGE_SIZE)
     out, lse = softmax_finalize(acc, m_i, l_i)
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh
