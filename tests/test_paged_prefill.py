@@ -142,6 +142,21 @@ def test_paged_property(seed, page_size, lens, causal):
     _check(case, out, lse, causal=causal)
 
 
+def test_torch_compile_fullgraph_and_opcheck():
+    case = make_paged_prefill_case(8, lens_q=(3, 6), used=(19, 6), page_size=8)
+
+    def f(q, k, v, table, used, cu):
+        return torch_api.flash_attention(q, k, v, causal=True, block_table=table, seqused_k=used, cu_seqlens_q=cu,
+                                         max_seqlen_q=6)
+
+    args = (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seqused_k"],
+            case["cu_seqlens_q"])
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*args), f(*args), rtol=0, atol=0)
+    op_args = (*args[:5], None, None, args[5], None, 6, None, 0.25, True, None, 0, 0.0)
+    torch.library.opcheck(torch.ops.flashbridge.flash_attn_cache_fwd.default, op_args)
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 def _errors_case():
