@@ -466,7 +466,7 @@ def check_cache_offsets(cu_seqlens_q, cu_seqlens_k, shape: AttnShape, cache: KVC
     check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, shape)
 
 
-CACHE_OP = "flash_attention with block_table / seqused_k"
+CACHE_OP = "flash_attention with block_table / seqused_k"  # a forward-only op (flashbridge._forward_only)
 
 
 # ------------------------------------------------------------------------------------------------- plans
