@@ -56,7 +56,7 @@ def _check(case, out, lse, **options):
 
 # ----------------------------------------------------------------------------------------------- torch
 
-@pytest.mark.parametrize("page_size", [8, 16, 64, 128])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 128, 384])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_matches_reference(page_size, causal):
     case = make_paged_prefill_case(100 + page_size, page_size=page_size, lens_q=(5, 17, 1, 9),
