@@ -225,7 +225,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                    deterministic: bool = True, return_lse: bool = False, block_mask=None) -> Tensor | tuple[Tensor, Tensor]:
+                    deterministic: bool = True, return_lse: bool = False, block_mask=None,
+                    block_table: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -254,6 +256,16 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             only the key blocks it lists are visited (block-sparse attention); rows that see nothing output 0
             and lse -inf. Combines with softcap, ALiBi, sinks, GQA; not with causal / window_size (build that
             into the mask) or packed inputs.
+        block_table: int32 ``(B, max_pages)``: k / v are a paged cache ``(num_pages, page_size, Hkv, D)``;
+            key ``j`` of sequence ``b`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``
+            (flash-attn's ``flash_attn_varlen_func(..., block_table=)``: chunked prefill). Needs
+            ``seqused_k``, no ``cu_seqlens_k``; q packed or ``(B, Sq, Hq, Dqk)``. Page sizes: powers of two
+            or multiples of 128. Page indices are clamped to the pool.
+        seqused_k: int32 ``(B,)``: sequence ``b`` uses its first ``seqused_k[b]`` keys (clamped to the
+            cache's capacity); causal and windows align at the bottom-right of (its queries, its used keys).
+            Without ``block_table``: k / v dense ``(B, S_max, Hkv, D)`` (q dense or packed) or packed with
+            ``cu_seqlens_k``. With either argument the call is forward-only (inference): a gradient reaching
+            it raises; ``block_mask`` is not supported.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
@@ -275,9 +287,18 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     tensors = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    check_tensors(tensors, required=("q", "k", "v"))
+    check_tensors({**tensors, "block_table": block_table, "seqused_k": seqused_k}, required=("q", "k", "v"))
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    if block_table is not None or seqused_k is not None:
+        if block_mask is not None:
+            raise ValueError("block_mask: not with block_table / seqused_k (a key cache)")
+        from .attention_cache import cache_attention
+        out, lse = cache_attention(q, k, v, block_table=block_table, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                                   sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+        return (out, lse) if return_lse else out
     shape, options = check_attention_args(
         **{n: _info(t) for n, t in tensors.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)

@@ -25,9 +25,9 @@ All score modifiers, the online softmax and the merge step come from ``flash_att
 import triton
 import triton.language as tl
 
-from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, fold_values,
-                                         kv_key_range, load_tile, merge_states_block, score_params, softmax_finalize,
-                                         softmax_init, softmax_normaliser)
+from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, cache_slots,
+                                         fold_values, kv_key_range, load_tile, merge_states_block, score_params,
+                                         softmax_finalize, softmax_init, softmax_normaliser)
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -106,33 +106,6 @@ def f16_query(q):
     scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift
     inv_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
     return (qf * scale).to(tl.float16), inv_scale
-
-
-@triton.jit
-def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
-    """(page, slot) int64 of the keys ``offs_k`` [N] (``n_start`` = offs_k[0]) of sequence ``b``.
-
-    Paged: pages come from the block table, clamped to ``[0, num_pages)`` so that a bad table can never
-    address memory outside the cache. When a page holds whole blocks one entry serves the block (a scalar
-    load; ONE_PAGE: the keys are one aligned block inside a page); otherwise each key looks up its own page
-    (table reads masked past the sequence's length).
-    Contiguous: page = sequence, slot = key index.
-    """
-    if PAGED:
-        if ONE_PAGE:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + n_start // PAGE_SIZE)
-        elif CHECK_KEYS:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE, mask=key_ok,
-                           other=0)
-        else:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE)
-        page = tl.cast(tl.minimum(tl.maximum(page, 0), num_pages - 1), tl.int64)
-        slot = tl.cast(offs_k % PAGE_SIZE, tl.int64)
-    else:
-        page = tl.cast(b, tl.int64)
-        slot = tl.cast(offs_k, tl.int64)
-    return page, slot
 
 
 @triton.jit
