@@ -231,7 +231,7 @@ def decode_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
     WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, K_PAIRS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    ROT_HALF: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_STEP: tl.constexpr,
+    ROT_HALF: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_STEP: tl.constexpr, ROT_BF16: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
@@ -242,7 +242,8 @@ def decode_fwd_kernel(
     ``cache_leftpad``). ROT_HALF > 0: q is rotated as it is loaded (RoPE over its first ``2 * ROT_HALF``
     dims, tables COS / SIN ``(rot_rows, ROT_HALF)``), query token ``i`` at position
     ``length - seqlen_q + ROT_STEP * i`` (ROT_STEP 0: every query at the first new token's position, as
-    flash-attn does without causal / window), then rounded to q's dtype as a separate rotation would. Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
+    flash-attn does without causal / window), then rounded to q's dtype as a separate rotation would
+    (ROT_BF16: bfloat16 queries, which the interpreter holds as float32). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
     (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
     KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
     """
@@ -290,7 +291,7 @@ def decode_fwd_kernel(
         q = load_tile(Q_row[:, None] + offs_dqk[None, :], row_ok, offs_dqk < DQK, True, BLOCK_DQK != DQK)
         if ROT_HALF > 0:
             q = rotate_tile(q.to(tl.float32), Q_row, row_ok, offs_dqk, COS, SIN, diag + ROT_STEP * tok, rot_rows,
-                            ROT_HALF, ROT_INTERLEAVED).to(Q.dtype.element_ty)
+                            ROT_HALF, ROT_INTERLEAVED, ROT_BF16).to(Q.dtype.element_ty)
     else:
         q = Q  # unused: block_qk reloads q chunk by chunk
 
@@ -440,16 +441,17 @@ def e4m3_bits(x):
 @triton.jit
 def append_tile(NEW_row, OUT_row, SCALE, kh, ok, stride_sc, COS, SIN, rot_pos, rot_rows, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, FP8: tl.constexpr, HAS_SCALES: tl.constexpr, ROT_HALF: tl.constexpr,
-                ROT_INTERLEAVED: tl.constexpr):
+                ROT_INTERLEAVED: tl.constexpr, ROT_BF16: tl.constexpr):
     """Copy one [S, D] tile of new tokens into the cache rows ``OUT_row`` [S] (quantised for FP8).
     ROT_HALF > 0: rotated first (RoPE at positions ``rot_pos`` [S]), rounded to the new tokens' dtype as a
-    separate rotation would have stored them."""
+    separate rotation would have stored them (ROT_BF16: bfloat16 tokens, float32 in the interpreter)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = ok[:, None] & (offs_d < D)[None, :]
     x = tl.load(NEW_row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROT_HALF > 0:
-        x = rotate_tile(x, NEW_row, ok, offs_d, COS, SIN, rot_pos, rot_rows, ROT_HALF, ROT_INTERLEAVED)
-        x = x.to(NEW_row.dtype.element_ty).to(tl.float32)
+        x = rotate_tile(x, NEW_row, ok, offs_d, COS, SIN, rot_pos, rot_rows, ROT_HALF, ROT_INTERLEAVED, ROT_BF16)
+        if not ROT_BF16:
+            x = x.to(NEW_row.dtype.element_ty).to(tl.float32)
     if FP8:
         if HAS_SCALES:
             # IEEE division (Triton's plain fp32 '/' is approximate on NVIDIA): the same bits as torch / numpy
@@ -469,7 +471,7 @@ def append_kv_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, HAS_SCALES: tl.constexpr,
     NEW_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, HAS_LEFTPAD: tl.constexpr, ROT_HALF: tl.constexpr,
-    ROT_INTERLEAVED: tl.constexpr,
+    ROT_INTERLEAVED: tl.constexpr, ROT_BF16: tl.constexpr,
 ):
     """Token ``s`` of ``k_new[b]`` goes to cache row ``SEQLENS[b] + s`` of sequence ``b`` (through the page
     table when paged). ROT_HALF > 0: the keys are rotated as they are written (flash-attn's rotary KV-cache
@@ -496,7 +498,7 @@ def append_kv_kernel(
     s64 = tl.cast(offs_s, tl.int64)
     append_tile(K_NEW + (b64 * stride_knb + s64 * stride_kns + kh64 * stride_knh),
                 K_OUT + (page * stride_kp + slot * stride_ks + kh64 * stride_kh), K_SCALE, kh, ok, stride_sc, COS, SIN,
-                rot_pos, rot_rows, DQK, BLOCK_DQK, FP8, HAS_SCALES, ROT_HALF, ROT_INTERLEAVED)
+                rot_pos, rot_rows, DQK, BLOCK_DQK, FP8, HAS_SCALES, ROT_HALF, ROT_INTERLEAVED, ROT_BF16)
     append_tile(V_NEW + (b64 * stride_vnb + s64 * stride_vns + kh64 * stride_vnh),
                 V_OUT + (page * stride_vp + slot * stride_vs + kh64 * stride_vh), V_SCALE, kh, ok, stride_sc, COS, SIN,
-                rot_pos, rot_rows, DV, BLOCK_DV, FP8, HAS_SCALES, 0, False)
+                rot_pos, rot_rows, DV, BLOCK_DV, FP8, HAS_SCALES, 0, False, False)

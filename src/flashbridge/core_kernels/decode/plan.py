@@ -751,7 +751,8 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("HAS_LEFTPAD", options.has_leftpad), ("ROT_HALF", options.rotary_half),
                     ("ROT_INTERLEAVED", options.rotary_interleaved),
                     # flash-attn: without causal or a window every query sits at the first new token's position
-                    ("ROT_STEP", int(options.causal or options.has_local))),
+                    ("ROT_STEP", int(options.causal or options.has_local)),
+                    ("ROT_BF16", options.rotary_half > 0 and dtype == "bfloat16")),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -982,7 +983,8 @@ def plan_append(shape: AppendShape, *, target: Target,
                     ("FP8", cache.fp8), ("HAS_SCALES", shape.scale_mode != "none"),
                     ("NEW_ALIGN", pow2_divisor(*kn, *vn)), ("KV_ALIGN", pow2_divisor(*ks, *vs)),
                     ("HAS_LEFTPAD", shape.has_leftpad), ("ROT_HALF", shape.rotary_half),
-                    ("ROT_INTERLEAVED", shape.rotary_interleaved)),
+                    ("ROT_INTERLEAVED", shape.rotary_interleaved),
+                    ("ROT_BF16", shape.rotary_half > 0 and shape.new_dtype == "bfloat16")),
         num_warps=4,
         num_stages=1,
     )

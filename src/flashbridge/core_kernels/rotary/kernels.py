@@ -57,13 +57,25 @@ def rotate_pair(xa, xb, c, s):
 
 
 @triton.jit
-def rotate_tile(x, X_row, row_ok, offs_d, COS, SIN, pos, rot_rows, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+def round_to_bf16(x):
+    """float32 -> the nearest bfloat16 value (ties to even), still as float32, in integer arithmetic: the
+    interpreter holds bfloat16 data as float32, so a cast to the data's dtype would not round there; this
+    gives the CPU the GPU's bits. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def rotate_tile(x, X_row, row_ok, offs_d, COS, SIN, pos, rot_rows, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                ROUND_BF16: tl.constexpr):
     """RoPE of a tile already in registers, for kernels that rotate while they load or store (the KV-cache
     step: ``append_kv_kernel`` rotates new keys, ``decode_fwd_kernel`` its queries). ``x`` [N, BLOCK_D]
     (float32) holds columns ``offs_d`` of the rows ``X_row`` [N] (pointers to each row's first element,
     columns contiguous); ``pos`` [N] their table rows, clamped to [0, rot_rows). Each rotated column reloads
     its pair partner (``d ^ 1`` interleaved, ``d +- HALF`` in halves) -- the rows are a few KB, cache-resident
-    -- so the tile keeps its layout; columns from ``2 * HALF`` on pass through. Returns float32."""
+    -- so the tile keeps its layout; columns from ``2 * HALF`` on pass through. Returns float32, rounded to
+    bfloat16 values with ROUND_BF16 (bf16 data: the values a separate rotation would have stored)."""
     if INTERLEAVED:
         first = offs_d % 2 == 0
         partner = offs_d ^ 1
@@ -81,7 +93,10 @@ def rotate_tile(x, X_row, row_ok, offs_d, COS, SIN, pos, rot_rows, HALF: tl.cons
     s = tl.load(SIN + table, mask=mask, other=0.0).to(tl.float32)
     ya, _ = rotate_pair(x, xp, c, s)  # column d is the pair's a: (x, partner)
     _, yb = rotate_pair(xp, x, c, s)  # column d is the pair's b: (partner, x)
-    return tl.where(rot[None, :], tl.where(first[None, :], ya, yb), x)
+    y = tl.where(rot[None, :], tl.where(first[None, :], ya, yb), x)
+    if ROUND_BF16:
+        y = round_to_bf16(y)
+    return y
 
 
 @triton.jit
