@@ -278,3 +278,17 @@ def test_jax_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="rotary_cos, rotary_sin: give both"):
         ja.append_kv_cache(k, k, jnp.ones((2, 1, 2, 32)), jnp.ones((2, 1, 2, 32)), cache_seqlens=lens,
                            rotary_sin=jnp.ones((16, 8)))
+
+
+def test_torch_opcheck_and_compile_with_leftpad_and_rotary():
+    q, k, v, lens, pads, g = _case(41, b=2, sq=2, hq=2, hkv=1, d=16, s_max=24, lens=(9, 20), pads=(2, 5))
+    cos, sin = _tables(g, 32, 4)
+    args = (q, k, v, lens, None, None, None, None, None, "NHD", 0.25, True, None, None, 0.0, 2, pads, cos, sin, True)
+    torch.library.opcheck(torch.ops.flashbridge.decode_attn.default, args)
+    new = (torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g))
+    torch.library.opcheck(torch.ops.flashbridge.append_kv_cache.default,
+                          (k.clone(), v.clone(), *new, lens - 2, None, None, None, "NHD", pads, cos, sin, False))
+    kw = dict(cache_seqlens=lens, cache_leftpad=pads, rotary_cos=cos, rotary_sin=sin, num_splits=2)
+    eager = tapi.decode_attention(q, k, v, **kw)
+    compiled = torch.compile(lambda q: tapi.decode_attention(q, k, v, **kw), fullgraph=True, backend="eager")(q)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
