@@ -73,7 +73,7 @@ def test_gpu_rotary_append_then_decode(interleaved, rot):
     from flashbridge.torch_api import append_kv_cache, decode_attention, rotary_embedding
 
     sq = 2
-    q, k, v, lens, pads, g = _case(7 + rot, sq=sq, lens=(4000, 2990, 1, 2500))
+    q, k, v, lens, pads, g = _case(7 + rot, sq=sq, lens=(4000, 2990, 1, 2500), pads=(100, 2000, 0, 1024))
     k_new = torch.randn(4, sq, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     v_new = torch.randn(4, sq, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     cos, sin = _tables(8192, rot // 2)
@@ -103,7 +103,7 @@ def test_gpu_jax_matches_torch_bitwise():
     from flashbridge import torch_api as ta
 
     sq = 2
-    q, k, v, lens, pads, g = _case(5, sq=sq, lens=(4000, 2990, 1, 2500))
+    q, k, v, lens, pads, g = _case(5, sq=sq, lens=(4000, 2990, 1, 2500), pads=(100, 2000, 0, 1024))
     k_new = torch.randn(4, sq, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     v_new = torch.randn(4, sq, HKV, D, generator=g, device="cuda").to(torch.bfloat16)
     cos, sin = _tables(8192, 64)
