@@ -292,3 +292,47 @@ def test_torch_opcheck_and_compile_with_leftpad_and_rotary():
     eager = tapi.decode_attention(q, k, v, **kw)
     compiled = torch.compile(lambda q: tapi.decode_attention(q, k, v, **kw), fullgraph=True, backend="eager")(q)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------- compile parity (sm_90 on CPU)
+
+def _cache_step_plans():
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.decode import plan as P
+    h200 = Target(interpret=False, num_sms=132)
+    rot = dict(rotary_cos=((8192, 64), "float32"), rotary_sin=((8192, 64), "float32"))
+    plans = []
+    for cache_dtype, interleaved in (("bfloat16", False), ("float8_e4m3fn", True)):
+        kshape = (4, 8192, 8, 128)
+        scales = (dict(k_scale=((8,), "float32"), v_scale=((8,), "float32")) if cache_dtype == "float8_e4m3fn"
+                  else {})
+        shape, options, _ = P.check_decode_args(
+            q=((4, 1, 32, 128), "bfloat16"), k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
+            cache_seqlens=((4,), "int32"), cache_leftpad=((4,), "int32"), rotary_interleaved=interleaved,
+            **rot, **scales)
+        plans.append((f"decode {cache_dtype}", P.plan_decode(shape, options, target=h200, num_splits=4),
+                      cache_dtype))
+        append = P.check_append_args(k_cache=(kshape, cache_dtype), v_cache=(kshape, cache_dtype),
+                                     k_new=((4, 3, 8, 128), "bfloat16"), v_new=((4, 3, 8, 128), "bfloat16"),
+                                     cache_seqlens=((4,), "int32"), cache_leftpad=((4,), "int32"),
+                                     rotary_interleaved=interleaved, **rot, **scales)
+        plans.append((f"append {cache_dtype}", P.plan_append(append, target=h200), cache_dtype))
+    return plans
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_cache_step_kernels_compile_identically_for_sm90(index):
+    """torch (Triton's launcher) and JAX (jax-triton) compile the same PTX with leftpad and rotary tables, and
+    the cache is still read with 16-byte loads."""
+    from helpers import assert_same_ptx, vector_loads
+
+    name, plan, cache_dtype = _cache_step_plans()[index]
+    dtypes = {"q": "bfloat16", "k_cache": cache_dtype, "v_cache": cache_dtype, "cache_seqlens": "int32",
+              "cache_leftpad": "int32", "rotary_cos": "float32", "rotary_sin": "float32", "k_scale": "float32",
+              "v_scale": "float32", "k_new": "bfloat16", "v_new": "bfloat16"}
+    dtypes.update({s.name: s.dtype for s in plan.buffers})
+    for launch in plan.launches:
+        ptx = assert_same_ptx(launch, dtypes)
+        if launch.kernel.endswith("decode_fwd_kernel"):
+            assert launch.constexpr_dict()["ROT_HALF"] == 64 and launch.constexpr_dict()["HAS_LEFTPAD"]
+            assert vector_loads(ptx) > 0, f"{name}: no 16-byte loads of the cache"
