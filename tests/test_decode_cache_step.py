@@ -14,6 +14,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashbridge.reference import decode as ref
 from flashbridge.reference import rotary as rref
@@ -87,6 +89,25 @@ def test_torch_leftpad_matches_reference_and_the_unpadded_cache_bitwise(name):
     assert np.abs(_f(lse) - r_lse).max() <= 2e-6 * max(1.0, np.abs(r_lse).max())
     out2, lse2 = tapi.decode_attention(q, _shift_left(k, lens, pads), _shift_left(v, lens, pads),
                                        cache_seqlens=lens - pads, num_splits=splits, return_lse=True, **options)
+    torch.testing.assert_close(out, out2, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse2, rtol=0, atol=0)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_property_leftpad_is_the_unpadded_cache(data):
+    """Any lengths and paddings (0 <= pad <= length, empty sequences included), any split count: bitwise the
+    decode of the same tokens moved to row 0."""
+    lens = data.draw(st.lists(st.integers(0, 48), min_size=2, max_size=2))
+    pads = [data.draw(st.integers(0, n)) for n in lens]
+    sq = data.draw(st.integers(1, 3))
+    splits = data.draw(st.sampled_from([1, 2, None]))
+    q, k, v, lens_t, pads_t, _ = _case(data.draw(st.integers(0, 99)), b=2, sq=sq, hq=4, hkv=1, d=16, s_max=48,
+                                        lens=tuple(lens), pads=tuple(pads))
+    out, lse = tapi.decode_attention(q, k, v, cache_seqlens=lens_t, cache_leftpad=pads_t, num_splits=splits,
+                                     return_lse=True)
+    out2, lse2 = tapi.decode_attention(q, _shift_left(k, lens_t, pads_t), _shift_left(v, lens_t, pads_t),
+                                       cache_seqlens=lens_t - pads_t, num_splits=splits, return_lse=True)
     torch.testing.assert_close(out, out2, rtol=0, atol=0)
     torch.testing.assert_close(lse, lse2, rtol=0, atol=0)
 
