@@ -18,7 +18,9 @@
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
   ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
   were computed without them.
-* :func:`append_kv_kernel`: writes new K/V tokens into the cache in place (quantising for FP8 caches).
+* :func:`append_kv_kernel`: writes new K/V tokens into the cache in place (quantising for FP8 caches,
+  rotating the keys with RoPE tables: flash-attn's rotary KV-cache step; the decode kernel then rotates its
+  queries as it loads them). Both take the rotation from ``rotary/kernels.py`` (:func:`rotate_tile`).
 
 All score modifiers, the online softmax and the merge step come from ``flash_attn/kernels_common.py``.
 """
@@ -243,8 +245,9 @@ def decode_fwd_kernel(
     dims, tables COS / SIN ``(rot_rows, ROT_HALF)``), query token ``i`` at position
     ``length - seqlen_q + ROT_STEP * i`` (ROT_STEP 0: every query at the first new token's position, as
     flash-attn does without causal / window), then rounded to q's dtype as a separate rotation would
-    (ROT_BF16: bfloat16 queries, which the interpreter holds as float32). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
-    (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
+    (ROT_BF16: bfloat16 queries, which the interpreter holds as float32). Writes ``O[split, b, i, h, :]``
+    and ``LSE[split, b, i, h]`` through the given strides (split strides 0 when the kernel writes the final
+    result). Strides are multiples of QO_ALIGN (q, out),
     KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
     """
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
@@ -475,9 +478,10 @@ def append_kv_kernel(
 ):
     """Token ``s`` of ``k_new[b]`` goes to cache row ``SEQLENS[b] + s`` of sequence ``b`` (through the page
     table when paged). ROT_HALF > 0: the keys are rotated as they are written (flash-attn's rotary KV-cache
-    step), each at its row's position counted from the first real token (``row - LEFTPAD[b]``). Rows at or past ``capacity`` are dropped (the front-ends reject such calls; this is
-    the second line). Grid ``(cdiv(n_new, BLOCK_S), Hkv, batch)``; only new rows are touched. Strides are
-    multiples of NEW_ALIGN (k_new, v_new) and KV_ALIGN (caches) elements."""
+    step), each at its row's position counted from the first real token (``row - LEFTPAD[b]``). Rows at or
+    past ``capacity`` are dropped (the front-ends reject such calls; this is the second line). Grid
+    ``(cdiv(n_new, BLOCK_S), Hkv, batch)``; only new rows are touched. Strides are multiples of NEW_ALIGN
+    (k_new, v_new) and KV_ALIGN (caches) elements."""
     stride_knb, stride_kns, stride_knh = aligned_strides(stride_knb, stride_kns, stride_knh, NEW_ALIGN)
     stride_vnb, stride_vns, stride_vnh = aligned_strides(stride_vnb, stride_vns, stride_vnh, NEW_ALIGN)
     stride_kp, stride_ks, stride_kh = aligned_strides(stride_kp, stride_ks, stride_kh, KV_ALIGN)

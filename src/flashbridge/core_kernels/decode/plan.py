@@ -806,7 +806,8 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                 strides: Optional[dict[str, tuple[int, int, int]]] = None,
                 config: Optional[DecodeConfig] = None) -> Plan:
     """Plan inputs: q, k_cache, v_cache, cache_seqlens, [block_table], [alibi_slopes], [sinks], [k_scale,
-    v_scale], [cache_leftpad], [rotary_cos, rotary_sin]. ``strides``: "q" -> (batch, token, head), "k_cache" / "v_cache" -> (page, slot, head) element
+    v_scale], [cache_leftpad], [rotary_cos, rotary_sin].
+    ``strides``: "q" -> (batch, token, head), "k_cache" / "v_cache" -> (page, slot, head) element
     strides (default: contiguous). Results: out (q's dtype, ``shape.out_shape``), lse (float32, (B, Hq, Sq))."""
     strides = strides or {}
     config = config or active_config(DecodeConfig)
