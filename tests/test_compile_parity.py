@@ -166,7 +166,7 @@ def test_attention_backward_with_the_slopes_gradient_compiles_identically():
                                   alibi_grad="float32").launches
     ptx = assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
                            _attn_dtypes("bfloat16"))
-    _assert_wgmma_pipelined(ptx, "one-launch attention backward with the ALiBi slopes' gradient")
+    assert_wgmma_pipelined(ptx, "one-launch attention backward with the ALiBi slopes' gradient")
     assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_alibi_kernel")),
                      _attn_dtypes("bfloat16"))
 
