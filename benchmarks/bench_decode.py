@@ -17,6 +17,7 @@ inside a call either way.
 
     python benchmarks/bench_decode.py              # the table's rows (contiguous, paged, fp8, JAX), plot
     python benchmarks/bench_decode.py --splits     # also sweep num_splits / block_n for the plan defaults
+    python benchmarks/bench_decode.py --cache-step # only plain vs RoPE-in-cache vs left-padded decode (torch)
     python benchmarks/bench_decode.py --ptxas      # no GPU needed: compile every kernel for sm_90 ahead of
                                                    # time, print registers / spills / shared memory
 """
@@ -92,20 +93,34 @@ def make_caches(b, s, *, layout="NHD", paged=False, page_size=64, fp8=False, cop
 
 # ---------------------------------------------------------------------------------------------- providers
 
-def torch_ours(b, s, *, layout="NHD", paged=False, fp8=False, num_splits=None):
+LEFTPAD_ROWS = 100  # the leftpad rows' padding per sequence (not a multiple of any tile: shifted tile starts)
+
+
+def torch_ours(b, s, *, layout="NHD", paged=False, fp8=False, num_splits=None, rotary=False, leftpad=False):
+    """``rotary``: the queries rotated inside the kernel (full 128-dim RoPE tables); ``leftpad``: every
+    sequence starts LEFTPAD_ROWS rows in (the bytes count the rows read)."""
     import torch
 
     from flashbridge.torch_api.decode import decode_attention
 
-    nbytes = kv_bytes(b, s, 1 if fp8 else 2)
+    pad = LEFTPAD_ROWS if leftpad else 0
+    nbytes = kv_bytes(b, s - pad, 1 if fp8 else 2)
     caches = make_caches(b, s, layout=layout, paged=paged, fp8=fp8, copies=n_copies(nbytes))
     q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    step_kw = {}
+    if rotary:
+        theta = torch.arange(s, device="cuda", dtype=torch.float32)[:, None] * 10000.0 ** (
+            -torch.arange(D // 2, device="cuda", dtype=torch.float32) / (D // 2))
+        step_kw.update(rotary_cos=torch.cos(theta), rotary_sin=torch.sin(theta))
+    if leftpad:
+        step_kw["cache_leftpad"] = torch.full((b,), pad, dtype=torch.int32, device="cuda")
     it = itertools.cycle(caches)
 
     def step():
         k, v, extra = next(it)
-        return decode_attention(q, k, v, cache_seqlens=lens, kv_layout=layout, num_splits=num_splits, **extra)
+        return decode_attention(q, k, v, cache_seqlens=lens, kv_layout=layout, num_splits=num_splits, **extra,
+                                **step_kw)
 
     step()
     return _graph_time(step), nbytes
@@ -330,7 +345,7 @@ def trace_paths(b=1, s=16384):
 
 # --------------------------------------------------------------------------------------------------- main
 
-def run_rows(with_jax=True):
+def run_rows(with_jax=True, cache_step_only=False):
     rows = []
 
     def record(label, provider, fn):
@@ -348,6 +363,10 @@ def run_rows(with_jax=True):
 
     for label, b, s in ROWS:
         record(label, "flashbridge-torch NHD", lambda: torch_ours(b, s))
+        record(label, "flashbridge-torch rotary", lambda: torch_ours(b, s, rotary=True))
+        record(label, "flashbridge-torch leftpad", lambda: torch_ours(b, s, leftpad=True))
+        if cache_step_only:
+            continue
         record(label, "flashbridge-torch HND", lambda: torch_ours(b, s, layout="HND"))
         record(label, "flashbridge-torch paged64", lambda: torch_ours(b, s, paged=True))
         record(label, "flashbridge-torch fp8", lambda: torch_ours(b, s, fp8=True))
@@ -573,6 +592,12 @@ def verdicts(rows):
         floor = by.get((label, "read-floor"))
         if floor:
             lines.append(f"{label}: a bare read of the same bytes {floor:.2f} TB/s; ours {ours / floor:.2f} of it")
+        rot = by.get((label, "flashbridge-torch rotary"))
+        if rot:  # the same bytes: the ratio of TB/s is the ratio of times
+            lines.append(f"{label}: rotary-in-cache/plain = {rot / ours:.3f} (bar >= 0.95)")
+        pad = by.get((label, "flashbridge-torch leftpad"))
+        if pad:
+            lines.append(f"{label}: leftpad/plain TB/s = {pad / ours:.3f} ({LEFTPAD_ROWS} padding rows)")
         paged = by.get((label, "flashbridge-torch paged64"))
         if paged:
             lines.append(f"{label}: paged/contiguous = {paged / ours:.2f} (bar >= 0.90)")
@@ -695,6 +720,8 @@ def main():
     parser.add_argument("--table", action="store_true",
                         help="with --splits-<name>: the decode table too, after the sweeps (one process)")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--cache-step", action="store_true",
+                        help="only the plain, rotary-in-cache and left-padded torch rows, printed, not saved")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--jax-only", action="store_true",
                         help="only the JAX rows (e.g. to compare XLA_FLAGS settings), printed, not saved")
@@ -726,6 +753,12 @@ def main():
                       f"{nbytes / (ms * 1e-3) / 1e12:.3f} TB/s, host {extra['host_ms']:.4f} ms per step")
         return
     print(environment())
+    if args.cache_step:
+        rows = run_rows(with_jax=False, cache_step_only=True)
+        print_table("decode: plain vs RoPE-in-cache vs left-padded (torch, bf16)", ["case", "provider", "ms", "TB/s"],
+                    [[r["case"], r["provider"], r.get("ms", "-"), r.get("tbs", "-")] for r in rows])
+        print("\n".join(verdicts(rows)))
+        return
     rows = run_rows(with_jax=not args.no_jax)
     table = [[r["case"], r["provider"], r.get("ms", "-"), r.get("tbs", "-")] for r in rows]
     print_table(f"decode, bf16 cache unless said, Hq={HQ} Hkv={HKV} D={D} Sq=1 (TB/s = K+V bytes / time)",

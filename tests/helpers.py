@@ -601,3 +601,52 @@ def assert_wgmma_pipelined(ptx: str, what: str) -> None:
 def vector_loads(ptx: str) -> int:
     return len(re.findall(r"ld\.global[^\n]*\.v4|cp\.async\.cg\.shared\.global[^\n]*0x10", ptx))
 
+
+
+# ------------------------------------------------------------------------------- attention over a key cache
+
+def make_paged_prefill_case(seed, *, lens_q=(5, 17, 1), used=(40, 17, 3), hq=4, hkv=2, dqk=32, dv=None,
+                            page_size=16, spare_pages=5, extra_capacity=1, dtype="float32", device="cpu",
+                            packed_q=True):
+    """A chunked-prefill case: sequence b has ``lens_q[b]`` queries and uses ``used[b]`` keys of a paged
+    cache ``(num_pages, page_size, Hkv, D)``, its pages a shuffled draw from a pool with ``spare_pages`` pages
+    no table names, the table ``extra_capacity`` pages wider than the longest sequence needs (those entries
+    -1: never read). Every slot not holding a used key -- rows past ``used[b]``, spare pages -- is NaN, so a
+    read of one shows in the output. Returns a dict: q, k_cache, v_cache, block_table, seqused_k,
+    cu_seqlens_q (packed_q), max_seqlen_q, and the same keys gathered: k, v packed with cu_seqlens_k."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    dv = dv or dqk
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lens_q)
+    pages_per = [-(-u // page_size) for u in used]
+    width = max(max(pages_per), 1) + extra_capacity
+    num_pages = sum(pages_per) + spare_pages
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((batch, width), -1, dtype=torch.int32)
+    k_cache = torch.full((num_pages, page_size, hkv, dqk), float("nan"), dtype=dt)
+    v_cache = torch.full((num_pages, page_size, hkv, dv), float("nan"), dtype=dt)
+    ks, vs = [], []
+    for b, u in enumerate(used):
+        pages = [perm.pop() for _ in range(pages_per[b])]
+        table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        kk = torch.randn(u, hkv, dqk, generator=g).to(dt)
+        vv = torch.randn(u, hkv, dv, generator=g).to(dt)
+        for j in range(u):
+            k_cache[pages[j // page_size], j % page_size] = kk[j]
+            v_cache[pages[j // page_size], j % page_size] = vv[j]
+        ks.append(kk)
+        vs.append(vv)
+    cu_q = torch.tensor([0, *np.cumsum(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *np.cumsum(used)], dtype=torch.int32)
+    if packed_q:
+        q = torch.randn(int(cu_q[-1]), hq, dqk, generator=g).to(dt)
+    else:
+        assert len(set(lens_q)) == 1
+        q = torch.randn(batch, lens_q[0], hq, dqk, generator=g).to(dt)
+    case = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": table,
+            "seqused_k": torch.tensor(used, dtype=torch.int32), "cu_seqlens_q": cu_q if packed_q else None,
+            "max_seqlen_q": max(lens_q) if packed_q else None, "k": torch.cat(ks), "v": torch.cat(vs),
+            "cu_seqlens_k": cu_k, "cu_seqlens_q_ref": cu_q}
+    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in case.items()}

@@ -187,10 +187,10 @@ def test_attention_backward_with_the_slopes_gradient_compiles_identically():
     options = dataclasses.replace(options, has_alibi=True)
     launches = plan_attention_bwd(shape, options, target=H200, config=AttentionConfig(fused_backward=True),
                                   alibi_grad="float32").launches
-    ptx = _assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
+    ptx = assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_kernel")),
                            _attn_dtypes("bfloat16"))
-    _assert_wgmma_pipelined(ptx, "one-launch attention backward with the ALiBi slopes' gradient")
-    _assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_alibi_kernel")),
+    assert_wgmma_pipelined(ptx, "one-launch attention backward with the ALiBi slopes' gradient")
+    assert_same_ptx(next(l for l in launches if l.kernel.endswith(":attn_bwd_alibi_kernel")),
                      _attn_dtypes("bfloat16"))
 
 

@@ -55,7 +55,16 @@ README_BLOCKS = _python_blocks(README)
 
 
 def test_readme_has_a_tour():
-    assert len(README_BLOCKS) >= 4, "the README's tour lost its Python blocks"
+    """The tour shows both front-ends, each on the families a newcomer meets first."""
+    sources = [source for _, source in README_BLOCKS]
+    for front_end, ops in (("flashbridge.torch_api", ("rms_norm", "flash_attention", "decode_attention",
+                                                      "linear_cross_entropy")),
+                           ("flashbridge.jax_api", ("rms_norm", "flash_attention", "decode_attention",
+                                                    "linear_cross_entropy"))):
+        shown = "\n".join(s for s in sources if front_end in s)
+        assert shown, f"the README's tour lost its {front_end} block"
+        missing = [op for op in ops if not re.search(rf"\.{op}\b", shown)]
+        assert not missing, f"the README's {front_end} tour lost {missing}"
 
 
 @pytest.mark.parametrize("start, source", README_BLOCKS, ids=[f"README.md:{n}" for n, _ in README_BLOCKS])

@@ -55,6 +55,8 @@ def _forward_only_calls(fw):
                               q),
         "merge_attention_states": (lambda x: api.merge_attention_states(x, lses)[0], outs),
         "mla_decode": (lambda x: api.mla_decode(x, latent, cache_seqlens=lens, head_dim_v=16), mq),
+        "flash_attention with block_table / seqused_k": (
+            lambda x: api.flash_attention(x, cache, cache, seqused_k=lens), _arr(fw, torch.randn(2, 3, 4, 16))),
     }
 
 
@@ -62,7 +64,8 @@ def test_every_forward_only_op_is_covered():
     assert set(_forward_only_calls("torch")) | {"append_kv_cache"} == set(FORWARD_ONLY_OPS)
 
 
-@pytest.mark.parametrize("name", ["decode_attention", "cascade_attention", "merge_attention_states", "mla_decode"])
+@pytest.mark.parametrize("name", ["decode_attention", "cascade_attention", "merge_attention_states", "mla_decode",
+                                  "flash_attention with block_table / seqused_k"])
 def test_torch_gradient_through_a_forward_only_op_fails_at_backward(name):
     fn, x = _forward_only_calls("torch")[name]
     x = x.clone().requires_grad_()
@@ -74,7 +77,8 @@ def test_torch_gradient_through_a_forward_only_op_fails_at_backward(name):
         assert not fn(x).requires_grad
 
 
-@pytest.mark.parametrize("name", ["decode_attention", "cascade_attention", "merge_attention_states", "mla_decode"])
+@pytest.mark.parametrize("name", ["decode_attention", "cascade_attention", "merge_attention_states", "mla_decode",
+                                  "flash_attention with block_table / seqused_k"])
 def test_jax_gradient_through_a_forward_only_op_fails_while_tracing(name):
     fn, x = _forward_only_calls("jax")[name]
     with pytest.raises(NotImplementedError, match=f"{name} has no backward.*flash_attention"):

@@ -47,6 +47,12 @@ def _attention_plans(target):
         window_size=(32, 0))
     yield A.plan_attention_fwd(shape, options, target=target)
     yield A.plan_attention_bwd(shape, options, target=target)
+    # keys from a cache: paged (block_table) and padded with seqused_k, beside packed queries
+    q = ((300, 8, 64), "float16")
+    for k, table in ((((40, 16, 2, 64), "float16"), ((3, 8), "int32")), (((3, 256, 2, 64), "float16"), None)):
+        shape, options, cache = A.check_kv_cache_args(q=q, k=k, v=k, block_table=table, seqused_k=((3,), "int32"),
+                                                      cu_seqlens_q=((4,), "int32"), max_seqlen_q=200, causal=True)
+        yield A.plan_attention_fwd(shape, options, target=target, cache=cache)
 
 
 def _decode_plans(target):

@@ -5,7 +5,7 @@ machinery with a message that named neither the op nor a way out."""
 from __future__ import annotations
 
 FORWARD_ONLY_OPS = ("decode_attention", "cascade_attention", "merge_attention_states", "append_kv_cache",
-                    "mla_decode")
+                    "mla_decode", "flash_attention with block_table / seqused_k")
 
 
 def no_backward_message(name: str) -> str:

@@ -21,8 +21,8 @@ import numpy as np
 
 from ..core_kernels import INTERPRETER
 from ..core_kernels.decode.plan import (check_append_args, check_cache_values, check_cascade_args,
-                                        check_decode_args, check_merge_args, check_scale_values, plan_append,
-                                        plan_cascade, plan_decode, plan_merge)
+                                        check_decode_args, check_leftpad_values, check_merge_args,
+                                        check_scale_values, plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_arrays, forward_only, host_list
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, match_varying
@@ -57,6 +57,15 @@ def _host_values(cache_seqlens, block_table):
     return np.asarray(cache_seqlens).tolist(), None if block_table is None else np.asarray(block_table).tolist()
 
 
+def _host_leftpad(cache_leftpad, cache_seqlens) -> None:
+    """Check ``0 <= cache_leftpad <= cache_seqlens`` when both are concrete host arrays."""
+    if cache_leftpad is None:
+        return
+    values = _host_values(cache_seqlens, cache_leftpad)
+    if values is not None:
+        check_leftpad_values(values[1], values[0])
+
+
 def _run(name: str, make_plan, given: dict, aliases=None):
     """Execute the forward-only op ``name``'s plan (differentiating through it fails, naming the op)."""
     names = make_plan(INTERPRETER).inputs
@@ -72,7 +81,9 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
                      window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Array] = None,
                      softcap: float = 0.0, sinks: Optional[Array] = None, k_scale: Optional[Array] = None,
                      v_scale: Optional[Array] = None, num_splits: Optional[int] = None,
-                     return_lse: bool = False) -> Array | tuple[Array, Array]:
+                     return_lse: bool = False, cache_leftpad: Optional[Array] = None,
+                     rotary_cos: Optional[Array] = None, rotary_sin: Optional[Array] = None,
+                     rotary_interleaved: bool = False) -> Array | tuple[Array, Array]:
     """Attention of a few query tokens per sequence over a (paged) KV cache, split-KV (Flash-Decoding).
 
     Same arguments, layouts and semantics as :func:`flashbridge.torch_api.decode_attention`: q
@@ -81,7 +92,11 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     int32 ``cache_seqlens`` ``(B,)``; FP8 (``jnp.float8_e4m3fn``) caches with float32 ``k_scale`` /
     ``v_scale`` (per tensor or per kv head), finite and > 0: concrete CPU / numpy scales are checked
     (ValueError), traced or GPU-resident ones are not read (a bad scale there gives a meaningless result).
-    Query i of sequence b sits on key ``cache_seqlens[b] - Sq + i``.
+    Query i of sequence b sits on key ``cache_seqlens[b] - Sq + i``. ``cache_leftpad`` int32 ``(B,)``
+    (contiguous caches): sequence b's tokens are rows ``[cache_leftpad[b], cache_seqlens[b])``, positions
+    counted from the first. ``rotary_cos`` / ``rotary_sin`` ``(S_rot, rotary_dim / 2)`` (and
+    ``rotary_interleaved``): q is rotated as it is read, query i at position ``cache_seqlens[b] -
+    cache_leftpad[b] - Sq + i`` (as flash-attn; without causal or a window all at ``... - Sq``).
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible cached key or value, its ALiBi slope or sink) makes the row's
@@ -110,14 +125,16 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
     """
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
               "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
-              "v_scale": v_scale}
+              "v_scale": v_scale, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     check_arrays(**arrays)
     shape, options, splits = check_decode_args(
         **{n: _info(a) for n, a in arrays.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
+        causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
+        rotary_interleaved=rotary_interleaved)
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
+    _host_leftpad(cache_leftpad, cache_seqlens)
     check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
 
     def make_plan(target):
@@ -196,11 +213,16 @@ def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array
 
 def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, *, cache_seqlens: Array,
                     block_table: Optional[Array] = None, kv_layout: str = "NHD", k_scale: Optional[Array] = None,
-                    v_scale: Optional[Array] = None) -> tuple[Array, Array]:
+                    v_scale: Optional[Array] = None, cache_leftpad: Optional[Array] = None,
+                    rotary_cos: Optional[Array] = None, rotary_sin: Optional[Array] = None,
+                    rotary_interleaved: bool = False) -> tuple[Array, Array]:
     """Return ``(k_cache, v_cache)`` with token s of ``k_new[b]`` written at row ``cache_seqlens[b] + s`` of
     sequence b (lengths before the append). FP8 caches store ``clip(new / scale, -448, 448)`` rounded to
     e4m3 (NaN as e4m3's NaN); the scales must be finite and > 0 (checked when concrete on the CPU). On a GPU
-    the outputs alias the inputs: donate the caches under jit to update them in place.
+    the outputs alias the inputs: donate the caches under jit to update them in place. ``rotary_cos`` /
+    ``rotary_sin`` ``(S_rot, rotary_dim / 2)``: the new keys are rotated as they are written, token s at
+    position ``cache_seqlens[b] - cache_leftpad[b] + s`` (``cache_leftpad`` int32 ``(B,)``, contiguous
+    caches, default 0), rounded to k_new's dtype: as ``rotary_embedding`` then the append.
     See :func:`flashbridge.torch_api.append_kv_cache`.
 
     Example::
@@ -214,12 +236,15 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
         (64.0, 0.0)
     """
     arrays = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
-              "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+              "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale,
+              "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     check_arrays(**arrays)
-    shape = check_append_args(**{n: _info(a) for n, a in arrays.items()}, kv_layout=kv_layout)
+    shape = check_append_args(**{n: _info(a) for n, a in arrays.items()}, kv_layout=kv_layout,
+                              rotary_interleaved=rotary_interleaved)
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
+    _host_leftpad(cache_leftpad, cache_seqlens)
     check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
     # the kernel writes through its k_out / v_out outputs, which take over the caches' buffers
     return _run("append_kv_cache", lambda target: plan_append(shape, target=target), arrays,

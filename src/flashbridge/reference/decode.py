@@ -6,6 +6,10 @@ Decode is a dense softmax over the *gathered* cache: sequence ``b``'s keys are r
 ``j % page_size``) or from the contiguous cache, dequantised (``k * k_scale``), and attended by its ``Sq``
 query tokens with :func:`flashbridge.reference.attention.flash_attention` -- the same score modifiers in the
 same order (scale, softcap, ALiBi, mask), bottom-right aligned: query ``i`` sits on key ``L_b - Sq + i``.
+With ``cache_leftpad`` the keys are rows ``P_b .. L_b - 1`` (``P_b = cache_leftpad[b]``), counted from
+``P_b``; with rotary tables q is rotated by :func:`flashbridge.reference.rotary.rotary_embedding` at positions
+``L_b - P_b - Sq + i`` (all at ``L_b - P_b - Sq`` without causal or a window, as flash-attn), and appended keys
+at ``row - P_b``.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import math
 import numpy as np
 
 from . import attention as attn
+from .rotary import rotary_embedding
 
 FP8_MAX = 448.0
 
@@ -29,16 +34,17 @@ def _scale_per_head(scale, heads):
     return np.broadcast_to(s, (heads,)) if s.size == 1 else s
 
 
-def gather_cache(cache, length: int, b: int, *, block_table=None, kv_layout="NHD", scale=None) -> np.ndarray:
-    """Rows ``0 .. length - 1`` of sequence ``b`` as float64 ``(length, Hkv, D)``, dequantised."""
+def gather_cache(cache, length: int, b: int, *, block_table=None, kv_layout="NHD", scale=None,
+                 start: int = 0) -> np.ndarray:
+    """Rows ``start .. length - 1`` of sequence ``b`` as float64 ``(length - start, Hkv, D)``, dequantised."""
     cache = np.asarray(cache)
     if kv_layout == "HND":
         cache = np.swapaxes(cache, 1, 2)  # -> (pages or batch, rows, heads, D)
     if block_table is None:
-        rows = cache[b, :length]
+        rows = cache[b, start:length]
     else:
         page_size = cache.shape[1]
-        j = np.arange(length)
+        j = np.arange(start, length)
         pages = np.asarray(block_table)[b, j // page_size]
         rows = cache[pages, j % page_size]
     rows = rows.astype(np.float64)
@@ -47,18 +53,26 @@ def gather_cache(cache, length: int, b: int, *, block_table=None, kv_layout="NHD
 
 def decode_attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, kv_layout="NHD", softmax_scale=None,
                      causal=True, window_size=(-1, -1), alibi_slopes=None, softcap=0.0, sinks=None, k_scale=None,
-                     v_scale=None, num_splits=None):
+                     v_scale=None, num_splits=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+                     rotary_interleaved=False):
     """``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq))`` in float64; ``num_splits`` is accepted and ignored."""
     q = _f64(q)
-    batch = q.shape[0]
+    batch, sq = q.shape[:2]
     lengths = [int(x) for x in np.asarray(cache_seqlens)]
+    starts = [0] * batch if cache_leftpad is None else [int(x) for x in np.asarray(cache_leftpad)]
+    if rotary_cos is not None:
+        step = 1 if causal or tuple(window_size) != (-1, -1) else 0
+        pos = np.array([[n - p - sq + step * i for i in range(sq)] for n, p in zip(lengths, starts)])
+        q = rotary_embedding(q, rotary_cos, rotary_sin, interleaved=rotary_interleaved, position_ids=pos)
     slopes = None if alibi_slopes is None else _f64(alibi_slopes)
     dv = np.asarray(v_cache).shape[-1]
     out = np.zeros(q.shape[:-1] + (dv,))
     lse = np.zeros((batch, q.shape[2], q.shape[1]))
     for b in range(batch):
-        k = gather_cache(k_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=k_scale)
-        v = gather_cache(v_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=v_scale)
+        k = gather_cache(k_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=k_scale,
+                         start=starts[b])
+        v = gather_cache(v_cache, lengths[b], b, block_table=block_table, kv_layout=kv_layout, scale=v_scale,
+                         start=starts[b])
         a = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
         o, l_ = attn.flash_attention(q[b:b + 1], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
                                      window_size=window_size, alibi_slopes=a, softcap=softcap, sinks=sinks)
@@ -138,10 +152,19 @@ def quantize_fp8(x, scale=None, heads_axis=-2):
 
 
 def append_kv_cache(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table=None, kv_layout="NHD",
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=False):
     """New caches (copies) with token ``s`` of ``k_new[b]`` written to row ``cache_seqlens[b] + s`` of
-    sequence ``b``; FP8 caches get ``quantize_fp8(new / scale)``, others ``new`` cast to the cache dtype."""
+    sequence ``b``; FP8 caches get ``quantize_fp8(new / scale)``, others ``new`` cast to the cache dtype.
+    With rotary tables ``k_new`` is first rotated (float64) at positions ``cache_seqlens[b] - cache_leftpad[b]
+    + s`` and rounded to its own dtype, as a separate rotation would store it."""
     lengths = [int(x) for x in np.asarray(cache_seqlens)]
+    if rotary_cos is not None:
+        k_arr = np.asarray(k_new)
+        starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in np.asarray(cache_leftpad)]
+        pos = np.array([[n - p + s for s in range(k_arr.shape[1])] for n, p in zip(lengths, starts)])
+        k_new = rotary_embedding(k_arr, rotary_cos, rotary_sin, interleaved=rotary_interleaved,
+                                 position_ids=pos).astype(k_arr.dtype)
     result = []
     for cache, new, scale in ((k_cache, k_new, k_scale), (v_cache, v_new, v_scale)):
         cache = np.array(cache, copy=True)

@@ -239,7 +239,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                     deterministic: bool = True, return_lse: bool = False, block_mask=None, dropout_p: float = 0.0,
-                    seed: Optional[int | Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
+                    seed: Optional[int | Tensor] = None, block_table: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
     """``out = softmax(mods(softmax_scale * q @ k^T)) @ v`` without materialising the scores.
 
     Args:
@@ -274,6 +275,16 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             the generator of the dropout norms): the same seed gives the same mask here, in
             ``flashbridge.jax_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
         seed: a Python int (int32 range) or a one-element integer tensor; required when ``dropout_p > 0``.
+        block_table: int32 ``(B, max_pages)``: k / v are a paged cache ``(num_pages, page_size, Hkv, D)``;
+            key ``j`` of sequence ``b`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``
+            (flash-attn's ``flash_attn_varlen_func(..., block_table=)``: chunked prefill). Needs
+            ``seqused_k``, no ``cu_seqlens_k``; q packed or ``(B, Sq, Hq, Dqk)``. Page sizes: powers of two
+            or multiples of 128. Page indices are clamped to the pool.
+        seqused_k: int32 ``(B,)``: sequence ``b`` uses its first ``seqused_k[b]`` keys (clamped to the
+            cache's capacity); causal and windows align at the bottom-right of (its queries, its used keys).
+            Without ``block_table``: k / v dense ``(B, S_max, Hkv, D)`` (q dense or packed) or packed with
+            ``cu_seqlens_k``. With either argument the call is forward-only (inference): a gradient reaching
+            it raises; ``block_mask`` is not supported.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible key or value, its ALiBi slope or sink) makes the row's ``out``
@@ -295,9 +306,20 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     tensors = {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    check_tensors(tensors, required=("q", "k", "v"))
+    check_tensors({**tensors, "block_table": block_table, "seqused_k": seqused_k}, required=("q", "k", "v"))
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    if block_table is not None or seqused_k is not None:
+        if block_mask is not None:
+            raise ValueError("block_mask: not with block_table / seqused_k (a key cache)")
+        if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+            raise ValueError(f"dropout_p: not with block_table / seqused_k (a forward-only key cache), got {dropout_p!r}")
+        from .attention_cache import cache_attention
+        out, lse = cache_attention(q, k, v, block_table=block_table, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
+                                   sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+        return (out, lse) if return_lse else out
     shape, options = check_attention_args(
         **{n: _info(t) for n, t in tensors.items()}, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)

@@ -13,6 +13,7 @@ give wrong numbers but never an out-of-bounds access.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -22,8 +23,9 @@ from torch import Tensor
 from .._forward_only import no_backward_message
 from ..core_kernels._config import active_config
 from ..core_kernels.decode.plan import (DecodeConfig, DecodeOptions, check_append_args, check_cache_values,
-                                        check_cascade_args, check_decode_args, check_merge_args, check_scale_values,
-                                        check_scales, plan_append, plan_cascade, plan_decode, plan_merge)
+                                        check_cascade_args, check_decode_args, check_leftpad_values,
+                                        check_merge_args, check_rotary, check_scale_values, check_scales,
+                                        plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_tensors
 from ._ops import fused_op, register_forward_only, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
@@ -72,8 +74,18 @@ def _host_scales(**scales: Optional[Tensor]) -> dict:
             if t is not None and t.device.type == "cpu" and underlying(t) is t}
 
 
+def _host_leftpad(cache_leftpad: Optional[Tensor], cache_seqlens: Tensor) -> None:
+    """Check ``0 <= cache_leftpad <= cache_seqlens`` when both are readable for free (CPU, eager)."""
+    if cache_leftpad is None:
+        return
+    values = _host_values(cache_seqlens, cache_leftpad)
+    if values is not None:
+        check_leftpad_values(values[1], values[0])
+
+
 def _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
-             softmax_scale, causal, window_left, window_right, softcap):
+             softmax_scale, causal, window_left, window_right, softcap, cache_leftpad=None, rotary_cos=None,
+             rotary_sin=None, rotary_interleaved=False):
     """Rebuild the validated (shape, options) inside an op from its flat arguments."""
     shape, _, _ = check_decode_args(q=_info(q), k_cache=_info(k_cache), v_cache=_info(v_cache),
                                     cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
@@ -83,7 +95,9 @@ def _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sink
         softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, has_alibi=alibi_slopes is not None,
         alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2, has_sinks=sinks is not None,
-        scale_mode=check_scales(_info(k_scale), _info(v_scale), shape.cache))
+        scale_mode=check_scales(_info(k_scale), _info(v_scale), shape.cache), has_leftpad=cache_leftpad is not None)
+    half, rows = check_rotary(_info(rotary_cos), _info(rotary_sin), rotary_interleaved, shape.head_dim_qk)
+    options = dataclasses.replace(options, rotary_half=half, rotary_interleaved=rotary_interleaved, rotary_rows=rows)
     return shape, options
 
 
@@ -120,11 +134,13 @@ def _decode_attn(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
     kv_layout: str, softmax_scale: float, causal: bool, window_left: Optional[int], window_right: Optional[int],
-    softcap: float, num_splits: Optional[int],
+    softcap: float, num_splits: Optional[int], cache_leftpad: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Returns (out (B, Sq, Hq, Dv) in q's dtype, lse float32 (B, Hq, Sq))."""
     shape, options = _options(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale,
-                              v_scale, kv_layout, softmax_scale, causal, window_left, window_right, softcap)
+                              v_scale, kv_layout, softmax_scale, causal, window_left, window_right, softcap,
+                              cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
     q, k_cache, v_cache = _prepare(q), _prepare(k_cache), _prepare(v_cache)
     plan = _decode_plan(shape, options, target_for(q.device), num_splits, (q.stride(0), q.stride(1), q.stride(2)),
                         _cache_strides(k_cache, kv_layout), _cache_strides(v_cache, kv_layout),
@@ -132,7 +148,7 @@ def _decode_attn(
     _check_pairs_base(plan, {"k_cache": k_cache}, {"v_cache": v_cache})
     given = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
              "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
-             "v_scale": v_scale}
+             "v_scale": v_scale, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     out, lse = execute(plan, {n: given[n] if n in ("q", "k_cache", "v_cache") else given[n].contiguous()
                               for n in plan.inputs})
     return out, lse
@@ -140,7 +156,8 @@ def _decode_attn(
 
 @_decode_attn.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
-      softmax_scale, causal, window_left, window_right, softcap, num_splits):
+      softmax_scale, causal, window_left, window_right, softcap, num_splits, cache_leftpad=None, rotary_cos=None,
+      rotary_sin=None, rotary_interleaved=False):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -211,10 +228,14 @@ register_forward_only(_cascade_attn, "cascade_attention")
 def _append_kv_cache(
     k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, cache_seqlens: Tensor,
     block_table: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor], kv_layout: str,
+    cache_leftpad: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+    rotary_interleaved: bool = False,
 ) -> None:
     shape = check_append_args(k_cache=_info(k_cache), v_cache=_info(v_cache), k_new=_info(k_new),
                               v_new=_info(v_new), cache_seqlens=_info(cache_seqlens), block_table=_info(block_table),
-                              kv_layout=kv_layout, k_scale=_info(k_scale), v_scale=_info(v_scale))
+                              kv_layout=kv_layout, k_scale=_info(k_scale), v_scale=_info(v_scale),
+                              cache_leftpad=_info(cache_leftpad), rotary_cos=_info(rotary_cos),
+                              rotary_sin=_info(rotary_sin), rotary_interleaved=rotary_interleaved)
     interpret = k_cache.device.type == "cpu"
     # The kernel writes through the caches (execute's ``out``): on a GPU the caches themselves, any strides
     # with a contiguous head dim; on the CPU contiguous staging copies (the interpreter's float32 in place
@@ -229,13 +250,15 @@ def _append_kv_cache(
         strides.update(k_cache=_cache_strides(k_cache, kv_layout), v_cache=_cache_strides(v_cache, kv_layout))
     plan = plan_append(shape, target=target_for(k_cache.device), strides=strides)
     given = {"k_new": k_new, "v_new": v_new, "cache_seqlens": cache_seqlens, "block_table": block_table,
-             "k_scale": k_scale, "v_scale": v_scale, "k_cache": k_cache, "v_cache": v_cache}
+             "k_scale": k_scale, "v_scale": v_scale, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos,
+             "rotary_sin": rotary_sin, "k_cache": k_cache, "v_cache": v_cache}
     execute(plan, {n: given[n] if n in ("k_new", "v_new", "k_cache", "v_cache") else given[n].contiguous()
                    for n in plan.inputs}, out={"k_out": k_cache, "v_out": v_cache})
 
 
 @_append_kv_cache.register_fake
-def _(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout):
+def _(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout, cache_leftpad=None,
+      rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
     return None
 
 
@@ -247,7 +270,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
                      window_size: tuple[int, int] = (-1, -1), alibi_slopes: Optional[Tensor] = None,
                      softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
                      v_scale: Optional[Tensor] = None, num_splits: Optional[int] = None,
-                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                     return_lse: bool = False, cache_leftpad: Optional[Tensor] = None,
+                     rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+                     rotary_interleaved: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of a few query tokens per sequence over a KV cache (Flash-Decoding, split-KV):
     ``out[b, i] = softmax(mods(softmax_scale * q[b, i] K_b^T)) V_b`` over the first ``cache_seqlens[b]``
     rows of sequence b's cache.
@@ -278,6 +303,14 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
             and the cache capacity (1 when the batch fills the GPU). A fixed value gives bitwise
             reproducible, batch-invariant results; different values agree to rounding.
         return_lse: also return the float32 log-sum-exp ``(B, Hq, Sq)``.
+        cache_leftpad: int32 ``(B,)``, contiguous caches only: sequence b's tokens are rows
+            ``[cache_leftpad[b], cache_seqlens[b])`` (a left-padded cache, as flash-attn's); causal, window
+            and ALiBi positions count from its first real token.
+        rotary_cos, rotary_sin: ``(S_rot, rotary_dim / 2)`` RoPE tables (as ``rotary_embedding``): q is
+            rotated as the kernel reads it, query i of sequence b at position ``n_b - Sq + i`` with ``n_b =
+            cache_seqlens[b] - cache_leftpad[b]`` (as flash-attn; without causal or a window every query at
+            ``n_b - Sq``). Pair with ``append_kv_cache(..., rotary_cos=, rotary_sin=)``. Head dims <= 256.
+        rotary_interleaved: GPT-J pairs ``(2i, 2i + 1)`` instead of GPT-NeoX halves.
 
     Non-finite values follow IEEE arithmetic, as the float64 reference (``flashbridge.reference``): a NaN in
     anything a row sees (its query, a visible cached key or value, its ALiBi slope or sink) makes the row's
@@ -304,14 +337,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
                "block_table": block_table, "alibi_slopes": alibi_slopes, "sinks": sinks, "k_scale": k_scale,
-               "v_scale": v_scale}
+               "v_scale": v_scale, "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     check_tensors(tensors, ("q", "k_cache", "v_cache", "cache_seqlens"))
     shape, options, splits = check_decode_args(
         **{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits)
+        causal=causal, window_size=window_size, softcap=softcap, num_splits=num_splits,
+        rotary_interleaved=rotary_interleaved)
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache)
+    _host_leftpad(cache_leftpad, cache_seqlens)
     check_scale_values(**_host_scales(k_scale=k_scale, v_scale=v_scale))
     latent = _latent_view(shape, options, q, k_cache, v_cache, k_scale, v_scale, kv_layout)
     if latent is not None:  # MLA: one latent head, the values its first Dv dims
@@ -323,7 +358,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
         out, lse = _decode_attn(
             q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks, k_scale, v_scale, kv_layout,
             float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
-            float(options.softcap), splits)
+            float(options.softcap), splits, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)
     return (out, lse) if return_lse else out
 
 
@@ -335,6 +370,7 @@ def _latent_view(shape, options, q, k_cache, v_cache, k_scale, v_scale, kv_layou
     memory cannot be compared while tracing."""
     if (shape.heads_kv != 1 or shape.heads_q > 128 or not options.causal or options.window_left is not None
             or options.softcap or options.has_alibi or options.has_sinks or k_scale is not v_scale
+            or options.has_leftpad or options.rotary_half
             or torch.compiler.is_compiling()):
         return None
     if (v_cache.dtype != k_cache.dtype or v_cache.data_ptr() != k_cache.data_ptr() or k_cache.stride(-1) != 1
@@ -412,7 +448,9 @@ def cascade_attention(q: Tensor, shared_k: Tensor, shared_v: Tensor, k_cache: Te
 
 def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tensor, *, cache_seqlens: Tensor,
                     block_table: Optional[Tensor] = None, kv_layout: str = "NHD", k_scale: Optional[Tensor] = None,
-                    v_scale: Optional[Tensor] = None) -> None:
+                    v_scale: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                    rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+                    rotary_interleaved: bool = False) -> None:
     """Write new tokens into the cache **in place**: token s of ``k_new[b]`` goes to row
     ``cache_seqlens[b] + s`` of sequence b (through ``block_table`` when paged). ``cache_seqlens`` holds the
     lengths *before* the append; decode afterwards with ``cache_seqlens + S_new``.
@@ -424,6 +462,12 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
         k_scale, v_scale: FP8 only: float32 per tensor ``()``/``(1,)`` or per kv head ``(Hkv,)``, finite and
             > 0 (checked on CPU tensors; on a CUDA device a zero scale stores +-448 or NaN, a negative one
             flips signs). NaN in ``k_new`` / ``v_new`` is stored as e4m3's NaN, +-inf saturates to +-448.
+        rotary_cos, rotary_sin, rotary_interleaved: RoPE tables ``(S_rot, rotary_dim / 2)``: the new keys are
+            rotated as they are written (flash-attn's ``flash_attn_with_kvcache`` rotary step), token s at
+            position ``cache_seqlens[b] - cache_leftpad[b] + s``, rounded to ``k_new``'s dtype first: the same
+            as ``rotary_embedding`` then ``append_kv_cache``. ``v_new`` is not rotated.
+        cache_leftpad: int32 ``(B,)`` (contiguous caches): the first real row of each sequence, for the
+            rotary positions (as in :func:`decode_attention`).
 
     Example::
 
@@ -434,7 +478,8 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
         (64.0, 0.0)
     """
     tensors = {"k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
-               "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+               "cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale,
+               "cache_leftpad": cache_leftpad, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     check_tensors(tensors, ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"))
     if torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
         # a write into a cache records nothing for autograd: the gradient of k_new / v_new would be lost
@@ -446,9 +491,12 @@ def append_kv_cache(k_cache: Tensor, v_cache: Tensor, k_new: Tensor, v_new: Tens
             raise ValueError(f"{name}: its elements share memory (strides {cache.stride()} for shape "
                              f"{tuple(cache.shape)}, e.g. an expand()ed view); append_kv_cache writes into the "
                              "cache, which needs memory of its own (allocate it, or .clone() the view)")
-    shape = check_append_args(**{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout)
+    shape = check_append_args(**{n: _info(t) for n, t in tensors.items()}, kv_layout=kv_layout,
+                              rotary_interleaved=rotary_interleaved)
     values = _host_values(cache_seqlens, block_table)
     if values is not None:
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
+    _host_leftpad(cache_leftpad, cache_seqlens)
     check_scale_values(**_host_scales(k_scale=k_scale, v_scale=v_scale))
-    _append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout)
+    _append_kv_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, kv_layout,
+                     cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved)

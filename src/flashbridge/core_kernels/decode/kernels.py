@@ -18,16 +18,19 @@
 * :func:`merge_states_kernel`: the exact LSE-weighted merge of N partial states (split partials,
   ``merge_attention_states`` and the two halves of cascade attention); sinks join here when the states
   were computed without them.
-* :func:`append_kv_kernel`: writes new K/V tokens into the cache in place (quantising for FP8 caches).
+* :func:`append_kv_kernel`: writes new K/V tokens into the cache in place (quantising for FP8 caches,
+  rotating the keys with RoPE tables: flash-attn's rotary KV-cache step; the decode kernel then rotates its
+  queries as it loads them). Both take the rotation from ``rotary/kernels.py`` (:func:`rotate_tile`).
 
 All score modifiers, the online softmax and the merge step come from ``flash_attn/kernels_common.py``.
 """
 import triton
 import triton.language as tl
 
-from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, fold_values,
-                                         kv_key_range, load_tile, merge_states_block, score_params, softmax_finalize,
-                                         softmax_init, softmax_normaliser)
+from ..rotary.kernels import rotate_tile
+from ..flash_attn.kernels_common import (aligned, aligned_strides, alibi_slope2, block_probs, cache_slots,
+                                         fold_values, kv_key_range, load_tile, merge_states_block, score_params,
+                                         softmax_finalize, softmax_init, softmax_normaliser)
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -35,7 +38,7 @@ FP8_E4M3_MAX = tl.constexpr(448.0)
 # state it through the *_ALIGN constexprs instead, see core_kernels/_plan.py), so that both front-ends
 # compile the same kernel.
 DECODE_INT_SCALARS = (
-    "seqlen_q", "fixed_len", "capacity", "num_pages", "window_left", "window_right",
+    "seqlen_q", "fixed_len", "capacity", "num_pages", "window_left", "window_right", "rot_rows",
     "stride_qb", "stride_qs", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
     "stride_vh", "stride_tb", "stride_ab", "stride_sc", "stride_on", "stride_ob", "stride_os", "stride_oh",
     "stride_ln", "stride_lb", "stride_ls", "stride_lh")
@@ -44,7 +47,7 @@ MERGE_INT_SCALARS = ("n_a", "n_b", "n_rows", "seqlen_q", "heads", "stride_oa", "
 APPEND_INT_SCALARS = (
     "n_new", "capacity", "num_pages", "stride_knb", "stride_kns", "stride_knh", "stride_vnb", "stride_vns",
     "stride_vnh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs", "stride_vh", "stride_tb",
-    "stride_sc")
+    "stride_sc", "rot_rows")
 
 
 # ----------------------------------------------------------------------------------------------- caches
@@ -109,33 +112,6 @@ def f16_query(q):
 
 
 @triton.jit
-def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
-    """(page, slot) int64 of the keys ``offs_k`` [N] (``n_start`` = offs_k[0]) of sequence ``b``.
-
-    Paged: pages come from the block table, clamped to ``[0, num_pages)`` so that a bad table can never
-    address memory outside the cache. When a page holds whole blocks one entry serves the block (a scalar
-    load; ONE_PAGE: the keys are one aligned block inside a page); otherwise each key looks up its own page
-    (table reads masked past the sequence's length).
-    Contiguous: page = sequence, slot = key index.
-    """
-    if PAGED:
-        if ONE_PAGE:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + n_start // PAGE_SIZE)
-        elif CHECK_KEYS:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE, mask=key_ok,
-                           other=0)
-        else:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE)
-        page = tl.cast(tl.minimum(tl.maximum(page, 0), num_pages - 1), tl.int64)
-        slot = tl.cast(offs_k % PAGE_SIZE, tl.int64)
-    else:
-        page = tl.cast(b, tl.int64)
-        slot = tl.cast(offs_k, tl.int64)
-    return page, slot
-
-
-@triton.jit
 def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr,
              CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, K_PAIRS: tl.constexpr,
@@ -171,7 +147,7 @@ def block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK: tl.constexpr
 @triton.jit
 def decode_kv_range(
     acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, blk_lo, blk_hi, tok, row_ok, offs_dqk,
-    offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
+    offs_dv, start, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right, stride_tb,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, DQK_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
@@ -180,7 +156,8 @@ def decode_kv_range(
     POSITIVE_SCALE: tl.constexpr, K_PAIRS: tl.constexpr,
 ):
     """Key blocks ``[blk_lo, blk_hi)`` of one (sequence, kv head): gather K/V rows through the page table,
-    score (shared modifiers) and fold into the running softmax. Without APPLY_MASK every key of every
+    score (shared modifiers) and fold into the running softmax. Key ``j`` is cache row ``start + j`` (a
+    left-padded contiguous cache; 0 otherwise). Without APPLY_MASK every key of every
     block is inside the sequence and visible from every row. V_PAIRS:
     ``acc`` / ``acc_odd`` accumulate V's even / odd columns (:func:`load_e4m3_pairs`); otherwise ``acc_odd``
     is unused. K_PAIRS: q / ``q_odd`` are q's even / odd columns (see :func:`block_qk`)."""
@@ -190,8 +167,8 @@ def decode_kv_range(
         n_start = blk * BLOCK_N
         offs_k = n_start + offs_n  # [N]
         key_ok = offs_k < length
-        page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED,
-                                 PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
+        page, slot = cache_slots(BLOCK_TABLE, b, n_start + start, offs_k + start, key_ok, stride_tb, num_pages,
+                                 PAGED, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, APPLY_MASK)
         K_row = K + (page * stride_kp + slot * stride_ks + kh64 * stride_kh)  # [N]
         V_row = V + (page * stride_vp + slot * stride_vs + kh64 * stride_vh)
         qk = block_qk(q, q_odd, Q_row, K_row, row_ok, key_ok, offs_dqk, DQK, BLOCK_M, BLOCK_N, BLOCK_DQK,
@@ -217,8 +194,8 @@ def decode_kv_range(
 
 @triton.jit(do_not_specialize_on_alignment=DECODE_INT_SCALARS)
 def decode_fwd_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE,  # inputs (absent ones: placeholders)
-    seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right,
+    Q, K, V, SEQLENS, BLOCK_TABLE, SLOPES, SINKS, K_SCALE, V_SCALE, LEFTPAD, COS, SIN,  # absent: placeholders
+    seqlen_q, fixed_len, capacity, num_pages, sm_scale, softcap, window_left, window_right, rot_rows,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_tb, stride_ab, stride_sc,
     stride_on, stride_ob, stride_os, stride_oh, stride_ln, stride_lb, stride_ls, stride_lh,  # runtime scalars
@@ -228,14 +205,22 @@ def decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QO_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, V_PAIRS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, K_PAIRS: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, POSITIVE_SCALE: tl.constexpr, K_PAIRS: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    ROT_HALF: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_STEP: tl.constexpr, ROT_BF16: tl.constexpr,
 ):
     """Grid ``(num_splits, Hkv * cdiv(seqlen_q * GROUP, BLOCK_M), batch)``.
 
     Sequence ``b`` has ``SEQLENS[b]`` keys (clamped to ``[0, capacity]``), or ``fixed_len`` without
     SEQLENS; query token ``i`` sits on key ``i + length - seqlen_q`` (causal / window as in
-    kernels_common). Writes ``O[split, b, i, h, :]`` and ``LSE[split, b, i, h]`` through the given strides
-    (split strides 0 when the kernel writes the final result). Strides are multiples of QO_ALIGN (q, out),
+    kernels_common). HAS_LEFTPAD (contiguous caches): the keys are rows ``[LEFTPAD[b], SEQLENS[b])``, counted
+    from the first of them, so masks, ALiBi and split boundaries see only the real tokens (flash-attn's
+    ``cache_leftpad``). ROT_HALF > 0: q is rotated as it is loaded (RoPE over its first ``2 * ROT_HALF``
+    dims, tables COS / SIN ``(rot_rows, ROT_HALF)``), query token ``i`` at position
+    ``length - seqlen_q + ROT_STEP * i`` (ROT_STEP 0: every query at the first new token's position, as
+    flash-attn does without causal / window), then rounded to q's dtype as a separate rotation would
+    (ROT_BF16: bfloat16 queries, which the interpreter holds as float32). Writes ``O[split, b, i, h, :]``
+    and ``LSE[split, b, i, h]`` through the given strides (split strides 0 when the kernel writes the final
+    result). Strides are multiples of QO_ALIGN (q, out),
     KV_ALIGN (caches) and LSE_ALIGN (lse) elements: see ``aligned`` in kernels_common.
     """
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, QO_ALIGN)
@@ -260,6 +245,11 @@ def decode_fwd_kernel(
         length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
     else:
         length = fixed_len + b * 0
+    if HAS_LEFTPAD:
+        start = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), length)
+        length = length - start
+    else:
+        start = 0
     diag = length - seqlen_q
 
     # Visible key blocks of this row block, split evenly (sizes differ by at most one block).
@@ -275,6 +265,9 @@ def decode_fwd_kernel(
     Q_row = Q + (tl.cast(b, tl.int64) * stride_qb + tl.cast(tok, tl.int64) * stride_qs + h * stride_qh)  # [M]
     if DQK_CHUNKS == 1:
         q = load_tile(Q_row[:, None] + offs_dqk[None, :], row_ok, offs_dqk < DQK, True, BLOCK_DQK != DQK)
+        if ROT_HALF > 0:
+            q = rotate_tile(q.to(tl.float32), Q_row, row_ok, offs_dqk, COS, SIN, diag + ROT_STEP * tok, rot_rows,
+                            ROT_HALF, ROT_INTERLEAVED, ROT_BF16).to(Q.dtype.element_ty)
     else:
         q = Q  # unused: block_qk reloads q chunk by chunk
 
@@ -310,7 +303,7 @@ def decode_fwd_kernel(
         if seg == 1 or seg_lo < seg_hi:  # `seg == 1` is a constexpr: the middle segment has no branch
             acc, acc_odd, m_i, l_i = decode_kv_range(
                 acc, acc_odd, m_i, l_i, q, q_odd, Q, Q_row, K, V, BLOCK_TABLE, b, kh, seg_lo, seg_hi, tok, row_ok,
-                offs_dqk, offs_dv, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right,
+                offs_dqk, offs_dv, start, length, num_pages, qk_scale, cap2, slope2, diag, window_left, window_right,
                 stride_tb, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, DQK, DV, BLOCK_M,
                 BLOCK_N, BLOCK_DQK, DQK_CHUNKS, BLOCK_DV, PAGED, PAGE_SIZE, seg != 1, HAS_LOCAL, HAS_SOFTCAP,
                 HAS_ALIBI, DOT_PRECISION, V_PAIRS, WIDEN_ASM, POSITIVE_SCALE, K_PAIRS)
@@ -422,12 +415,19 @@ def e4m3_bits(x):
 
 
 @triton.jit
-def append_tile(NEW_row, OUT_row, SCALE, kh, ok, stride_sc, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                FP8: tl.constexpr, HAS_SCALES: tl.constexpr):
-    """Copy one [S, D] tile of new tokens into the cache rows ``OUT_row`` [S] (quantised for FP8)."""
+def append_tile(NEW_row, OUT_row, SCALE, kh, ok, stride_sc, COS, SIN, rot_pos, rot_rows, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, FP8: tl.constexpr, HAS_SCALES: tl.constexpr, ROT_HALF: tl.constexpr,
+                ROT_INTERLEAVED: tl.constexpr, ROT_BF16: tl.constexpr):
+    """Copy one [S, D] tile of new tokens into the cache rows ``OUT_row`` [S] (quantised for FP8).
+    ROT_HALF > 0: rotated first (RoPE at positions ``rot_pos`` [S]), rounded to the new tokens' dtype as a
+    separate rotation would have stored them (ROT_BF16: bfloat16 tokens, float32 in the interpreter)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = ok[:, None] & (offs_d < D)[None, :]
     x = tl.load(NEW_row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROT_HALF > 0:
+        x = rotate_tile(x, NEW_row, ok, offs_d, COS, SIN, rot_pos, rot_rows, ROT_HALF, ROT_INTERLEAVED, ROT_BF16)
+        if not ROT_BF16:
+            x = x.to(NEW_row.dtype.element_ty).to(tl.float32)
     if FP8:
         if HAS_SCALES:
             # IEEE division (Triton's plain fp32 '/' is approximate on NVIDIA): the same bits as torch / numpy
@@ -440,18 +440,21 @@ def append_tile(NEW_row, OUT_row, SCALE, kh, ok, stride_sc, D: tl.constexpr, BLO
 
 @triton.jit(do_not_specialize_on_alignment=APPEND_INT_SCALARS)
 def append_kv_kernel(
-    K_NEW, V_NEW, SEQLENS, BLOCK_TABLE, K_SCALE, V_SCALE, K_IN, V_IN,  # inputs; K_IN/V_IN: the caches
+    K_NEW, V_NEW, SEQLENS, BLOCK_TABLE, K_SCALE, V_SCALE, LEFTPAD, COS, SIN, K_IN, V_IN,  # K_IN/V_IN: caches
     n_new, capacity, num_pages, stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb, stride_sc,  # runtime scalars
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb, stride_sc, rot_rows,  # scalars
     K_OUT, V_OUT,  # the caches again (torch: the same tensors; jax-triton: outputs aliased to K_IN / V_IN)
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, HAS_SCALES: tl.constexpr,
-    NEW_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr,
+    NEW_ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, HAS_LEFTPAD: tl.constexpr, ROT_HALF: tl.constexpr,
+    ROT_INTERLEAVED: tl.constexpr, ROT_BF16: tl.constexpr,
 ):
     """Token ``s`` of ``k_new[b]`` goes to cache row ``SEQLENS[b] + s`` of sequence ``b`` (through the page
-    table when paged). Rows at or past ``capacity`` are dropped (the front-ends reject such calls; this is
-    the second line). Grid ``(cdiv(n_new, BLOCK_S), Hkv, batch)``; only new rows are touched. Strides are
-    multiples of NEW_ALIGN (k_new, v_new) and KV_ALIGN (caches) elements."""
+    table when paged). ROT_HALF > 0: the keys are rotated as they are written (flash-attn's rotary KV-cache
+    step), each at its row's position counted from the first real token (``row - LEFTPAD[b]``). Rows at or
+    past ``capacity`` are dropped (the front-ends reject such calls; this is the second line). Grid
+    ``(cdiv(n_new, BLOCK_S), Hkv, batch)``; only new rows are touched. Strides are multiples of NEW_ALIGN
+    (k_new, v_new) and KV_ALIGN (caches) elements."""
     stride_knb, stride_kns, stride_knh = aligned_strides(stride_knb, stride_kns, stride_knh, NEW_ALIGN)
     stride_vnb, stride_vns, stride_vnh = aligned_strides(stride_vnb, stride_vns, stride_vnh, NEW_ALIGN)
     stride_kp, stride_ks, stride_kh = aligned_strides(stride_kp, stride_ks, stride_kh, KV_ALIGN)
@@ -463,12 +466,16 @@ def append_kv_kernel(
     pos = start + offs_s
     ok = (offs_s < n_new) & (pos < capacity)
     page, slot = cache_slots(BLOCK_TABLE, b, 0, pos, ok, stride_tb, num_pages, PAGED, PAGE_SIZE, False, True)
+    if HAS_LEFTPAD:
+        rot_pos = pos - tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), start)
+    else:
+        rot_pos = pos
     b64 = tl.cast(b, tl.int64)
     kh64 = tl.cast(kh, tl.int64)
     s64 = tl.cast(offs_s, tl.int64)
     append_tile(K_NEW + (b64 * stride_knb + s64 * stride_kns + kh64 * stride_knh),
-                K_OUT + (page * stride_kp + slot * stride_ks + kh64 * stride_kh), K_SCALE, kh, ok, stride_sc,
-                DQK, BLOCK_DQK, FP8, HAS_SCALES)
+                K_OUT + (page * stride_kp + slot * stride_ks + kh64 * stride_kh), K_SCALE, kh, ok, stride_sc, COS, SIN,
+                rot_pos, rot_rows, DQK, BLOCK_DQK, FP8, HAS_SCALES, ROT_HALF, ROT_INTERLEAVED, ROT_BF16)
     append_tile(V_NEW + (b64 * stride_vnb + s64 * stride_vns + kh64 * stride_vnh),
-                V_OUT + (page * stride_vp + slot * stride_vs + kh64 * stride_vh), V_SCALE, kh, ok, stride_sc,
-                DV, BLOCK_DV, FP8, HAS_SCALES)
+                V_OUT + (page * stride_vp + slot * stride_vs + kh64 * stride_vh), V_SCALE, kh, ok, stride_sc, COS, SIN,
+                rot_pos, rot_rows, DV, BLOCK_DV, FP8, HAS_SCALES, 0, False, False)

@@ -153,6 +153,10 @@ class DecodeOptions:
     alibi_batched: bool  # slopes (B, Hq) rather than (Hq,)
     has_sinks: bool
     scale_mode: str  # "none", "tensor" (one scale) or "head" (one per kv head)
+    has_leftpad: bool = False  # cache_leftpad: sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b])
+    rotary_half: int = 0  # rotary_dim / 2 of the queries' RoPE (0: none)
+    rotary_interleaved: bool = False
+    rotary_rows: int = 0  # rows of the cos / sin tables
 
     @property
     def has_local(self) -> bool:
@@ -270,6 +274,56 @@ def _check_seqlens(cache_seqlens: TensorInfo, batch: int) -> None:
                          f"{fmt_shape(cache_seqlens[0])}")
 
 
+def check_leftpad(cache_leftpad: Optional[TensorInfo], block_table: Optional[TensorInfo], batch: int) -> bool:
+    """``cache_leftpad``: int32 ``(B,)``, contiguous caches only (flash-attn refuses it with a block table
+    too: a paged cache has no padding to skip)."""
+    if cache_leftpad is None:
+        return False
+    _check_int32("cache_leftpad", cache_leftpad)
+    if tuple(cache_leftpad[0]) != (batch,):
+        raise ValueError(f"cache_leftpad: expected shape ({batch},) (one offset per sequence), got "
+                         f"{fmt_shape(cache_leftpad[0])}")
+    if block_table is not None:
+        raise ValueError("cache_leftpad: not supported with a paged cache (block_table); left padding is for "
+                         "contiguous caches (as in flash-attn)")
+    return True
+
+
+def check_leftpad_values(cache_leftpad, cache_seqlens) -> None:
+    """Host values: ``0 <= cache_leftpad[b] <= cache_seqlens[b]``."""
+    for b, (pad, length) in enumerate(zip(cache_leftpad, cache_seqlens)):
+        if not 0 <= int(pad) <= int(length):
+            raise ValueError(f"cache_leftpad: sequence {b} starts at row {int(pad)}, outside [0, cache_seqlens[b] "
+                             f"= {int(length)}]")
+
+
+def check_rotary(rotary_cos: Optional[TensorInfo], rotary_sin: Optional[TensorInfo], rotary_interleaved,
+                 head_dim: int, what: str = "q") -> tuple[int, int]:
+    """RoPE tables of the KV-cache step, as the rotary family takes them: ``rotary_cos`` / ``rotary_sin``
+    ``(S_rot, rotary_dim / 2)`` in a float dtype, ``rotary_dim <= head_dim`` (the dims past it pass
+    through). Returns ``(rotary_dim / 2, S_rot)``, ``(0, 0)`` without tables."""
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved: expected a bool, got {type(rotary_interleaved).__name__}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: give both (RoPE tables) or neither")
+    if rotary_cos is None:
+        return 0, 0
+    for name, info in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        check_float_dtype(name, info[1])
+        if len(info[0]) != 2 or any(d < 1 for d in info[0]):
+            raise ValueError(f"{name}: expected 2 non-empty dimensions (S_rot, rotary_dim / 2), got "
+                             f"{fmt_shape(info[0])}")
+    if tuple(rotary_cos[0]) != tuple(rotary_sin[0]):
+        raise ValueError(f"rotary_cos, rotary_sin: must have one shape, got {fmt_shape(rotary_cos[0])} and "
+                         f"{fmt_shape(rotary_sin[0])}")
+    rows, half = rotary_cos[0]
+    if 2 * half > head_dim:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 * {half} exceeds the head dim of {what} ({head_dim})")
+    if head_dim > 256:
+        raise ValueError(f"rotary_cos: RoPE inside the KV-cache step supports head dims up to 256, got {head_dim}")
+    return half, rows
+
+
 def check_num_splits(num_splits) -> Optional[int]:
     if num_splits is None:
         return None
@@ -309,6 +363,8 @@ def check_decode_args(
     block_table: Optional[TensorInfo] = None, kv_layout: str = "NHD", alibi_slopes: Optional[TensorInfo] = None,
     sinks: Optional[TensorInfo] = None, k_scale: Optional[TensorInfo] = None, v_scale: Optional[TensorInfo] = None,
     softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=None,
+    cache_leftpad: Optional[TensorInfo] = None, rotary_cos: Optional[TensorInfo] = None,
+    rotary_sin: Optional[TensorInfo] = None, rotary_interleaved=False,
 ) -> tuple[DecodeShape, DecodeOptions, Optional[int]]:
     """Validate a decode_attention call from (shape, dtype-name) pairs, before any launch. Returns the shape,
     the options and ``num_splits`` (None = automatic, see :func:`choose_num_splits`). Values inside
@@ -333,9 +389,11 @@ def check_decode_args(
                              f"got {fmt_shape(ashape)}")
     _check_sinks(sinks, hq)
     splits = check_num_splits(num_splits)
+    has_leftpad = check_leftpad(cache_leftpad, block_table, batch)
+    half, rot_rows = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dqk)
     shape = DecodeShape(batch, sq, hq, dqk, cache.head_dim_v, q[1], cache)
     options = DecodeOptions(scale, causal, left, right, cap, alibi_slopes is not None, alibi_batched,
-                            sinks is not None, scale_mode)
+                            sinks is not None, scale_mode, has_leftpad, half, rotary_interleaved, rot_rows)
     return shape, options, splits
 
 
@@ -420,12 +478,18 @@ class AppendShape:
     cache: CacheShape
     new_dtype: str
     scale_mode: str
+    has_leftpad: bool = False
+    rotary_half: int = 0  # rotary_dim / 2 of the new keys' RoPE (0: none)
+    rotary_interleaved: bool = False
+    rotary_rows: int = 0
 
 
 def check_append_args(*, k_cache: TensorInfo, v_cache: TensorInfo, k_new: TensorInfo, v_new: TensorInfo,
                       cache_seqlens: Optional[TensorInfo], block_table: Optional[TensorInfo] = None,
                       kv_layout: str = "NHD", k_scale: Optional[TensorInfo] = None,
-                      v_scale: Optional[TensorInfo] = None) -> AppendShape:
+                      v_scale: Optional[TensorInfo] = None, cache_leftpad: Optional[TensorInfo] = None,
+                      rotary_cos: Optional[TensorInfo] = None, rotary_sin: Optional[TensorInfo] = None,
+                      rotary_interleaved=False) -> AppendShape:
     """Validate append_kv_cache: ``k_new`` ``(B, S_new, Hkv, Dqk)``, ``v_new`` ``(B, S_new, Hkv, Dv)`` in a
     float dtype (the cache's, or any float dtype for an FP8 cache, which quantises)."""
     for name, info in (("k_new", k_new), ("v_new", v_new)):
@@ -448,7 +512,9 @@ def check_append_args(*, k_cache: TensorInfo, v_cache: TensorInfo, k_new: Tensor
                          f"{cache.head_dim_v} (like the cache), got {fmt_shape(kn)} and {fmt_shape(vn)}")
     _check_seqlens(cache_seqlens, batch)
     scale_mode = check_scales(k_scale, v_scale, cache)
-    return AppendShape(batch, kn[1], cache, k_new[1], scale_mode)
+    has_leftpad = check_leftpad(cache_leftpad, block_table, batch)
+    half, rot_rows = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, cache.head_dim_k, "k_new")
+    return AppendShape(batch, kn[1], cache, k_new[1], scale_mode, has_leftpad, half, rotary_interleaved, rot_rows)
 
 
 # ------------------------------------------------------------------------------------------------- tiles
@@ -661,6 +727,7 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
         scalars=(("seqlen_q", seqlen_q), ("fixed_len", fixed_len), ("capacity", cache.capacity),
                  ("num_pages", cache.num_pages), ("sm_scale", float(options.softmax_scale)),
                  ("softcap", float(options.softcap)), ("window_left", left), ("window_right", right),
+                 ("rot_rows", max(options.rotary_rows, 1)),
                  *((f"stride_q{d}", int(s)) for d, s in zip("bsh", q_strides)),
                  *((f"stride_k{d}", int(s)) for d, s in zip("psh", k_strides)),
                  *((f"stride_v{d}", int(s)) for d, s in zip("psh", v_strides)),
@@ -680,7 +747,12 @@ def _decode_launch(*, inputs, outputs, grid, seqlen_q, fixed_len, cache: CacheSh
                     ("QO_ALIGN", pow2_divisor(*qo)), ("KV_ALIGN", pow2_divisor(*kv)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)), ("V_PAIRS", v_pairs),
                     ("WIDEN_ASM", (v_pairs or k_pairs) and not target.interpret),
-                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("K_PAIRS", k_pairs)),
+                    ("POSITIVE_SCALE", options.softmax_scale > 0), ("K_PAIRS", k_pairs),
+                    ("HAS_LEFTPAD", options.has_leftpad), ("ROT_HALF", options.rotary_half),
+                    ("ROT_INTERLEAVED", options.rotary_interleaved),
+                    # flash-attn: without causal or a window every query sits at the first new token's position
+                    ("ROT_STEP", int(options.causal or options.has_local)),
+                    ("ROT_BF16", options.rotary_half > 0 and dtype == "bfloat16")),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -734,7 +806,8 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                 strides: Optional[dict[str, tuple[int, int, int]]] = None,
                 config: Optional[DecodeConfig] = None) -> Plan:
     """Plan inputs: q, k_cache, v_cache, cache_seqlens, [block_table], [alibi_slopes], [sinks], [k_scale,
-    v_scale]. ``strides``: "q" -> (batch, token, head), "k_cache" / "v_cache" -> (page, slot, head) element
+    v_scale], [cache_leftpad], [rotary_cos, rotary_sin].
+    ``strides``: "q" -> (batch, token, head), "k_cache" / "v_cache" -> (page, slot, head) element
     strides (default: contiguous). Results: out (q's dtype, ``shape.out_shape``), lse (float32, (B, Hq, Sq))."""
     strides = strides or {}
     config = config or active_config(DecodeConfig)
@@ -745,7 +818,9 @@ def plan_decode(shape: DecodeShape, options: DecodeOptions, *, target: Target, n
                          batch_heads=shape.batch * shape.heads_kv, span=_span(shape, options))
     present = {"q": True, "k_cache": True, "v_cache": True, "cache_seqlens": True, "block_table": cache.paged,
                "alibi_slopes": options.has_alibi, "sinks": options.has_sinks,
-               "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none"}
+               "k_scale": options.scale_mode != "none", "v_scale": options.scale_mode != "none",
+               "cache_leftpad": options.has_leftpad, "rotary_cos": options.rotary_half > 0,
+               "rotary_sin": options.rotary_half > 0}
     kernel_inputs = tuple(n if present[n] else "q" for n in present)
     common = dict(grid=(splits, shape.heads_kv * cdiv(rows, tiles.block_m), shape.batch), seqlen_q=shape.seqlen_q,
                   fixed_len=0, cache=cache, options=options, target=target,
@@ -839,7 +914,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     oa, la = _partial_strides(1, b * sq, hq, dv)
     shared_launch = _decode_launch(
         **{**common, "cache": shared}, inputs=("q", "shared_k", "shared_v", "q", "q", "q", "q", name("k_scale"),
-                                                name("v_scale")),
+                                                name("v_scale"), "q", "q", "q"),
         outputs=("shared_out", "shared_lse"), grid=(splits_a, shape.heads_kv * cdiv(rows_a, tiles_a.block_m), 1),
         seqlen_q=b * sq, fixed_len=shared_len, options=plain, q_strides=(0, q_strides[1], q_strides[2]),
         k_strides=shared.strides(shape.head_dim_qk), v_strides=shared.strides(dv), out_strides=oa,
@@ -853,7 +928,7 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
     ob, lb = _partial_strides(b, sq, hq, dv)
     own_launch = _decode_launch(
         **{**common, "cache": cache}, inputs=("q", "k_cache", "v_cache", "cache_seqlens", name("block_table"),
-                                               "q", "q", name("k_scale"), name("v_scale")),
+                                               "q", "q", name("k_scale"), name("v_scale"), "q", "q", "q"),
         outputs=("own_out", "own_lse"), grid=(splits_b, shape.heads_kv * cdiv(rows_b, tiles_b.block_m), b),
         seqlen_q=sq, fixed_len=0, options=dataclasses.replace(plain, causal=options.causal,
                                                               window_right=0 if options.causal else None),
@@ -874,15 +949,17 @@ def plan_cascade(shape: DecodeShape, shared_len: int, options: DecodeOptions, *,
 
 def plan_append(shape: AppendShape, *, target: Target,
                 strides: Optional[dict[str, tuple[int, int, int]]] = None) -> Plan:
-    """Plan inputs: k_new, v_new, cache_seqlens, [block_table], [k_scale, v_scale], k_cache, v_cache.
+    """Plan inputs: k_new, v_new, cache_seqlens, [block_table], [k_scale, v_scale], [cache_leftpad],
+    [rotary_cos, rotary_sin], k_cache, v_cache.
     Results: k_out, v_out -- the caches themselves, updated: run it with ``k_out`` / ``v_out`` bound to the
     cache buffers (see the module docstring). ``strides``: "k_new"/"v_new" -> (batch, token, head),
     "k_cache"/"v_cache" -> (page, slot, head)."""
     strides = strides or {}
     cache = shape.cache
     present = {"k_new": True, "v_new": True, "cache_seqlens": True, "block_table": cache.paged,
-               "k_scale": shape.scale_mode != "none", "v_scale": shape.scale_mode != "none", "k_cache": True,
-               "v_cache": True}
+               "k_scale": shape.scale_mode != "none", "v_scale": shape.scale_mode != "none",
+               "cache_leftpad": shape.has_leftpad, "rotary_cos": shape.rotary_half > 0,
+               "rotary_sin": shape.rotary_half > 0, "k_cache": True, "v_cache": True}
     kn = strides.get("k_new") or contiguous_q_strides((shape.batch, shape.new_tokens, cache.heads, cache.head_dim_k))
     vn = strides.get("v_new") or contiguous_q_strides((shape.batch, shape.new_tokens, cache.heads, cache.head_dim_v))
     ks = strides.get("k_cache") or cache.strides(cache.head_dim_k)
@@ -899,13 +976,16 @@ def plan_append(shape: AppendShape, *, target: Target,
                  *((f"stride_k{d}", int(s)) for d, s in zip("psh", ks)),
                  *((f"stride_v{d}", int(s)) for d, s in zip("psh", vs)),
                  ("stride_tb", cache.max_pages if cache.paged else 0),
-                 ("stride_sc", 1 if shape.scale_mode == "head" else 0)),
+                 ("stride_sc", 1 if shape.scale_mode == "head" else 0), ("rot_rows", max(shape.rotary_rows, 1))),
         outputs=("k_out", "v_out"),
         constexprs=(("DQK", cache.head_dim_k), ("DV", cache.head_dim_v), ("BLOCK_S", block_s),
                     ("BLOCK_DQK", _pad(cache.head_dim_k)), ("BLOCK_DV", _pad(cache.head_dim_v)),
                     ("PAGED", cache.paged), ("PAGE_SIZE", cache.page_size if cache.paged else 1),
                     ("FP8", cache.fp8), ("HAS_SCALES", shape.scale_mode != "none"),
-                    ("NEW_ALIGN", pow2_divisor(*kn, *vn)), ("KV_ALIGN", pow2_divisor(*ks, *vs))),
+                    ("NEW_ALIGN", pow2_divisor(*kn, *vn)), ("KV_ALIGN", pow2_divisor(*ks, *vs)),
+                    ("HAS_LEFTPAD", shape.has_leftpad), ("ROT_HALF", shape.rotary_half),
+                    ("ROT_INTERLEAVED", shape.rotary_interleaved),
+                    ("ROT_BF16", shape.rotary_half > 0 and shape.new_dtype == "bfloat16")),
         num_warps=4,
         num_stages=1,
     )

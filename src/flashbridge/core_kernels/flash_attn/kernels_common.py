@@ -248,6 +248,34 @@ def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGED: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
+    """(page, slot) int64 of the keys ``offs_k`` [N] (``n_start`` = offs_k[0]) of sequence ``b``.
+
+    Paged: pages come from the block table, clamped to ``[0, num_pages)`` so that a bad table can never
+    address memory outside the cache. When a page holds whole blocks one entry serves the block (a scalar
+    load; ONE_PAGE: the keys are one aligned block inside a page); otherwise each key looks up its own page
+    (table reads masked past the sequence's length).
+    Contiguous: page = sequence, slot = key index. Shared by the decode kernel and the attention forward's
+    paged caches (:func:`fwd_kv_block`).
+    """
+    if PAGED:
+        if ONE_PAGE:
+            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + n_start // PAGE_SIZE)
+        elif CHECK_KEYS:
+            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE, mask=key_ok,
+                           other=0)
+        else:
+            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE)
+        page = tl.cast(tl.minimum(tl.maximum(page, 0), num_pages - 1), tl.int64)
+        slot = tl.cast(offs_k % PAGE_SIZE, tl.int64)
+    else:
+        page = tl.cast(b, tl.int64)
+        slot = tl.cast(offs_k, tl.int64)
+    return page, slot
+
+
+@triton.jit
 def load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load a [R, C] tile, masking rows and/or columns only when the caller cannot rule them out (masks cost
     instructions in the inner loop). ``rows_ok`` [R], ``cols_ok`` [C]; masked elements read 0."""
@@ -626,20 +654,30 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None,
-                 drop=None, b=0, h=0):
+                 drop=None, b=0, h=0, pages=None, PAGE_SIZE: tl.constexpr = 0, ONE_PAGE: tl.constexpr = False):
     """One KV block of the forward: load K, V rows ``n_start + offs_n``, score, fold into (acc, m_i, l_i).
 
     ``K_base`` / ``V_base`` point at key row 0 of this (sequence, kv head); ``offs_n`` is ``arange(BLOCK_N)``.
     Without APPLY_MASK the caller guarantees every key of the block is visible from every row; with it,
     ``elem_ok`` [M, N] (block-sparse masks) replaces :func:`visible`.
+
+    PAGE_SIZE > 0 (a paged cache): ``K_base`` / ``V_base`` point at the kv head of page 0 and ``pages`` is
+    (BLOCK_TABLE, b, stride_tb, num_pages, stride_kp, stride_vp); key ``j`` lives at slot ``j % PAGE_SIZE`` of
+    page ``BLOCK_TABLE[b, j // PAGE_SIZE]`` (:func:`cache_slots`: one table entry per block with ONE_PAGE,
+    the block inside one page; one per key otherwise).
     """
     offs_k = n_start + offs_n  # [N]
-    k_off = tl.cast(n_start, tl.int64) * stride_ks
-    v_off = tl.cast(n_start, tl.int64) * stride_vs
-    k = load_tile(K_base + k_off + offs_n[:, None] * stride_ks + offs_dqk[None, :], offs_k < seqlen_k,
-                  offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [N, Dqk]
-    v = load_tile(V_base + v_off + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_k < seqlen_k,
-                  offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
+    if PAGE_SIZE > 0:
+        BLOCK_TABLE, b, stride_tb, num_pages, stride_kp, stride_vp = pages
+        page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, offs_k < seqlen_k, stride_tb, num_pages, True,
+                                 PAGE_SIZE, ONE_PAGE, APPLY_MASK)
+        k_ptrs = K_base + (page * stride_kp + slot * stride_ks)[:, None] + offs_dqk[None, :]
+        v_ptrs = V_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_dv[None, :]
+    else:
+        k_ptrs = K_base + tl.cast(n_start, tl.int64) * stride_ks + offs_n[:, None] * stride_ks + offs_dqk[None, :]
+        v_ptrs = V_base + tl.cast(n_start, tl.int64) * stride_vs + offs_n[:, None] * stride_vs + offs_dv[None, :]
+    k = load_tile(k_ptrs, offs_k < seqlen_k, offs_dqk < DQK, APPLY_MASK, BLOCK_DQK != DQK)  # [N, Dqk]
+    v = load_tile(v_ptrs, offs_k < seqlen_k, offs_dv < DV, APPLY_MASK, BLOCK_DV != DV)  # [N, Dv]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
     return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
                         seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
@@ -652,8 +690,10 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, b=0, h=0):
-    """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order.
+                 MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, b=0, h=0, pages=None,
+                 PAGE_SIZE: tl.constexpr = 0):
+    """The dense iteration strategy: KV blocks ``[blk_lo, blk_hi)`` in order (a paged cache: see
+    :func:`fwd_kv_block`'s ``pages`` / PAGE_SIZE).
 
     MASKED_STAGES > 0: a masked segment (the causal diagonal, window edges, a ragged tail: a few blocks)
     runs with that pipelining depth instead of the kernel's: its staged buffers otherwise add registers to
@@ -666,14 +706,14 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, b, h)
+                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
     else:
         for blk in range(blk_lo, blk_hi):
             acc, m_i, l_i = fwd_kv_block(
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, b, h)
+                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
     return acc, m_i, l_i
 
 

@@ -14,6 +14,12 @@ covers when the offsets are invalid (see :func:`fill_uncovered_rows`; they retur
 BLOCK_SPARSE (a flashbridge.masks.BlockMask): the same program walks the key blocks its query block lists
 instead -- the full ones without mask arithmetic, then the partial ones through the mask's element test
 (see :func:`fwd_kv_list`). The plan picks tiles that divide the mask's blocks.
+
+Key caches (forward only): PAGE_SIZE > 0 reads K / V ``(num_pages, PAGE_SIZE, Hkv, D)`` through
+``BLOCK_TABLE`` ``(B, max_pages)`` (``seqlen_k`` = the table's capacity, ``stride_k/vb`` the page strides);
+KV_BATCHED reads a ``(B, S_max, Hkv, D)`` cache beside packed queries; HAS_SEQUSED bounds each sequence's keys
+by ``SEQUSED_K[b]`` (clamped to ``[0, seqlen_k]``), so rows past it are never read. Causal and windows align
+at the bottom-right of (the sequence's queries, its used keys).
 """
 import triton
 import triton.language as tl
@@ -29,7 +35,7 @@ FWD_INT_SCALARS = (
     "seqlen_q", "seqlen_k", "total_q", "total_k", "window_left", "window_right",
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
     "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh", "stride_ab",
-    "mask_stride_b", "mask_stride_h", "mask_max", "tok_stride_b")
+    "mask_stride_b", "mask_stride_h", "mask_max", "tok_stride_b", "table_stride", "num_pages")
 
 
 @triton.jit(do_not_specialize_on_alignment=FWD_INT_SCALARS)
@@ -37,10 +43,11 @@ def attn_fwd_kernel(
     Q, K, V, SLOPES, SINKS, CU_Q, CU_K,  # inputs (unused ones are placeholders, see the HAS_* flags)
     KV_NUM, KV_IDX, FULL_KV_NUM, FULL_KV_IDX, Q_ORDER, KV_BITS_IDX, BITS, TOK_Q, TOK_K,  # BlockMask (BLOCK_SPARSE)
     SEED,  # int32 (1,), HAS_DROPOUT
+    BLOCK_TABLE, SEQUSED_K,  # a paged cache's table (PAGE_SIZE > 0), the keys used per sequence (HAS_SEQUSED)
     seqlen_q, seqlen_k, total_q, total_k, sm_scale, softcap, window_left, window_right,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
-    mask_stride_b, mask_stride_h, mask_max, tok_stride_b, dropout_p,  # runtime scalars
+    mask_stride_b, mask_stride_h, mask_max, tok_stride_b, dropout_p, table_stride, num_pages,  # runtime scalars
     O, LSE,  # outputs: out [.., Hq, DV] in q's dtype, lse float32
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -49,6 +56,7 @@ def attn_fwd_kernel(
     MASKED_STAGES: tl.constexpr, POSITIVE_SCALE: tl.constexpr, HEAD_GROUP: tl.constexpr,
     MASKED_BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    KV_BATCHED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 0, HAS_SEQUSED: tl.constexpr = False,
 ):
     # Strides are multiples of STRIDE_ALIGN (q, k, v, o) and LSE_ALIGN (lse) elements: see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
@@ -65,6 +73,11 @@ def attn_fwd_kernel(
     else:
         h, b, kh, q_start, len_q, k_start, len_k, m_start = query_block(
             CU_Q, CU_K, seqlen_q, seqlen_k, total_q, total_k, GROUP, BLOCK_M, IS_VARLEN, HEAD_GROUP)
+    if KV_BATCHED or PAGE_SIZE > 0:  # keys in a (B, S_max, ..) or paged cache beside packed queries
+        k_start = 0
+        len_k = seqlen_k
+    if HAS_SEQUSED:
+        len_k = tl.minimum(tl.maximum(tl.load(SEQUSED_K + b), 0), len_k)
     if m_start >= len_q:
         if IS_VARLEN and not BLOCK_SPARSE:
             if m_start == (tl.num_programs(0) - 1) * BLOCK_M:  # the extra query block: NaN into uncovered rows
@@ -83,8 +96,12 @@ def attn_fwd_kernel(
     q_base = tl.cast(b, tl.int64) * stride_qb + tl.cast(q_start + m_start, tl.int64) * stride_qs + h * stride_qh
     q = load_tile(Q + q_base + offs_r[:, None] * stride_qs + offs_dqk[None, :], row_ok, offs_dqk < DQK,
                   True, BLOCK_DQK != DQK)  # [M, Dqk]
-    K_base = K + tl.cast(b, tl.int64) * stride_kb + tl.cast(k_start, tl.int64) * stride_ks + kh * stride_kh
-    V_base = V + tl.cast(b, tl.int64) * stride_vb + tl.cast(k_start, tl.int64) * stride_vs + kh * stride_vh
+    if PAGE_SIZE > 0:  # the kv head of page 0; the batch strides are the page strides
+        K_base = K + kh * stride_kh
+        V_base = V + kh * stride_vh
+    else:
+        K_base = K + tl.cast(b, tl.int64) * stride_kb + tl.cast(k_start, tl.int64) * stride_ks + kh * stride_kh
+        V_base = V + tl.cast(b, tl.int64) * stride_vb + tl.cast(k_start, tl.int64) * stride_vs + kh * stride_vh
 
     qk_scale, cap2 = score_params(sm_scale, softcap, HAS_SOFTCAP)
     slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
@@ -129,7 +146,8 @@ def attn_fwd_kernel(
                                          qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV,
                                          BLOCK_N if seg == 1 else MASKED_BLOCK_N, BLOCK_DQK, BLOCK_DV, seg != 1,
                                          HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, MASKED_STAGES,
-                                         POSITIVE_SCALE, drop, b, h)
+                                         POSITIVE_SCALE, drop, b, h, (BLOCK_TABLE, b, table_stride, num_pages,
+                                                                   stride_kb, stride_vb), PAGE_SIZE)
     out, lse = softmax_finalize(acc, m_i, l_i)
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh

@@ -343,6 +343,116 @@ def check_attention_args(
     return shape, options
 
 
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Where a flash_attention call's keys live when they are a cache rather than sequences in q's layout
+    (forward only; see :func:`check_kv_cache_args`).
+
+    * ``page_size > 0``: a paged cache ``(num_pages, page_size, Hkv, D)`` read through ``block_table``
+      ``(B, max_pages)``; the keys' static bound (``AttnShape.seqlen_k``) is the table's capacity.
+    * ``batched``: a padded ``(B, S_max, Hkv, D)`` cache beside packed queries.
+    * ``seqused``: sequence b uses its first ``seqused_k[b]`` keys (any layout).
+    """
+
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    table_shape: tuple[int, ...] = (1, 1)
+    page_size: int = 0
+    batched: bool = False
+    seqused: bool = False
+
+
+def supported_page_size(page_size: int) -> bool:
+    """Pages of a power of two (one table entry per key tile when the page holds whole tiles, one per key
+    when a tile spans pages) or of a multiple of 128 (every key tile of the forward divides it)."""
+    return page_size >= 1 and (page_size & (page_size - 1) == 0 or page_size % 128 == 0)
+
+
+def check_kv_cache_args(*, q: TensorInfo, k: TensorInfo, v: TensorInfo, block_table: Optional[TensorInfo],
+                        seqused_k: Optional[TensorInfo], cu_seqlens_q: Optional[TensorInfo] = None,
+                        cu_seqlens_k: Optional[TensorInfo] = None, max_seqlen_q=None, max_seqlen_k=None,
+                        **options) -> tuple[AttnShape, AttnOptions, KVCache]:
+    """Validate a flash_attention call whose keys come from a cache (``block_table`` and / or ``seqused_k``,
+    flash-attn's ``flash_attn_varlen_func(..., block_table=, seqused_k=)``); returns (shape, options, cache).
+
+    * ``block_table`` int32 ``(B, max_pages)``: k ``(num_pages, page_size, Hkv, Dqk)``, v ``(num_pages,
+      page_size, Hkv, Dv)``, ``seqused_k`` required, no ``cu_seqlens_k``; q packed (``cu_seqlens_q`` with B
+      sequences) or ``(B, Sq, Hq, Dqk)``.
+    * ``seqused_k`` int32 ``(B,)`` alone: k / v as flash_attention takes them (dense, or packed with
+      ``cu_seqlens_k``), or ``(B, S_max, Hkv, D)`` beside packed q (no ``cu_seqlens_k``).
+
+    ``max_seqlen_k`` is accepted (flash-attn passes it) and not needed: the cache's shape bounds the keys.
+    ``options`` are flash_attention's score options (causal, softmax_scale, window_size, softcap, alibi_slopes,
+    sinks). Values of ``block_table`` / ``seqused_k`` are clamped in the kernel (pages to the pool, counts
+    to ``[0, capacity]``), so no value can address memory outside the cache.
+    """
+    if max_seqlen_k is not None and (isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int)
+                                     or max_seqlen_k < 1):
+        raise ValueError(f"max_seqlen_k: must be None or a Python int >= 1, got {max_seqlen_k!r}")
+    if seqused_k is None:
+        raise ValueError("seqused_k: required with block_table (int32 (batch,), the keys each sequence uses)")
+    if seqused_k[1] != "int32":
+        raise TypeError(f"seqused_k: must be int32, got {seqused_k[1]}")
+    for name in ("k", "v"):
+        check_float_dtype(name, (k, v)[name == "v"][1])
+    qs, ks, vs = tuple(q[0]), tuple(k[0]), tuple(v[0])
+    packed_q = cu_seqlens_q is not None
+    if packed_q and (len(cu_seqlens_q[0]) != 1 or cu_seqlens_q[0][0] < 2):
+        raise ValueError(f"cu_seqlens_q: expected shape (n_seqs + 1,) with n_seqs >= 1, got "
+                         f"{fmt_shape(cu_seqlens_q[0])}")
+    if len(qs) != (3 if packed_q else 4):
+        raise ValueError(f"q: expected {'(total_q, Hq, Dqk) with cu_seqlens_q' if packed_q else '(B, Sq, Hq, Dqk)'}"
+                         f", got shape {fmt_shape(qs)}")
+    batch = cu_seqlens_q[0][0] - 1 if packed_q else qs[0]
+    if tuple(seqused_k[0]) != (batch,):
+        raise ValueError(f"seqused_k: expected shape ({batch},) (one count per sequence), got "
+                         f"{fmt_shape(seqused_k[0])}")
+    page_size, batched = 0, False
+    table_shape = (1, 1)
+    if block_table is not None:
+        if cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_k: not with block_table (the table and seqused_k place the keys)")
+        if block_table[1] != "int32":
+            raise TypeError(f"block_table: must be int32, got {block_table[1]}")
+        table_shape = tuple(block_table[0])
+        if len(table_shape) != 2 or table_shape[0] != batch or table_shape[1] < 1:
+            raise ValueError(f"block_table: expected shape ({batch}, max_pages) (one row of page indices per "
+                             f"sequence), got {fmt_shape(table_shape)}")
+        for name, shp in (("k", ks), ("v", vs)):
+            if len(shp) != 4 or min(shp) < 1:
+                raise ValueError(f"{name}: a paged cache is (num_pages, page_size, Hkv, D), got {fmt_shape(shp)}")
+        if ks[:3] != vs[:3]:
+            raise ValueError(f"k, v: pages must agree in (num_pages, page_size, Hkv), got k {fmt_shape(ks)} and "
+                             f"v {fmt_shape(vs)}")
+        page_size = ks[1]
+        if not supported_page_size(page_size):
+            raise ValueError(f"k: page size {page_size} is not supported: pages of a power of two or a multiple "
+                             "of 128 slots (whole key tiles per page, or whole pages per tile)")
+        capacity = table_shape[1] * page_size
+    elif cu_seqlens_k is None and packed_q:
+        batched = True
+        for name, shp in (("k", ks), ("v", vs)):
+            if len(shp) != 4 or shp[0] != batch:
+                raise ValueError(f"{name}: beside packed q without cu_seqlens_k, expected a padded cache "
+                                 f"({batch}, S_max, Hkv, D), got {fmt_shape(shp)}")
+        capacity = ks[1]
+    else:
+        shape, opts = check_attention_args(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options)
+        return shape, opts, KVCache(ks, vs, seqused=True)
+    check_seqlen_bound("k: cache capacity {}", capacity)
+    # keys as flash_attention would take them in q's layout, for the shared checks of dtypes, heads and options
+    if packed_q:
+        k_as, v_as = (batch * capacity, *ks[2:]), (batch * capacity, *vs[2:])
+        cu_k, max_k = cu_seqlens_q, capacity
+    else:
+        k_as, v_as = (batch, capacity, *ks[2:]), (batch, capacity, *vs[2:])
+        cu_k, max_k = None, None
+    shape, opts = check_attention_args(q=q, k=(k_as, k[1]), v=(v_as, v[1]), cu_seqlens_q=cu_seqlens_q,
+                                       cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_k, **options)
+    return shape, opts, KVCache(ks, vs, table_shape, page_size, batched, True)
+
+
 def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, shape: AttnShape) -> None:
     """Values of packed-sequence offsets (host integer sequences): start at 0, non-decreasing, end at the
     packed length, no sequence longer than ``max_seqlen_*``."""
@@ -359,6 +469,18 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, shape: AttnShape) -> Non
             raise ValueError(f"{name}: the last offset ({values[-1]}) must equal the packed length ({total})")
         if max(lengths) > max_len:
             raise ValueError(f"{mname}: {max_len} is smaller than the longest sequence ({max(lengths)})")
+
+
+def check_cache_offsets(cu_seqlens_q, cu_seqlens_k, shape: AttnShape, cache: KVCache) -> None:
+    """:func:`check_cu_seqlens_values` for a call with a key cache: the keys' offsets only where the keys are
+    packed sequences (``cu_seqlens_k``); a paged or padded cache has none."""
+    if cache.batched or cache.page_size:
+        shape = dataclasses.replace(shape, total_k=shape.total_q, seqlen_k=shape.seqlen_q)
+        cu_seqlens_k = cu_seqlens_q
+    check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, shape)
+
+
+CACHE_OP = "flash_attention with block_table / seqused_k"  # a forward-only op (flashbridge._forward_only)
 
 
 # ------------------------------------------------------------------------------------------------- plans
@@ -549,21 +671,29 @@ def _sparse_options(options: AttnOptions, sparse: Optional[bsp.SparseLayout]):
 
 def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target,
                        strides: Optional[dict[str, tuple[int, int, int]]] = None,
-                       config: Optional[AttentionConfig] = None, sparse: Optional[bsp.SparseLayout] = None) -> Plan:
+                       config: Optional[AttentionConfig] = None, sparse: Optional[bsp.SparseLayout] = None,
+                       cache: Optional[KVCache] = None) -> Plan:
     """Plan inputs: q, k, v, [alibi_slopes], [sinks], [cu_seqlens_q, cu_seqlens_k], then with ``sparse`` (a
-    BlockMask's layout, ``core_kernels/block_sparse/plan.py``) its arrays by their BlockMask names.
+    BlockMask's layout, ``core_kernels/block_sparse/plan.py``) its arrays by their BlockMask names, then with
+    ``cache`` (keys from a cache, :func:`check_kv_cache_args`) [block_table] and seqused_k.
 
     ``strides`` maps "q" / "k" / "v" to (batch, row, head) element strides (default: contiguous).
     Results: out (q's dtype, ``shape.out_shape``) and lse (float32, ``shape.lse_shape``).
     """
     config = config or active_config(AttentionConfig)
+    if cache is not None and sparse is not None:
+        raise ValueError("block_mask: not with block_table / seqused_k (a key cache)")
     options, sparse = _sparse_options(options, sparse)
     strides = strides or {}
+    k_shape, v_shape = (shape.k_shape(), shape.v_shape()) if cache is None else (cache.k_shape, cache.v_shape)
     st = {n: strides.get(n) or contiguous_strides(s)
-          for n, s in (("q", shape.q_shape()), ("k", shape.k_shape()), ("v", shape.v_shape()))}
+          for n, s in (("q", shape.q_shape()), ("k", k_shape), ("v", v_shape))}
+    own_cu_k = cache is None or not (cache.batched or cache.page_size)  # else the queries' offsets stand in
     present = {"q": True, "k": True, "v": True, "alibi_slopes": options.has_alibi,
-               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen,
-               **bsp.present_arrays(sparse, bsp.FWD_ARRAYS), "seed": options.dropout_p > 0}
+               "sinks": options.has_sinks, "cu_seqlens_q": shape.varlen, "cu_seqlens_k": shape.varlen and own_cu_k,
+               **bsp.present_arrays(sparse, bsp.FWD_ARRAYS), "seed": options.dropout_p > 0,
+               "block_table": bool(cache and cache.page_size), "seqused_k": cache is not None}
+    placeholder = {"cu_seqlens_k": "cu_seqlens_q" if shape.varlen else "q"}
     fwd_entry = "fwd_masked" if options.causal or options.has_local or sparse else "fwd"
     bm, bn, warps, stages = _tile(fwd_entry, shape, target, config)
     masked_bn = _masked_block_n(fwd_entry, shape, target, config, bn)
@@ -576,13 +706,16 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                *_strided("v", st["v"]), *_strided("o", contiguous_strides(shape.out_shape)),
                ("stride_lb", lse_b), ("stride_lh", lse_h), ("stride_ab", _alibi_stride(shape, options)),
                *bsp.mask_scalars(sparse, backward=False), ("dropout_p", float(options.dropout_p)))
+    table = cache.table_shape if cache is not None else (1, 1)
+    cache_scalars = (("table_stride", table[1]), ("num_pages", k_shape[0] if cache and cache.page_size else 1))
     launch = Launch(
         kernel=f"{_FWD}:attn_fwd_kernel",
         # packed sequences: one query block more, whose programs fill the rows no sequence covers (bad offsets)
         grid=(q_programs + shape.varlen, shape.heads_q, shape.batch),
-        inputs=tuple(n if present[n] else "q" for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q",
-                                                         "cu_seqlens_k", *bsp.FWD_ARRAYS, "seed")),
-        scalars=scalars,
+        inputs=tuple(n if present[n] else placeholder.get(n, "q")
+                     for n in ("q", "k", "v", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k",
+                               *bsp.FWD_ARRAYS, "seed", "block_table", "seqused_k")),
+        scalars=(*scalars, *cache_scalars),
         outputs=("out", "lse"),
         constexprs=(("GROUP", shape.group), ("DQK", shape.head_dim_qk), ("DV", shape.head_dim_v),
                     ("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_DQK", _pad(shape.head_dim_qk)),
@@ -593,7 +726,8 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                     ("HEAD_GROUP", _head_group(config, options, target) if sparse is None
                      else bsp.head_group(config.head_group, sparse, target.interpret)),
                     ("MASKED_BLOCK_N", masked_bn), *bsp.mask_constexprs(sparse, backward=False),
-                    ("HAS_DROPOUT", options.dropout_p > 0)),
+                    ("HAS_DROPOUT", options.dropout_p > 0), ("KV_BATCHED", bool(cache and cache.batched)),
+                    ("PAGE_SIZE", cache.page_size if cache else 0), ("HAS_SEQUSED", cache is not None)),
         num_warps=warps,
         num_stages=stages,
     )

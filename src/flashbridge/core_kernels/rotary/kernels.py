@@ -50,6 +50,56 @@ def _positions(POS, CU, tok, tok_ok, b, s, n_seqs, search_steps, rot_rows, strid
 
 
 @triton.jit
+def rotate_pair(xa, xb, c, s):
+    """The rotation of one pair ``(x_a, x_b)`` by the angle whose cosine / sine are ``c`` / ``s``: the one
+    formula of the family (float32 in, float32 out)."""
+    return xa * c - xb * s, xb * c + xa * s
+
+
+@triton.jit
+def round_to_bf16(x):
+    """float32 -> the nearest bfloat16 value (ties to even), still as float32, in integer arithmetic: the
+    interpreter holds bfloat16 data as float32, so a cast to the data's dtype would not round there; this
+    gives the CPU the GPU's bits. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def rotate_tile(x, X_row, row_ok, offs_d, COS, SIN, pos, rot_rows, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                ROUND_BF16: tl.constexpr):
+    """RoPE of a tile already in registers, for kernels that rotate while they load or store (the KV-cache
+    step: ``append_kv_kernel`` rotates new keys, ``decode_fwd_kernel`` its queries). ``x`` [N, BLOCK_D]
+    (float32) holds columns ``offs_d`` of the rows ``X_row`` [N] (pointers to each row's first element,
+    columns contiguous); ``pos`` [N] their table rows, clamped to [0, rot_rows). Each rotated column reloads
+    its pair partner (``d ^ 1`` interleaved, ``d +- HALF`` in halves) -- the rows are a few KB, cache-resident
+    -- so the tile keeps its layout; columns from ``2 * HALF`` on pass through. Returns float32, rounded to
+    bfloat16 values with ROUND_BF16 (bf16 data: the values a separate rotation would have stored)."""
+    if INTERLEAVED:
+        first = offs_d % 2 == 0
+        partner = offs_d ^ 1
+        col = offs_d // 2
+    else:
+        first = offs_d < HALF
+        partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+        col = tl.where(first, offs_d, offs_d - HALF)
+    rot = offs_d < 2 * HALF
+    mask = row_ok[:, None] & rot[None, :]
+    xp = tl.load(X_row[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    row = tl.minimum(tl.maximum(pos, 0), rot_rows - 1).to(tl.int64)
+    table = row[:, None] * HALF + col[None, :]
+    c = tl.load(COS + table, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + table, mask=mask, other=0.0).to(tl.float32)
+    ya, _ = rotate_pair(x, xp, c, s)  # column d is the pair's a: (x, partner)
+    _, yb = rotate_pair(xp, x, c, s)  # column d is the pair's b: (partner, x)
+    y = tl.where(rot[None, :], tl.where(first[None, :], ya, yb), x)
+    if ROUND_BF16:
+        y = round_to_bf16(y)
+    return y
+
+
+@triton.jit
 def _rotate_heads(X, OUT, x_tok, o_tok, tok_ok, heads, head_ok, stride_xh, stride_oh, cos, sin,
                   HALF: tl.constexpr, PASS: tl.constexpr, ROT_BLOCK: tl.constexpr, BLOCK_PASS: tl.constexpr,
                   INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr):
@@ -67,15 +117,17 @@ def _rotate_heads(X, OUT, x_tok, o_tok, tok_ok, heads, head_ok, stride_xh, strid
         mask = row_ok & (d < 2 * HALF)
         x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, 2 * ROT_BLOCK]
         xa, xb = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, ROT_BLOCK, 2)))
-        y = tl.join(xa * c - xb * s, xb * c + xa * s)
+        ya, yb = rotate_pair(xa, xb, c, s)
+        y = tl.join(ya, yb)
         tl.store(o_row + d, tl.reshape(y, (BLOCK_T, BLOCK_H, 2 * ROT_BLOCK)).to(OUT.dtype.element_ty), mask=mask)
     else:
         i = tl.arange(0, ROT_BLOCK)[None, None, :]
         mask = row_ok & (i < HALF)
         xa = tl.load(x_row + i, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H, ROT_BLOCK]
         xb = tl.load(x_row + HALF + i, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_row + i, (xa * c - xb * s).to(OUT.dtype.element_ty), mask=mask)
-        tl.store(o_row + HALF + i, (xb * c + xa * s).to(OUT.dtype.element_ty), mask=mask)
+        ya, yb = rotate_pair(xa, xb, c, s)
+        tl.store(o_row + i, ya.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(o_row + HALF + i, yb.to(OUT.dtype.element_ty), mask=mask)
     if COPY_PASS:  # the dims past the rotary ones, unchanged (in place they are already there)
         p = tl.arange(0, BLOCK_PASS)[None, None, :]
         mask = row_ok & (p < PASS)
