@@ -511,8 +511,8 @@ FOCUSED_SWEEPS = {
     "fp8warps8": ([("B1 S128k fp8", 1, 131072, False, True, (16,)), ("B1 S64k fp8", 1, 65536, False, True, (16,))],
                   (None,), ((256, 4, 3), (256, 8, 3)) * 3,
                   "only FP8 at B=1 S=64k / 128k, 16 splits: the 256-key tile at 4 and 8 warps, three times"),
-    # the merge tile where main's default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
-    # 16 splits) against the parked cap (git revert 7749a7b: 16 x 256) and 8 x 512, three times each
+    # the merge tile where the default spills on sm_90 (16 states x 512 elements: 544 B of stack at B=64 and
+    # 16 splits) against a 16 x 256 cap and 8 x 512, three times each
     "mergetile": ([("B64 S4k", 64, 4096, False, False)], (16,),
                   ((None, None, None, 16, 512), (None, None, None, 16, 256),
                    (None, None, None, 8, 512)) * 3,
