@@ -46,6 +46,18 @@ def assert_close_rowwise(out, ref, naive, *, name="output", factor=2.0, floor=1e
     assert_close(out / unit, ref / unit, naive / unit, name=name, factor=factor, floor=floor)
 
 
+def assert_same_values(got, want, name, tol=2e-5):
+    """Same NaN, +inf and -inf elements; the finite ones within ``tol`` relative to the largest reference value."""
+    for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+        g, w = test(got), test(want)
+        assert np.array_equal(g, w), (f"{name}: {kind} at {np.argwhere(g & ~w)[:4].tolist()} (not in the reference), "
+                                      f"missing at {np.argwhere(w & ~g)[:4].tolist()}")
+    fin = np.isfinite(want)
+    if fin.any():
+        err = np.max(np.abs(got[fin] - want[fin]))
+        assert err <= tol * max(1.0, np.max(np.abs(want[fin]))), f"{name}: finite values differ by {err:.3g}"
+
+
 def e4m3_bits_expected(values):
     """The e4m3fn bytes ``append_kv_cache`` stores for float values (already divided by the scale):
     ml_dtypes' cast of the value clamped to +-448 (nearest even), NaN as e4m3fn's NaN 0x7F whatever its sign."""

@@ -24,6 +24,7 @@ from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
 from flashbridge.jax_api import flash_attention as jax_flash_attention
 from flashbridge.reference import attention as ref
 from flashbridge.torch_api import flash_attention as torch_flash_attention
+from helpers import assert_same_values
 
 NAN, INF = float("nan"), float("inf")
 
@@ -40,16 +41,6 @@ def _run(framework, q, k, v, **kw):
     return np.asarray(out, np.float64), np.asarray(lse, np.float64)
 
 
-def assert_same_values(got, want, name, tol=2e-5):
-    """Same NaN, +inf and -inf elements; the finite ones close."""
-    for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-        g, w = test(got), test(want)
-        assert np.array_equal(g, w), (f"{name}: {kind} at {np.argwhere(g & ~w)[:4].tolist()} (not in the reference), "
-                                      f"missing at {np.argwhere(w & ~g)[:4].tolist()}")
-    fin = np.isfinite(want)
-    if fin.any():
-        err = np.max(np.abs(got[fin] - want[fin]))
-        assert err <= tol * max(1.0, np.max(np.abs(want[fin]))), f"{name}: finite values differ by {err:.3g}"
 
 
 def _inputs(rng, b=1, s=80, h=2, hkv=None, d=16):

@@ -21,22 +21,13 @@ from flashbridge.core_kernels._poison import poison_buffers
 from flashbridge.reference import decode as ref
 import flashbridge.jax_api as fj
 import flashbridge.torch_api as ft
+from helpers import assert_same_values
 
 NAN, INF = float("nan"), float("inf")
 B, SQ, HQ, HKV, D, CAP, PAGE = 2, 2, 4, 2, 16, 96, 16
 LENGTHS = np.array([50, 90], np.int32)
 
 
-def assert_same_values(got, want, name, tol=2e-5):
-    """Same NaN, +inf and -inf elements; the finite ones close."""
-    for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-        g, w = test(got), test(want)
-        assert np.array_equal(g, w), (f"{name}: {kind} at {np.argwhere(g & ~w)[:4].tolist()} (not in the reference), "
-                                      f"missing at {np.argwhere(w & ~g)[:4].tolist()}")
-    fin = np.isfinite(want)
-    if fin.any():
-        err = np.max(np.abs(got[fin] - want[fin]))
-        assert err <= tol * max(1.0, np.max(np.abs(want[fin]))), f"{name}: finite values differ by {err:.3g}"
 
 
 def _call(framework, fn_name, *arrays, **kw):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import zlib
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
 from flashbridge.reference import attention as ref_attn
 from flashbridge.reference import decode as ref_dec
 import flashbridge.torch_api as ft
+from helpers import assert_same_values
 
 pytestmark = pytest.mark.gpu
 NAN, INF = float("nan"), float("inf")
@@ -37,16 +40,8 @@ def _jax():
     return jax, fj
 
 
-def assert_same_values(got, want, name, tol=3e-2):
-    """Same NaN, +inf and -inf elements; the finite ones within ``tol`` (bf16 outputs)."""
-    for kind, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
-        g, w = test(got), test(want)
-        assert np.array_equal(g, w), (f"{name}: {kind} at {np.argwhere(g & ~w)[:4].tolist()} (not in the reference), "
-                                      f"missing at {np.argwhere(w & ~g)[:4].tolist()}")
-    fin = np.isfinite(want)
-    if fin.any():
-        err = np.max(np.abs(got[fin] - want[fin]))
-        assert err <= tol * max(1.0, np.max(np.abs(want[fin]))), f"{name}: finite values differ by {err:.3g}"
+# bf16 outputs: finite values within 3e-2
+assert_same_values = functools.partial(assert_same_values, tol=3e-2)
 
 
 def _bf16(a):
