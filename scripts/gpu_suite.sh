@@ -18,13 +18,7 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests memcheck check bench-norms)
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
-else
-  export PYTHONPATH=$PWD/src:$PWD/tests
-fi
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+source "$(dirname "$0")/gpu_env.sh"
 status=0
 MEMCHECK=${MEMCHECK:-}  # NORMS_ARGS (e.g. --no-sweep), DECODE_ARGS (default --splits), ATTN_ARGS (e.g. --tune), CE_ARGS (e.g. --jax-sweep) pass options on
 ATTN_DIMS=${ATTN_DIMS:-}
