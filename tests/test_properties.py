@@ -43,6 +43,17 @@ def bounded(n: int):
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOOR = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 4e-3}
 
+def _check_attention(out, lse, grads, ro, rl, rgrads):
+    """float32 attention against the float64 reference: out, lse (-inf exactly where the reference's is),
+    dq / dk / dv (/ dsinks)."""
+    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
+    finite = np.isfinite(rl)
+    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
+    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
+        assert_close(got, want, rounded(want, "float32"), name=name, floor=FLOOR["float32"])
+
+
 
 def _t(a, dtype="float32", grad=False):
     return torch.tensor(np.asarray(a), dtype=TORCH[dtype], requires_grad=grad)
@@ -181,12 +192,7 @@ def test_attention(case, data):
                                   return_lse=True, **opts, **tseq)
     leaves = [tq_, tk_, tv_] + ([ts] if ts is not None else [])
     grads = torch.autograd.grad(out, leaves, _t(dout))
-    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
-    finite = np.isfinite(rl)
-    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
-    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
-    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
-        assert_close(got, want, rounded(want, "float32"), name=name, floor=FLOOR["float32"])
+    _check_attention(out, lse, grads, ro, rl, rgrads)
 
     def jfn(q, k, v, s):
         return fj.flash_attention(q, k, v, alibi_slopes=None if alibi is None else jnp.asarray(alibi, jnp.float32),
@@ -471,12 +477,7 @@ def test_block_sparse_attention(mask, data):
     out, lse = ft.flash_attention(*leaves[:3], block_mask=m, softcap=softcap,
                                   sinks=leaves[3] if with_sinks else None, return_lse=True)
     grads = torch.autograd.grad(out, leaves, _t(dout))
-    assert_close(out, ro, rounded(ro, "float32"), name="out", floor=FLOOR["float32"])
-    finite = np.isfinite(rl)
-    assert (np.isfinite(np64(lse)) == finite).all(), "lse: -inf exactly for the rows that see no key"
-    np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
-    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
-        assert_close(got, want, rounded(want, "float32"), name=name, floor=FLOOR["float32"])
+    _check_attention(out, lse, grads, ro, rl, rgrads)
 
     def jfn(q, k, v, s):
         return fj.flash_attention(q, k, v, block_mask=m, softcap=softcap, sinks=s, return_lse=True)
