@@ -43,6 +43,7 @@ def bounded(n: int):
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOOR = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 4e-3}
 
+
 def _check_attention(out, lse, grads, ro, rl, rgrads):
     """float32 attention against the float64 reference: out, lse (-inf exactly where the reference's is),
     dq / dk / dv (/ dsinks)."""
@@ -52,7 +53,6 @@ def _check_attention(out, lse, grads, ro, rl, rgrads):
     np.testing.assert_allclose(np64(lse)[finite], rl[finite], rtol=1e-5, atol=1e-5)
     for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
         assert_close(got, want, rounded(want, "float32"), name=name, floor=FLOOR["float32"])
-
 
 
 def _t(a, dtype="float32", grad=False):
