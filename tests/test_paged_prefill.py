@@ -190,6 +190,22 @@ def test_gradient_raises_torch():
         out.sum().backward()
 
 
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("extra, match", [({"dropout_p": 0.1, "seed": 1}, "dropout_p: not with block_table"),
+                                          ({"dropout_p": "0.1"}, "dropout_p: not with block_table")])
+def test_cache_refuses_dropout_in_both_frameworks(framework, extra, match):
+    case = _errors_case()
+    if framework == "torch":
+        fa, conv = torch_api.flash_attention, (lambda t: t)
+    else:
+        from flashbridge.jax_api import flash_attention as fa
+        conv = torch_to_jax
+    with pytest.raises(ValueError, match=match):
+        fa(conv(case["q"]), conv(case["k_cache"]), conv(case["v_cache"]),
+           **{n: conv(t) for n, t in _paged_kwargs(case).items()}, **extra)
+
+
 # ------------------------------------------------------------------------------------------------- JAX
 
 jax = pytest.importorskip("jax")

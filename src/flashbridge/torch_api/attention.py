@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cu_seqlens_values,
-                                            check_dropout, plan_attention_bwd, plan_attention_fwd)
+from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cache_options,
+                                            check_cu_seqlens_values, check_dropout, plan_attention_bwd,
+                                            plan_attention_fwd)
 from ._checks import check_seed, check_tensors, seed_tensor
 from ._ops import fused_op, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
@@ -310,10 +311,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     if block_table is not None or seqused_k is not None:
-        if block_mask is not None:
-            raise ValueError("block_mask: not with block_table / seqused_k (a key cache)")
-        if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-            raise ValueError(f"dropout_p: not with block_table / seqused_k (a forward-only key cache), got {dropout_p!r}")
+        check_cache_options(block_mask=block_mask, dropout_p=dropout_p)
         from .attention_cache import cache_attention
         out, lse = cache_attention(q, k, v, block_table=block_table, seqused_k=seqused_k, alibi_slopes=alibi_slopes,
                                    sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

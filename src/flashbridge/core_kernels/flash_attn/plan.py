@@ -471,6 +471,15 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, shape: AttnShape) -> Non
             raise ValueError(f"{mname}: {max_len} is smaller than the longest sequence ({max(lengths)})")
 
 
+def check_cache_options(*, block_mask, dropout_p) -> None:
+    """A flash_attention call with a key cache (``block_table`` / ``seqused_k``, forward-only) takes neither a
+    block mask nor dropout; both front-ends call this before handing the call to the cache path."""
+    if block_mask is not None:
+        raise ValueError("block_mask: not with block_table / seqused_k (a key cache)")
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p: not with block_table / seqused_k (a forward-only key cache), got {dropout_p!r}")
+
+
 def check_cache_offsets(cu_seqlens_q, cu_seqlens_k, shape: AttnShape, cache: KVCache) -> None:
     """:func:`check_cu_seqlens_values` for a call with a key cache: the keys' offsets only where the keys are
     packed sequences (``cu_seqlens_k``); a paged or padded cache has none."""
