@@ -2,10 +2,13 @@
 # A bounded GPU pass over what a change touched: the GPU tests of the named files, then named benchmarks,
 # each under its own time limit, logs and JSON under $OUT (or ./gpu-out).
 #   scripts/gpu_check.sh "tests/test_a_gpu.py tests/test_b_gpu.py" "host_overhead.py:150 bench_mla.py:200"
-# (benchmark arguments after the limit: "bench_fused_block.py:90:--only rope")
+# (benchmark arguments after the limit: "bench_fused_block.py:90:--only rope"); everything lands in
+# $OUT/results.tgz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; export OUT; mkdir -p "$OUT"
+# the device tool returns at most 8 files: everything written under $OUT travels back as one archive
+trap 'tar czf /tmp/gpu-results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-results.tgz "$OUT/results.tgz"' EXIT
 source "$(dirname "$0")/gpu_env.sh"
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/env.txt"

@@ -75,6 +75,29 @@ def _install_call_hook() -> None:
 _install_call_hook()
 
 
+def _index_of_one_element_arrays() -> None:
+    """Let a loop bound held in a one-element array reach ``range``, as Triton 3.7+ does.
+
+    The interpreter holds scalars (kernel arguments, ``tl.program_id``) as one-element 1-d arrays; up to
+    Triton 3.6 their ``__index__`` is ``int(array)``, which NumPy 2.5 refuses for 1-d arrays, so every
+    ``for i in range(lo, hi)`` with tensor bounds failed. Later Triton squeezes the array first."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_flashbridge_index", False):
+        return
+
+    def patch(tensor, scope, *args, **kwargs):
+        original(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch._flashbridge_index = True
+    interpreter._patch_lang_tensor = patch
+
+
+_index_of_one_element_arrays()
+
+
 def _language_namespaces() -> list:
     """The objects the interpreter patches: triton.language, its core and math modules, and the tensor,
     dtype and tensor-descriptor classes (deduplicated: ``tl.tensor is tl.core.tensor``)."""
