@@ -40,13 +40,18 @@ _in_transform_backward: contextvars.ContextVar[bool] = contextvars.ContextVar("i
                                                                               default=False)
 
 
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def plain_eager(args) -> bool:
-    """True when calling the implementation directly is indistinguishable from calling the op."""
+    """True when calling the implementation directly is indistinguishable from calling the op: no
+    compilation, tracing, dispatch mode or functorch transform, and only plain tensors (not subclasses,
+    not functorch wrappers left over from a finished transform)."""
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
             or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
             or _in_transform_backward.get()):
         return False
-    return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, Tensor))
+    return all(type(a) in _PLAIN_TENSORS and not _is_functorch_wrapped(a) for a in args if isinstance(a, Tensor))
 
 
 class _EagerAutograd(torch.autograd.Function):
@@ -73,6 +78,9 @@ class _EagerAutograd(torch.autograd.Function):
         finally:  # a retained graph runs this node again
             ctx.needs_input_grad = needs_input_grad
         return (*result, None) if isinstance(result, tuple) else (result, None)
+
+
+_apply_eager_autograd = super(torch.autograd.Function, _EagerAutograd).apply
 
 
 class FusedOp:
@@ -181,7 +189,9 @@ class FusedOp:
             return self.overload(*args)
         if (self.backward is not None and torch.is_grad_enabled()
                 and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
-            return _EagerAutograd.apply(*args, self)
+            # torch.autograd.Function.apply's Python layer only binds defaults and unwraps functorch
+            # wrappers, neither of which a plain eager call has: the C++ apply directly
+            return _apply_eager_autograd(*args, self)
         return self.impl(*args)
 
 
