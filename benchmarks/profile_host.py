@@ -2,6 +2,12 @@
 functions by own time, and whether the runtime's launches took the compiled-kernel fast path.
 
     python benchmarks/profile_host.py --op rms_norm --calls 300 --top 25
+    python benchmarks/profile_host.py --floor     # the floor of a Python eager path, layer by layer
+
+``--floor`` times rms_norm (64x1024 bf16) built up from the bottom: the compiled kernel's launch alone
+(outputs preallocated), with its outputs allocated per call, inside a minimal ``torch.autograd.Function``
+(inputs requiring grad), then the public op, beside ``F.rms_norm``: what any Python front-end pays at
+least, and what flashbridge's layers add on top.
 """
 from __future__ import annotations
 
@@ -35,12 +41,83 @@ def cases():
     }
 
 
+def host_us(fn, calls: int = 100, batches: int = 7) -> float:
+    """Median host time per call of ``calls`` back-to-back calls (fewer than the launch queue holds)."""
+    import statistics
+
+    for _ in range(20):
+        fn()
+    samples = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def floor_rows() -> list[tuple[str, float]]:
+    """rms_norm's eager call built up layer by layer (see the module docstring)."""
+    from flashbridge.core_kernels.norms.plan import plan_norm_fwd
+    from flashbridge.torch_api._runtime import _program, target_for
+
+    dev, dt = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    x = torch.randn(64, 1024, device=dev, dtype=dt, requires_grad=True)
+    w = torch.randn(1024, device=dev, dtype=dt, requires_grad=True)
+    xd, wd = x.detach(), w.detach()
+    plan = plan_norm_fwd(64, 1024, x_dtype="bfloat16", residual_dtype=None, is_rms=True, has_weight=True,
+                         has_bias=False, has_post_residual=False, dropout_p=0.0, eps=1e-6, target=target_for(dev))
+    program = _program(plan, False)
+    (ins, outs, _, _, _, bound), = program.launches
+    specs = {spec.name: spec for spec in plan.buffers}
+    fixed = {name: torch.empty(specs[name].shape, dtype=torch.float32 if specs[name].dtype == "float32" else dt,
+                               device=dev) for name in outs}
+    env = {"x": xd, "weight": wd, **fixed}
+
+    def launch_only():
+        bound([env[n] for n in ins], [env[n] for n in outs])
+
+    def alloc_launch(xx, ww):
+        made = {name: torch.empty(t.shape, dtype=t.dtype, device=dev) for name, t in fixed.items()}
+        made.update(x=xx, weight=ww)
+        bound([made[n] for n in ins], [made[n] for n in outs])
+        return made["y"], made["rstd"]
+
+    class Minimal(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, xx, ww):
+            y, rstd = alloc_launch(xx, ww)
+            ctx.save_for_backward(xx, ww, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            raise NotImplementedError
+
+    return [
+        ("F.rms_norm, inputs requiring grad", host_us(lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6))),
+        ("F.rms_norm, no grad", host_us(lambda: torch.nn.functional.rms_norm(xd, (1024,), wd, 1e-6))),
+        ("compiled kernel launch alone", host_us(launch_only)),
+        ("+ output allocation", host_us(lambda: alloc_launch(xd, wd))),
+        ("+ minimal autograd.Function", host_us(lambda: Minimal.apply(x, w))),
+        ("flashbridge rms_norm, no grad", host_us(lambda: ft.rms_norm(xd, wd))),
+        ("flashbridge rms_norm, inputs requiring grad", host_us(lambda: ft.rms_norm(x, w))),
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default="rms_norm,F.rms_norm,decode_attention")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--floor", action="store_true", help="only the layer-by-layer floor of rms_norm")
     args = parser.parse_args()
+    if args.floor:
+        for name, us in floor_rows():
+            print(f"{name:48s} {us:7.1f} us")
+        return
     table = cases()
     for op in args.op.split(","):
         fn = table[op]

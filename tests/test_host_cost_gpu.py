@@ -1,5 +1,6 @@
-"""The direct compiled-kernel launch on a CUDA GPU: the same bits as JITFunction.run for an op of every
-family, under CUDA-graph capture too, and a misaligned view gets a kernel of its own (skipped without a GPU)."""
+"""The direct compiled-kernel launch and the replayed eager calls on a CUDA GPU: the same bits as
+JITFunction.run and as the implementation run in full for an op of every family, under CUDA-graph capture
+too, and a misaligned view gets a kernel of its own (skipped without a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -75,6 +76,33 @@ def test_direct_launch_gives_the_bits_of_jitfunction_run(family, run_path):
     torch.cuda.synchronize()
     for a, b in zip(direct, by_run):
         assert torch.equal(a, b), family
+
+
+@pytest.mark.parametrize("family", ["norms", "attention", "decode", "cross_entropy", "swiglu", "rotary"])
+def test_replayed_calls_give_the_bits_of_the_full_implementation(family, monkeypatch):
+    from flashbridge.torch_api._ops import FusedOp
+
+    call = _cases()[family]
+    monkeypatch.setattr(FusedOp, "replay", False)
+    full = call()
+    monkeypatch.setattr(FusedOp, "replay", True)
+    call()  # records
+    replayed = call()
+    monkeypatch.setattr(FusedOp, "eager_fast_path", False)
+    dispatched = call()
+    torch.cuda.synchronize()
+    for a, b, c in zip(replayed, full, dispatched):
+        assert torch.equal(a, b) and torch.equal(a, c), family
+
+
+def test_replays_are_recorded_for_the_hot_ops():
+    from flashbridge.torch_api import attention, cross_entropy, decode, norms
+
+    for family in ("norms", "attention", "decode", "cross_entropy"):
+        _cases()[family]()
+    for op in (norms._norm_fwd, norms._norm_bwd, attention._flash_attn_fwd, attention._flash_attn_bwd,
+               decode._decode_attn, cross_entropy._ce_fwd, cross_entropy._ce_bwd):
+        assert any(r is not None for r in op.replays.values()), op.name
 
 
 def test_direct_launch_is_taken_and_captured_in_a_cuda_graph():

@@ -1,10 +1,38 @@
 """Argument checks shared by the torch front-end's ops (shape / dtype rules live in the plans)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from ._runtime import DTYPE_NAMES
+
+
+def once_per_signature(check):
+    """``check(*args)`` (returns nothing, raises on bad arguments) run once per argument signature: tensors
+    by type, shape, dtype and device, other arguments by type and value. A later call with a signature that
+    passed returns at once; one that raised raises again. Runs every time under ``torch.compile`` (dynamo
+    traces it; the compiled graph runs no checks) or with an unhashable argument."""
+    passed: set = set()
+
+    @functools.wraps(check)
+    def wrapper(*args):
+        if torch.compiler.is_compiling():
+            return check(*args)
+        try:
+            key = tuple([(type(a), a.shape, a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a)
+                         for a in args])
+            seen = key in passed
+        except TypeError:  # an unhashable argument
+            return check(*args)
+        if not seen:
+            check(*args)
+            if len(passed) >= 4096:
+                passed.clear()
+            passed.add(key)
+
+    return wrapper
 
 
 def check_tensors(tensors: dict[str, Tensor | None], required: tuple[str, ...] = ()) -> torch.device:

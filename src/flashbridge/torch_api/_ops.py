@@ -31,6 +31,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._forward_only import no_backward_message
+from ..core_kernels._config import _active as _active_configs
+from ..core_kernels._poison import poisoning
+from ._runtime import Replay, record_executions
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # True while a transform's backward runs: a vjp function called after its torch.func.vjp returned has
@@ -64,7 +67,7 @@ class _EagerAutograd(torch.autograd.Function):
         # Gradients of outputs nobody used arrive as None instead of zero tensors (every backward here
         # accepts None): no fill kernels, and e.g. a norm whose h output is unused skips reading its zeros.
         ctx.set_materialize_grads(False)
-        result = op.impl(*args)
+        result = op.run_eager(args)
         op.setup_context(ctx, args, result)
         ctx.fused_op = op
         return result
@@ -92,10 +95,14 @@ class FusedOp:
     """
 
     eager_fast_path = True
+    replay = True  # False: every eager call runs the implementation (benchmarks compare the two)
+    _MAX_REPLAYS = 256  # argument signatures remembered per op
 
-    def __init__(self, name: str, impl: Callable, mutates_args=()):
+    def __init__(self, name: str, impl: Callable, mutates_args=(), replay: bool = False):
         self.name = name
         self.impl = impl
+        # argument signature -> Replay, or None where the call could not be replayed (see run_eager)
+        self.replays: Optional[dict] = {} if replay else None
         self.custom_op = torch.library.custom_op(f"flashbridge::{name}", impl, mutates_args=mutates_args)
         self.mutates_args = tuple(mutates_args)
         self.backward: Optional[Callable] = None
@@ -192,7 +199,35 @@ class FusedOp:
             # torch.autograd.Function.apply's Python layer only binds defaults and unwraps functorch
             # wrappers, neither of which a plain eager call has: the C++ apply directly
             return _apply_eager_autograd(*args, self)
-        return self.impl(*args)
+        return self.run_eager(args)
+
+    def run_eager(self, args):
+        """The implementation on plain tensors. An op declared ``replay=True`` (:func:`fused_op`) runs it
+        once per argument signature, recording its kernel execution; later calls of that signature replay
+        the execution (:class:`~._runtime.Replay`): the same kernels, the same bits, without the checks,
+        planning and bookkeeping of the implementation on the eager hot path."""
+        replays = self.replays
+        if replays is None or not FusedOp.replay:
+            return self.impl(*args)
+        key = _signature(args)
+        replay = replays.get(key, _UNSEEN)
+        if replay is _UNSEEN:
+            result, calls = record_executions(self.impl, args)
+            if len(replays) >= self._MAX_REPLAYS:
+                del replays[next(iter(replays))]
+            replays[key] = Replay.of(args, result, calls)
+            return result
+        return self.impl(*args) if replay is None else replay(args)
+
+
+_UNSEEN = object()
+
+
+def _signature(args) -> tuple:
+    """All that a replayable implementation depends on: each tensor's shape, strides, dtype and device, the
+    other arguments by type and value, the active configs, and whether buffers are being poisoned."""
+    return (_active_configs.get(), poisoning(), *[
+        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a) for a in args])
 
 
 def register_forward_only(op: FusedOp, name: str) -> None:
@@ -226,7 +261,10 @@ def underlying(t: Tensor) -> Tensor:
     return t
 
 
-def fused_op(name: str, *, mutates_args=()) -> Callable[[Callable], FusedOp]:
+def fused_op(name: str, *, mutates_args=(), replay: bool = False) -> Callable[[Callable], FusedOp]:
     """Decorator: ``@fused_op("norm_fwd")`` defines ``flashbridge::norm_fwd`` from the function's
-    annotations (as ``torch.library.custom_op`` does) and returns its :class:`FusedOp`."""
-    return lambda impl: FusedOp(name, impl, mutates_args)
+    annotations (as ``torch.library.custom_op`` does) and returns its :class:`FusedOp`. ``replay=True``
+    declares the implementation a pure function of its argument signature (no reads of tensor values on
+    the GPU path, no state, nothing done to the results after the kernels): eager calls then replay its
+    kernel execution (:meth:`FusedOp.run_eager`)."""
+    return lambda impl: FusedOp(name, impl, mutates_args, replay)

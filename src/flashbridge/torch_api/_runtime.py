@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
@@ -148,6 +150,7 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
     device = inputs[plan.inputs[0]].device
     interpret = device.type == "cpu"
     program = _program(plan, interpret)
+    recording = getattr(_recorder, "calls", None)
     if interpret:
         env = {name: (t.float() if t.dtype == torch.bfloat16 else t)
                for name, t in ((name, inputs[name]) for name in plan.inputs)}
@@ -178,4 +181,87 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
         for name, given in out.items():
             if name in program.results and env[name] is not given:
                 env[name] = given.copy_(env[name])
-    return tuple([env[name] for name in program.results])
+    results = tuple([env[name] for name in program.results])
+    if recording is not None:
+        recording.append((program, inputs, bool(out), device, results))
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ replay
+
+_recorder = threading.local()
+
+
+def record_executions(impl, args) -> tuple[object, list]:
+    """``impl(*args)``, and the :func:`execute` calls it made: (program, inputs, out given, device, results)."""
+    outer = getattr(_recorder, "calls", None)
+    _recorder.calls = calls = []
+    try:
+        return impl(*args), calls
+    finally:
+        _recorder.calls = outer
+
+
+class Replay:
+    """An op implementation's one :func:`execute` call, redone from the op's arguments: the same program
+    on the argument tensors it read (by position), its outputs made of the results as the implementation
+    made them (a result, a contiguous view of one, or an empty tensor). No planning, no checks and none of
+    the implementation's Python run again.
+
+    :meth:`of` builds one from a recorded call and returns None unless the implementation was exactly that:
+    one compiled (GPU) execution whose inputs are the op's own argument tensors (not copies, casts or
+    views), nothing written in place, every output a result, a view of one or a fresh empty tensor."""
+
+    __slots__ = ("program", "inputs", "outputs", "single", "device")
+
+    @classmethod
+    def of(cls, args, result, calls) -> Optional["Replay"]:
+        if len(calls) != 1:
+            return None
+        program, inputs, had_out, device, results = calls[0]
+        if had_out or program.interpret:  # the interpreter (CPU tensors) stages its inputs
+            return None
+        positions = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        named = tuple((name, positions.get(id(inputs[name]))) for name in program.inputs)
+        if any(i is None for _, i in named):
+            return None
+        single = isinstance(result, torch.Tensor)
+        outputs = tuple(cls._made_of(o, results) for o in ((result,) if single else result))
+        if any(o is None for o in outputs):
+            return None
+        replay = cls()
+        replay.program, replay.inputs, replay.outputs, replay.single = program, named, outputs, single
+        replay.device = device
+        return replay
+
+    @staticmethod
+    def _made_of(o, results):
+        """(result index, view shape or None), or (None, (shape, dtype)) for an empty tensor."""
+        if not isinstance(o, torch.Tensor):
+            return None
+        for j, r in enumerate(results):
+            if o is r:
+                return (j, None)
+            if o._base is r and o.is_contiguous() and o.numel() == r.numel():
+                return (j, tuple(o.shape))
+        if o.numel() == 0 and o._base is None:
+            return (None, (tuple(o.shape), o.dtype))
+        return None
+
+    def __call__(self, args):
+        program, device = self.program, self.device
+        env = {name: args[i] for name, i in self.inputs}
+        program.allocate(env, device, ())
+        if device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                program.launch(env)
+        else:
+            program.launch(env)
+        outs = []
+        for j, view in self.outputs:
+            if j is None:
+                outs.append(torch.empty(view[0], dtype=view[1], device=device))
+            else:
+                r = env[program.results[j]]
+                outs.append(r if view is None else r.view(view))
+        return outs[0] if self.single else tuple(outs)

@@ -62,7 +62,7 @@ def _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 # -------------------------------------------------------------------------------------------------- ops
 
-@fused_op("flash_attn_fwd")
+@fused_op("flash_attn_fwd", replay=True)
 def _flash_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
@@ -126,7 +126,7 @@ def _(batch, in_dims, q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, 
     return (out.unflatten(0, (batch, -1)), lse.unflatten(0, (batch, -1))), (0, 0)
 
 
-@fused_op("flash_attn_bwd")
+@fused_op("flash_attn_bwd", replay=True)
 def _flash_attn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],

@@ -57,7 +57,7 @@ def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):
 
 # ------------------------------------------------------------------------------- logits-level custom ops
 
-@fused_op("cross_entropy_fwd")
+@fused_op("cross_entropy_fwd", replay=True)
 def _ce_fwd(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
             logit_softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     """logits (n, V), labels (n,) -> per-row loss, lse, lse_lo (float32 (n,) each; see plan_ce_fwd)."""
@@ -84,7 +84,7 @@ def _(batch, in_dims, logits, labels, *options):
     return tuple(t.unflatten(0, (batch, -1)) for t in rows), (0, 0, 0)
 
 
-@fused_op("cross_entropy_bwd")
+@fused_op("cross_entropy_bwd", replay=True)
 def _ce_bwd(logits: Tensor, labels: Tensor, lse: Tensor, lse_lo: Tensor, dloss: Tensor, ignore_index: int,
             label_smoothing: float, z_loss: float, logit_softcap: float) -> Tensor:
     """Gradient of sum_i dloss_i * loss_i with respect to logits (n, V); dloss float32 (n,)."""

@@ -129,7 +129,7 @@ def _check_pairs_base(plan, keys: dict[str, Tensor], values: dict[str, Tensor]) 
 
 # -------------------------------------------------------------------------------------------------- ops
 
-@fused_op("decode_attn")
+@fused_op("decode_attn", replay=True)
 def _decode_attn(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..core_kernels._plan import check_real
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
-from ._checks import check_seed, check_tensors, seed_tensor
+from ._checks import check_seed, check_tensors, once_per_signature, seed_tensor
 from ._ops import fused_op, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
 
@@ -20,7 +20,7 @@ from ._runtime import dtype_name, execute, memoised, target_for
 check_norm_args, plan_norm_fwd, plan_norm_bwd = map(memoised, (check_norm_args, plan_norm_fwd, plan_norm_bwd))
 
 
-@fused_op("norm_fwd")
+@fused_op("norm_fwd", replay=True)
 def _norm_fwd(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
     post_residual: Optional[Tensor], seed: Optional[Tensor], eps: float, is_rms: bool, dropout_p: float,
@@ -60,7 +60,7 @@ def _(batch, in_dims, x, weight, bias, residual, post_residual, seed, eps, is_rm
     return (y, h, mean, rstd.view(batch, -1)), (0, 0 if residual is not None else None, mean_dim, 0)
 
 
-@fused_op("norm_bwd")
+@fused_op("norm_bwd", replay=True)
 def _norm_bwd(
     dy: Tensor, h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
     seed: Optional[Tensor], dh: Optional[Tensor], is_rms: bool, dropout_p: float,
@@ -115,16 +115,24 @@ def _backward(ctx, dy, dh, dmean, drstd):
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
+@once_per_signature
+def _check_norm_call(x, weight, bias, residual, post_residual, eps, dropout_p) -> None:
     # post_residual is layer_norm_dropout_residual's ``residual``: checks name it so
     check_tensors({"x": x, "weight": weight, "bias": bias, "residual": residual if post_residual is None
                    else post_residual}, required=("x",))
-    # float64 parameters (any float dtype is accepted): the kernels compute in float32 anyway; autograd
-    # returns their gradient in float64 through the cast
-    weight, bias = (t.float() if t is not None and t.dtype == torch.float64 else t for t in (weight, bias))
     tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual, "post_residual": post_residual}
     check_norm_args(**{k: None if t is None else (tuple(t.shape), dtype_name(t.dtype))
                        for k, t in tensors.items()}, eps=eps, dropout_p=dropout_p)
+
+
+def _fused_norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
+    # float64 parameters (any float dtype is accepted): the kernels compute in float32 anyway; autograd
+    # returns their gradient in float64 through the cast
+    if isinstance(weight, Tensor) and weight.dtype == torch.float64:
+        weight = weight.float()
+    if isinstance(bias, Tensor) and bias.dtype == torch.float64:
+        bias = bias.float()
+    _check_norm_call(x, weight, bias, residual, post_residual, eps, dropout_p)
     y, h, _, _ = _norm_fwd(x, weight, bias, residual, post_residual, seed, float(eps), is_rms, float(dropout_p))
     return y if residual is None else (y, h)
 

@@ -79,7 +79,7 @@ def _run(x, k, cos, sin, position_ids, cu_seqlens, interleaved, conjugate, inpla
     return execute(plan, {n: given[n] for n in plan.inputs}, out=out)
 
 
-@fused_op("rotary")
+@fused_op("rotary", replay=True)
 def _rotary(x: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
             cu_seqlens: Optional[Tensor], interleaved: bool, conjugate: bool) -> tuple[Tensor, Tensor]:
     """Returns (x rotated, k rotated); the second is empty without k."""
