@@ -34,6 +34,7 @@ def cases():
     labels = torch.randint(0, 32000, (256,), device=dev)
     return {
         "rms_norm": lambda: ft.rms_norm(x, w),
+        "layer_norm": lambda: ft.layer_norm(x, w, w),
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (1024,), w),
         "flash_attention": lambda: ft.flash_attention(q, q, q, causal=True),
         "decode_attention": lambda: ft.decode_attention(qd, kc, kc, cache_seqlens=lens),

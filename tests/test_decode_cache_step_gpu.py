@@ -86,7 +86,9 @@ def test_gpu_rotary_append_then_decode(interleaved, rot):
     k_rot = rotary_embedding(k_new, cos, sin, interleaved=interleaved, position_ids=pos)
     k2, v2 = k.clone(), v.clone()
     append_kv_cache(k2, v2, k_rot, v_new, cache_seqlens=lens, cache_leftpad=pads)
-    torch.testing.assert_close(k1, k2, rtol=0, atol=0)
+    # the same rotation in two kernels: the compiler may contract x*cos - y*sin into an FMA in one and not
+    # the other, which moves a rare element by one bf16 ulp
+    torch.testing.assert_close(k1, k2, rtol=2**-7, atol=0)
     torch.testing.assert_close(v1, v2, rtol=0, atol=0)
     ref = _reference(q, k1, v1, lens + sq, pads, q_pos=pos, cos=cos, sin=sin, interleaved=interleaved)
     q_rot = rotary_embedding(q, cos, sin, interleaved=interleaved, position_ids=pos)
