@@ -138,10 +138,11 @@ def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
                 **_):
     """Attention computed plainly in the inputs' dtype (differentiable): the 'naive same-dtype
     implementation' the tolerance is measured against. Returns (out, lse). ``dropout_mask``: the bool keep
-    mask ``(B, Hq, Sq_max, Sk_max)`` (``reference.attention.attention_dropout_mask``)."""
+    mask ``(B, Hq, Sq_max, Sk_max)`` (``reference.attention.attention_dropout_mask``), kept probabilities
+    scaled by ``1 / (1 - attention_dropout_rate(dropout_p))`` (p rounded to a multiple of 1/256)."""
     import torch
 
-    from flashbridge.reference.attention import visible_mask
+    from flashbridge.reference.attention import attention_dropout_rate, visible_mask
 
     dtype = q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
@@ -171,7 +172,7 @@ def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
         p = torch.nan_to_num(torch.softmax(s, dim=-1))[..., :sk]
         if dropout_mask is not None:
             keep = torch.as_tensor(np.asarray(dropout_mask)[i, :, :sq, :sk], device=q.device)
-            p = torch.where(keep, p / (1.0 - dropout_p), 0.0).to(dtype)
+            p = torch.where(keep, p / (1.0 - attention_dropout_rate(dropout_p)), 0.0).to(dtype)
         outs.append(torch.einsum("hqk,khd->qhd", p, vv))
         lses.append(lse)
     if cu_seqlens_q is None:
