@@ -1,18 +1,24 @@
 """The counter-based random generator of the kernels (dropout in the norms and in attention): Triton's
-Philox-4x32-10, a pure function of (seed, counter), so the backward regenerates a mask instead of storing it,
+Philox-4x32, a pure function of (seed, counter), so the backward regenerates a mask instead of storing it,
 and torch, JAX, the interpreter and the GPU all draw the same bits. ``flashbridge.reference.random`` is the
 same generator in NumPy (the float64 references take the exact keep-masks the kernels use from it).
 
 * ``dropout_keep(seed, offsets, p)`` (the norms): one Philox call per element, counter (offset, 0, 0);
   kept when its first word as a ``tl.rand`` uniform is >= p.
-* ``keep16(seed, a, b, c2, c3, threshold)`` (attention): one Philox call per 16 elements of an
+* ``keep16(seed, a, b, c2, c3, threshold)`` (attention): one Philox-4x32-7 call per 16 elements of an
   (a, b) tile. Its 128 output bits are 16 bytes, an element kept when its byte is >= threshold (an integer
   in [0, 255]: keep probability ``(256 - threshold) / 256``).
-  A Philox call costs ~10 x (2 wide multiplies + 2 XORs) integer operations: drawn once per element it
-  costs more than the element's share of the two matrix products; once per 16 elements, a sixteenth.
+  A Philox round costs 2 wide multiplies (4 instructions on sm_90) and 2 three-way XORs: 10 rounds per
+  element cost ~60 integer instructions per element, several times the element's share of the two
+  matrix products; 7 rounds per 16 elements (computed by 2 threads each) about 5.
 """
 import triton
 import triton.language as tl
+
+
+# Philox rounds of keep16: 7, as flash-attn's dropout (Philox-4x32-7 passes BigCrush; 10 is the generator's
+# safety margin, 43% more of the multiplies that dominate the draw's cost).
+KEEP16_ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
@@ -28,6 +34,24 @@ def byte_threshold(dropout_p):
     rounded to float32, i.e. ``(floor(512 * p) + 1) >> 1`` -- exact in float32 (a power-of-two scale), so
     the host (plan checks), the kernels and the NumPy reference agree on every p."""
     return (tl.cast(tl.cast(dropout_p, tl.float32) * 512.0, tl.int32) + 1) >> 1
+
+
+@triton.jit
+def _philox_rounds(seed, c0, c1, c2, c3, N_ROUNDS: tl.constexpr):
+    """``tl.philox(seed, c0, c1, c2, c3, N_ROUNDS)`` (uint32 counter words), bit for bit, with each round's
+    two 32 x 32 -> 64-bit products as one widening multiply (``mul.wide.u32``: one IMAD.WIDE on sm_90,
+    where tl.philox's separate high and low halves take two instructions each)."""
+    seed = tl.to_tensor(seed).to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(N_ROUNDS):
+        prod_a = tl.cast(c0, tl.uint64) * 0xD2511F53
+        prod_b = tl.cast(c2, tl.uint64) * 0xCD9E8D57
+        c0, c1, c2, c3 = ((prod_b >> 32).to(tl.uint32) ^ c1 ^ k0, prod_b.to(tl.uint32),
+                          (prod_a >> 32).to(tl.uint32) ^ c3 ^ k1, prod_a.to(tl.uint32))
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -84,7 +108,7 @@ def keep16(seed, a_start, b_start, LA: tl.constexpr, LB: tl.constexpr, c2, c3, t
     else:
         ca, a3, a0 = _cols8(ca), _cols8(a3), _cols8(a0)
         cb, b3, b0 = _rows8(cb), _rows8(b3), _rows8(b0)
-    w0, w1, w2, w3 = tl.philox(seed, ca, cb, c2, c3)
+    w0, w1, w2, w3 = _philox_rounds(seed, ca, cb, c2, c3, KEEP16_ROUNDS)
     # the call's 16 keep bits in one word (word k's byte j at bit 8j + 7 - k), so that a single value
     # carries the call to the tile's layout
     t = tl.cast(threshold, tl.uint32)
@@ -92,8 +116,8 @@ def keep16(seed, a_start, b_start, LA: tl.constexpr, LB: tl.constexpr, c2, c3, t
     tt_low = (t & 127) * 0x01010101
     bits = (_ge_bytes(w0, tt, tt_low) | (_ge_bytes(w1, tt, tt_low) >> 1) | (_ge_bytes(w2, tt, tt_low) >> 2)
             | (_ge_bytes(w3, tt, tt_low) >> 3))
-    # element (a, b): bit 8 * (2 * a0 + b0) + 7 - (2 * a3 + b3), moved to the sign bit
-    keep = tl.cast(bits << tl.cast(24 - 16 * a0 - 8 * b0 + 2 * a3 + b3, tl.uint32), tl.int32, bitcast=True) < 0
+    # element (a, b): bit 8 * (2 * a0 + b0) + 7 - (2 * a3 + b3) of its call's word (a mask per register)
+    keep = (bits & (tl.full((), 1, tl.uint32) << tl.cast(16 * a0 + 8 * b0 + 7 - 2 * a3 - b3, tl.uint32))) != 0
     if A_ROWS:
         keep = tl.reshape(keep, (LA, LB))
     else:

@@ -266,7 +266,7 @@ def attention_dropout_rate(dropout_p: float) -> float:
 
 def attention_dropout_mask(seed: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                            dropout_p: float) -> np.ndarray:
-    """The keep-mask attention dropout draws, bool ``(batch, heads, seqlen_q, seqlen_k)``: one Philox-4x32-10
+    """The keep-mask attention dropout draws, bool ``(batch, heads, seqlen_q, seqlen_k)``: one Philox-4x32-7
     call per 16 elements (:func:`flashbridge.reference.random.philox_bytes`). Element (b, h, i, j) is byte
     ``8 * i3 + 4 * j3 + 2 * i0 + j0`` (x3, x0: bits 3 and 0 of x) of the call with counter ``(i & ~9, j & ~9,
     h, b)`` and key ``seed`` -- a call serves queries i, i+1, i+8, i+9 by keys j, j+1, j+8, j+9 --, kept

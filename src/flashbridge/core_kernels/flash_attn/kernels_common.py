@@ -569,12 +569,11 @@ def dropout_block(drop, start):
 
 
 @triton.jit
-def dropout_multiplier(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h,
-                       KEYS_FIRST: tl.constexpr = False):
-    """Attention dropout's factors for a [BLOCK_Q, BLOCK_K] tile of sequence b, query head h: ``256 / (256 -
-    t)`` where kept, 0 where dropped, float32 ([BLOCK_K, BLOCK_Q] with KEYS_FIRST: the dK/dV kernel's S^T).
-    ``drop``: :func:`dropout_block`, whose start is the queries' (the keys' with KEYS_FIRST); ``start``: the
-    other index's block start (multiples of 16).
+def dropout_keep_tile(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h, KEYS_FIRST: tl.constexpr = False):
+    """Attention dropout's keep-mask of a [BLOCK_Q, BLOCK_K] tile of sequence b, query head h (bool; [BLOCK_K,
+    BLOCK_Q] with KEYS_FIRST: the dK/dV kernel's S^T); kept values are scaled by ``drop[2]``. ``drop``:
+    :func:`dropout_block`, whose start is the queries' (the keys' with KEYS_FIRST); ``start``: the other
+    index's block start (multiples of 16).
 
     Element (i, j) is byte ``8 * i3 + 4 * j3 + 2 * i0 + j0`` (bits 3 and 0) of the Philox call with counter
     ``(i & ~9, j & ~9, h, b)`` (``keep16``: one call per 16 elements), kept when the byte is >= t: a
@@ -587,7 +586,14 @@ def dropout_multiplier(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr
     else:
         keep = keep16(seed, fixed, start, BLOCK_Q, BLOCK_K, tl.cast(h, tl.uint32), tl.cast(b, tl.uint32),
                       threshold, True)
-    return tl.where(keep, scale, 0.0)
+    return keep
+
+
+@triton.jit
+def dropout_multiplier(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h,
+                       KEYS_FIRST: tl.constexpr = False):
+    """:func:`dropout_keep_tile` as factors: ``256 / (256 - t)`` where kept, 0 where dropped (float32)."""
+    return tl.where(dropout_keep_tile(drop, start, BLOCK_Q, BLOCK_K, b, h, KEYS_FIRST), drop[2], 0.0)
 
 
 @triton.jit
@@ -665,7 +671,8 @@ def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, dia
                                      window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                                      POSITIVE_SCALE, elem_ok)
     if drop is not None:
-        p = p * dropout_multiplier(drop, k_start, p.shape[0], p.shape[1], b, h)
+        # the scale 1 / (1 - p_q) is applied to the output once (attn_fwd_kernel), not per element
+        p = tl.where(dropout_keep_tile(drop, k_start, p.shape[0], p.shape[1], b, h), p, 0.0)
     return fold_values(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
 

@@ -148,6 +148,8 @@ def attn_fwd_kernel(
                                          POSITIVE_SCALE, drop, b, h, (BLOCK_TABLE, b, table_stride, num_pages,
                                                                    stride_kb, stride_vb), PAGE_SIZE)
     out, lse = softmax_finalize(acc, m_i, l_i)
+    if HAS_DROPOUT:  # the kept weights' scale 1 / (1 - p_q) (attend_block drops without scaling)
+        out = out * drop[2]
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh
     o_ptrs = O + o_base + offs_r[:, None] * stride_os + offs_dv[None, :]
