@@ -1,5 +1,5 @@
-"""Triton's counter-based generator (``tl.philox``: Philox-4x32, 10 rounds unless told) in NumPy, bit for bit, so that the float64
-references take the exact dropout masks the kernels draw (``core_kernels/_random.py``)."""
+"""Triton's counter-based generator (``tl.philox``: Philox-4x32, 10 rounds unless told) in NumPy, bit for bit,
+so that the float64 references take the exact dropout masks the kernels draw (``core_kernels/_random.py``)."""
 from __future__ import annotations
 
 import numpy as np

@@ -569,7 +569,8 @@ def dropout_block(drop, start):
 
 
 @triton.jit
-def dropout_keep_tile(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h, KEYS_FIRST: tl.constexpr = False):
+def dropout_keep_tile(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h,
+                      KEYS_FIRST: tl.constexpr = False):
     """Attention dropout's keep-mask of a [BLOCK_Q, BLOCK_K] tile of sequence b, query head h (bool; [BLOCK_K,
     BLOCK_Q] with KEYS_FIRST: the dK/dV kernel's S^T); kept values are scaled by ``drop[2]``. ``drop``:
     :func:`dropout_block`, whose start is the queries' (the keys' with KEYS_FIRST); ``start``: the other

@@ -26,7 +26,8 @@ import triton.language as tl
 
 from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, dropout_block, dropout_state,
                              fill_uncovered_rows, fwd_kv_list, fwd_kv_range, kv_block_range, list_length, load_tile,
-                             mask_tokens, query_block, score_params, softmax_finalize, softmax_init, sparse_query_block_at)
+                             mask_tokens, query_block, score_params, softmax_finalize, softmax_init,
+                             sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
