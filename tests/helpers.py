@@ -20,10 +20,12 @@ import types
 import numpy as np
 import pytest
 import triton
+import triton.language as tl
 
 from flashbridge.checks import error_and_bound, rounded  # noqa: F401  (rounded is re-exported for tests)
 from flashbridge.checks import to_numpy64 as np64  # noqa: F401
 from flashbridge.core_kernels import get_kernel
+from flashbridge.core_kernels._random import _philox_rounds, keep16
 
 
 def assert_close(out, ref, naive, *, name="output", factor=2.0, floor=1e-5):
@@ -138,10 +140,11 @@ def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
                 **_):
     """Attention computed plainly in the inputs' dtype (differentiable): the 'naive same-dtype
     implementation' the tolerance is measured against. Returns (out, lse). ``dropout_mask``: the bool keep
-    mask ``(B, Hq, Sq_max, Sk_max)`` (``reference.attention.attention_dropout_mask``)."""
+    mask ``(B, Hq, Sq_max, Sk_max)`` (``reference.attention.attention_dropout_mask``), kept probabilities
+    scaled by ``1 / (1 - attention_dropout_rate(dropout_p))`` (p rounded to a multiple of 1/256)."""
     import torch
 
-    from flashbridge.reference.attention import visible_mask
+    from flashbridge.reference.attention import attention_dropout_rate, visible_mask
 
     dtype = q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
@@ -171,13 +174,61 @@ def naive_torch(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
         p = torch.nan_to_num(torch.softmax(s, dim=-1))[..., :sk]
         if dropout_mask is not None:
             keep = torch.as_tensor(np.asarray(dropout_mask)[i, :, :sq, :sk], device=q.device)
-            p = torch.where(keep, p / (1.0 - dropout_p), 0.0).to(dtype)
+            p = torch.where(keep, p / (1.0 - attention_dropout_rate(dropout_p)), 0.0).to(dtype)
         outs.append(torch.einsum("hqk,khd->qhd", p, vv))
         lses.append(lse)
     if cu_seqlens_q is None:
         return torch.stack(outs), torch.stack(lses)
     return torch.cat(outs), torch.cat(lses, dim=-1)
 
+
+
+@triton.jit
+def _keep16_probe(SEED, OUT, WORDS, a_start, b_start, c2, c3, threshold, LA: tl.constexpr, LB: tl.constexpr,
+                  A_ROWS: tl.constexpr):
+    """keep16's tile (int8, row-major) and, for LA * LB / 16 counters, its Philox rounds' words and
+    tl.philox's side by side (WORDS: [8, LA * LB / 16])."""
+    seed = tl.load(SEED)
+    keep = keep16(seed, a_start, b_start, LA, LB, c2, c3, threshold, A_ROWS)
+    R: tl.constexpr = LA if A_ROWS else LB
+    C: tl.constexpr = LB if A_ROWS else LA
+    tl.store(OUT + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], keep.to(tl.int8))
+    n = tl.arange(0, LA * LB // 16)
+    ca = tl.cast(a_start + n * 7919, tl.uint32)
+    cb = tl.cast(b_start + n * 104729, tl.uint32)
+    ours = _philox_rounds(seed, ca, cb, tl.cast(c2, tl.uint32), tl.cast(c3, tl.uint32), 7)
+    theirs = tl.philox(seed, ca, cb, tl.cast(c2, tl.uint32), tl.cast(c3, tl.uint32), 7)
+    for w in tl.static_range(4):
+        tl.store(WORDS + w * (LA * LB // 16) + n, ours[w].to(tl.int32, bitcast=True))
+        tl.store(WORDS + (4 + w) * (LA * LB // 16) + n, theirs[w].to(tl.int32, bitcast=True))
+
+
+def check_keep16(device: str, a_rows: bool) -> None:
+    """Attention dropout's generator (``core_kernels._random.keep16``) against NumPy: element (a, b) of its
+    tile is byte ``8 a3 + 4 b3 + 2 a0 + b0`` of Philox-4x32-7 with counter ``(a & ~9, b & ~9, c2, c3)``, kept
+    when >= t; at counters near 2**31, through the interpreter ("cpu") or compiled ("cuda")."""
+    import torch
+
+    from flashbridge.core_kernels._loader import _InterpretedKernel
+    from flashbridge.reference.random import philox4x32
+
+    seed, la, lb, a0, b0, c2, c3, t = -123457, 32, 16, 2**31 - 64, 4096 + 48, 70001, 4099, 77
+    out = torch.empty((la, lb) if a_rows else (lb, la), dtype=torch.int8, device=device)
+    words = torch.empty(8, la * lb // 16, dtype=torch.int32, device=device)
+    kernel = _keep16_probe if device != "cpu" else _InterpretedKernel(_keep16_probe.fn)
+    kernel[(1,)](torch.tensor([seed], dtype=torch.int32, device=device), out, words, a0, b0, c2, c3, t, la, lb,
+                 a_rows)
+    a, b = np.ogrid[a0:a0 + la, b0:b0 + lb]
+    byte = 8 * (a >> 3 & 1) + 4 * (b >> 3 & 1) + 2 * (a & 1) + (b & 1)
+    draws = np.stack(philox4x32(seed, a & ~9, b & ~9, c2, c3, rounds=7), -1).astype("<u4").view(np.uint8)
+    expected = np.take_along_axis(draws, byte[..., None], -1)[..., 0] >= t
+    assert np.array_equal(out.cpu().numpy().astype(bool), expected if a_rows else expected.T)
+    n = np.arange(la * lb // 16)
+    want = philox4x32(seed, a0 + n * 7919, b0 + n * 104729, c2, c3, rounds=7)
+    got = words.cpu().numpy().view(np.uint32)
+    for w in range(4):
+        assert np.array_equal(got[w], want[w]), f"keep16's Philox word {w}"
+        assert np.array_equal(got[4 + w], want[w]), f"tl.philox word {w}"
 
 
 def forward_with_config(q, k, v, kw, options, config):

@@ -1,9 +1,11 @@
 """Attention dropout (``flash_attention(..., dropout_p=, seed=)``), both frameworks, on the CPU (interpreter).
 
-The keep-mask is a function of (seed, batch, head, query, key) through Triton's Philox generator; the float64
-reference takes the exact mask from ``reference.attention.attention_dropout_mask`` (a NumPy Philox, bit for
-bit), so forward and gradients are checked against it with the accuracy rule (error <= 2 x a naive float32
-implementation's error + a floor). The mask is also read back from the kernel itself (values = identity).
+The keep-mask is a function of (seed, batch, head, query, key) through Philox-4x32-7, one call per 16
+elements (a byte each, kept when >= round(256 p)); the float64 reference takes the exact mask from
+``reference.attention.attention_dropout_mask`` (a NumPy Philox, bit for bit), so forward and gradients are
+checked against it with the accuracy rule (error <= 2 x a naive float32 implementation's error + a floor).
+The mask is also read back from the kernel itself (values = identity), with several tile sizes: the mask
+must not depend on them (the forward and the backward kernels tile differently).
 """
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
-from flashbridge.core_kernels import INTERPRETER
+from flashbridge.core_kernels.flash_attn.plan import (DROPOUT_P_ROUNDS_TO_ONE, AttentionConfig, AttnOptions, AttnShape,
+                                                      check_dropout, plan_attention_bwd, plan_attention_fwd)
+from flashbridge.core_kernels import INTERPRETER, configure
 from flashbridge.reference import attention as ref
-from flashbridge.reference.random import philox_uniform
+from flashbridge.reference.random import philox4x32, philox_uniform
 from flashbridge.torch_api import flash_attention, scaled_dot_product_attention
-from helpers import assert_close, naive_torch, np64, torch_to_jax
+from helpers import assert_close, check_keep16, naive_torch, np64, torch_to_jax
 
 # name: (b, sq, sk, hq, hkv, d, options, seqlens for packed input)
 CASES = {
@@ -91,12 +94,72 @@ def test_kernel_mask_is_the_reference_generators_and_the_same_in_both_frameworks
     assert np.array_equal(_kernel_mask(seed, b, s, h, p, framework="jax"), expected)
 
 
+# (block_m, block_n) of the forward, (dkdv_block_m, dkdv_block_n), (dq_block_m, dq_block_n): the mask and the
+# gradients must not depend on them
+TILES = [AttentionConfig(block_m=16, block_n=32, dkdv_block_m=32, dkdv_block_n=16, dq_block_m=16, dq_block_n=64,
+                         masked_block_n=16),
+         AttentionConfig(block_m=32, block_n=16, dkdv_block_m=16, dkdv_block_n=64, dq_block_m=64, dq_block_n=16,
+                         fused_backward=False)]
+
+
+@pytest.mark.parametrize("config", TILES, ids=["tiles-a", "tiles-b"])
+def test_mask_and_gradients_do_not_depend_on_the_tiles(config):
+    b, s, h, p, seed = 1, 48, 2, 0.4, 31
+    with configure(config):
+        assert np.array_equal(_kernel_mask(seed, b, s, h, p), ref.attention_dropout_mask(seed, b, h, s, s, p))
+        q, k, v, kw, (b, sq, sk) = _inputs(CASES["gqa-causal"], seed=4)
+        mask = ref.attention_dropout_mask(seed, b, q.shape[-2], sq, sk, p)
+        dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(5))
+        ours = _grads(lambda *a: flash_attention(*a, dropout_p=p, seed=seed, **kw), q, k, v, dout)
+    naive = _grads(lambda *a: naive_torch(*a, dropout_mask=mask, dropout_p=p, **kw)[0], q, k, v, dout)
+    r_out, _ = ref.flash_attention(np64(q), np64(k), np64(v), dropout_mask=mask, dropout_p=p, **kw)
+    r_grads = ref.flash_attention_bwd(np64(dout), np64(q), np64(k), np64(v), dropout_mask=mask, dropout_p=p,
+                                      **kw)[:3]
+    for what, a, r, n in zip(("out", "dq", "dk", "dv"), ours, (r_out, *r_grads), naive):
+        assert_close(a, r, n, name=what)
+
+
+def test_mask_is_one_philox_call_per_16_elements_and_depends_on_no_length():
+    """Element (b, h, i, j) is byte 8 i3 + 4 j3 + 2 i0 + j0 (bits 3 and 0) of Philox-4x32-7 with counter
+    (i & ~9, j & ~9, h, b), byte k of a call being byte k % 4 of word k // 4, least significant first."""
+    seed, p = -9, 0.3
+    t = ref.attention_dropout_threshold(p)
+    full = ref.attention_dropout_mask(seed, 2, 3, 48, 40, p)
+    assert np.array_equal(ref.attention_dropout_mask(seed, 2, 3, 20, 17, p), full[:, :, :20, :17])
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 9, 25), (1, 1, 47, 39), (0, 2, 18, 3), (1, 0, 7, 8)]:
+        byte = 8 * (i >> 3 & 1) + 4 * (j >> 3 & 1) + 2 * (i & 1) + (j & 1)
+        word = int(philox4x32(seed, i & ~9, j & ~9, h, b, rounds=7)[byte // 4])
+        assert full[b, h, i, j] == ((word >> 8 * (byte % 4) & 255) >= t)
+
+
+def test_applied_rate_is_p_rounded_to_a_256th():
+    assert ref.attention_dropout_threshold(0.1) == 26 and ref.attention_dropout_rate(0.1) == 26 / 256
+    assert ref.attention_dropout_threshold(1 / 512) == 1  # halves up
+    assert ref.attention_dropout_threshold(np.nextafter(np.float32(1 / 512), np.float32(0))) == 0  # p in float32
+    assert ref.attention_dropout_threshold(0.0) == 0 and ref.attention_dropout_threshold(0.99) == 253
+    # the largest accepted p rounds to 255/256; the plan check refuses exactly the ones that round to 1
+    assert ref.attention_dropout_threshold(np.nextafter(DROPOUT_P_ROUNDS_TO_ONE, 0)) == 255
+    assert ref.attention_dropout_threshold(DROPOUT_P_ROUNDS_TO_ONE) == 256
+    check_dropout(float(np.nextafter(DROPOUT_P_ROUNDS_TO_ONE, 0)), True)
+    with pytest.raises(ValueError, match="dropout_p: must be below 511/512"):
+        check_dropout(DROPOUT_P_ROUNDS_TO_ONE, True)
+    # the kernels: p and its rounded value draw the same mask and the same scale 1 / (1 - p_q)
+    q, k, v, kw, _ = _inputs(CASES["dense"])
+    assert torch.equal(flash_attention(q, k, v, dropout_p=0.1, seed=3), flash_attention(q, k, v, dropout_p=26 / 256,
+                                                                                           seed=3))
+    out = flash_attention(q, k, v, dropout_p=0.995, seed=3)  # 255 / 256: 1 in 256 kept, scaled by 256
+    r_out, _ = ref.flash_attention(np64(q), np64(k), np64(v), dropout_p=0.995,
+                                   dropout_mask=ref.attention_dropout_mask(3, 2, 2, 17, 33, 0.995))
+    np.testing.assert_allclose(out.numpy(), r_out, rtol=1e-4, atol=1e-4)
+
+
 def test_keep_rate_and_seeds():
     p = 0.2
+    kept = 1 - ref.attention_dropout_rate(p)  # 205 / 256
     big = ref.attention_dropout_mask(5, 4, 8, 128, 256, p)  # 1M draws
-    assert abs(big.mean() - (1 - p)) < 3e-3
+    assert abs(big.mean() - kept) < 2e-3
     kernel = _kernel_mask(5, 2, 64, 2, p)
-    assert abs(kernel.mean() - (1 - p)) < 0.02
+    assert abs(kernel.mean() - kept) < 0.02
     assert np.array_equal(kernel, ref.attention_dropout_mask(5, 2, 2, 64, 64, p))
     # the same seed, the same mask (an int or a tensor); another seed, another mask
     q, k, v, kw, _ = _inputs(CASES["dense"])
@@ -106,6 +169,13 @@ def test_keep_rate_and_seeds():
     assert not torch.equal(a, flash_attention(q, k, v, dropout_p=p, seed=12))
     assert not np.array_equal(ref.attention_dropout_mask(11, 2, 2, 17, 33, p),
                               ref.attention_dropout_mask(12, 2, 2, 17, 33, p))
+
+
+@pytest.mark.parametrize("a_rows", [True, False])
+def test_keep16_is_the_documented_lattice_and_its_philox_is_tl_philox(a_rows):
+    """The generator helper itself, through the interpreter, at counters near 2**31 (the GPU suite runs the
+    same probe compiled)."""
+    check_keep16("cpu", a_rows)
 
 
 def test_numpy_philox_is_tl_rand():
@@ -194,6 +264,8 @@ def test_dropout_argument_errors(framework):
         api.flash_attention(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
         api.flash_attention(q, q, q, dropout_p=1.0, seed=1)
+    with pytest.raises(ValueError, match="dropout_p: must be below 511/512"):
+        api.flash_attention(q, q, q, dropout_p=0.999, seed=1)
     with pytest.raises(TypeError, match="dropout_p"):
         api.flash_attention(q, q, q, dropout_p="0.1", seed=1)
     with pytest.raises(TypeError, match="seed"):
@@ -285,3 +357,32 @@ def test_multihead_attention_dropout_in_training_mode():
     c, _ = mha(x, x, x, need_weights=False)
     plain, _ = mha.eval()(x, x, x, need_weights=False)
     assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, plain)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_kernels_keep_the_mask_out_of_shared_memory(causal):
+    """Compiled for sm_90 without a GPU (the resource model's machinery, tests/test_tiles.py): with dropout the
+    D=128 bf16 forward and backward allocate exactly the shared memory they do without it. The generator is
+    laid out on the accumulator's registers; had Triton instead drawn it in another layout and moved the
+    words through shared memory, the forward (224 of 227 KB without dropout) would no longer launch."""
+    import dataclasses
+
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import check_attention_args
+    from flashbridge.tiles import compiled
+
+    why = compiled.available(90)
+    if why:
+        pytest.skip(why)
+    info = ((2, 4096, 16, 128), "bfloat16")
+    shape, options = check_attention_args(q=info, k=info, v=info, causal=causal)
+    dtypes = {n: "bfloat16" for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
+    dtypes["seed"] = "int32"
+    target = Target(False, 132)
+    for plan_fn in (plan_attention_fwd, plan_attention_bwd):
+        plain = plan_fn(shape, options, target=target).launches
+        drop = plan_fn(shape, dataclasses.replace(options, dropout_p=0.1), target=target).launches
+        for a, b in zip(plain, drop):
+            if "dropout_p" not in dict(b.scalars):
+                continue
+            assert compiled.compile_launch(b, dtypes).shared == compiled.compile_launch(a, dtypes).shared, b.kernel

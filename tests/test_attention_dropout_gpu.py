@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashbridge.reference import attention as ref
-from helpers import assert_close, naive_torch, torch_to_jax
+from helpers import assert_close, check_keep16, naive_torch, torch_to_jax
 
 pytestmark = pytest.mark.gpu
 
@@ -25,19 +25,19 @@ def _jax_api():
     return jax_api
 
 
-def _kernel_mask(device, seed, b, s, h, p, framework="torch"):
+def _kernel_mask(device, seed, b, s, h, p, framework="torch", dtype=torch.float32, d=16):
     """The kernel's keep-mask (b, h, s, s), read back with values = identity (out[b, i, h, j] = p_ij * keep_ij /
-    (1 - p): nonzero exactly where kept)."""
+    (1 - p_q): nonzero exactly where kept). bf16 inputs take the large GPU tiles, float32 the small ones."""
     from flashbridge.torch_api import flash_attention
 
     g = torch.Generator().manual_seed(3)
-    q = (torch.randn(b, s, h, 16, generator=g) * 0.1).to(device)
-    k = (torch.randn(b, s, h, 16, generator=g) * 0.1).to(device)
-    v = torch.eye(s).expand(b, h, s, s).transpose(1, 2).contiguous().to(device)
+    q = (torch.randn(b, s, h, d, generator=g) * 0.1).to(device, dtype)
+    k = (torch.randn(b, s, h, d, generator=g) * 0.1).to(device, dtype)
+    v = torch.eye(s).expand(b, h, s, s).transpose(1, 2).contiguous().to(device, dtype)
     if framework == "jax":
         out = np.asarray(_jax_api().flash_attention(*map(torch_to_jax, (q, k, v)), dropout_p=p, seed=seed))
     else:
-        out = flash_attention(q, k, v, dropout_p=p, seed=seed).cpu().numpy()
+        out = flash_attention(q, k, v, dropout_p=p, seed=seed).float().cpu().numpy()
     return np.transpose(out != 0, (0, 2, 1, 3))
 
 
@@ -50,6 +50,19 @@ def test_gpu_mask_is_the_cpu_interpreters_and_the_generators(seed):
     assert np.array_equal(gpu, _kernel_mask("cpu", seed, b, s, h, p))
     if _jax_api() is not None:
         assert np.array_equal(_kernel_mask("cuda", seed, b, s, h, p, framework="jax"), expected)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_mask_with_the_bf16_tiles(d):
+    """bf16 takes the large tiles (forward 128 x 128 at D=128, a 64-key masked block, ...), where the
+    generator is laid out on the tensor cores' accumulator: the mask is still the generator's, in every
+    orientation the forward and the backward use (the backward's gradients check the latter below)."""
+    b, s, h, p, seed = 1, 320, 2, 0.3, 2024
+    expected = ref.attention_dropout_mask(seed, b, h, s, s, p)
+    assert np.array_equal(_kernel_mask("cuda", seed, b, s, h, p, dtype=torch.bfloat16, d=d), expected)
+    if _jax_api() is not None:
+        assert np.array_equal(_kernel_mask("cuda", seed, b, s, h, p, framework="jax", dtype=torch.bfloat16, d=d),
+                              expected)
 
 
 @pytest.mark.parametrize("case", [
@@ -130,3 +143,10 @@ def test_gpu_generator_matches_numpy_past_32_bit_offsets():
         keep_kernel[(1,)](torch.tensor([seed], dtype=torch.int32, device="cuda"), out, base, 256)
         expected = philox_uniform(seed, base + np.arange(256, dtype=np.int64)) >= np.float32(0.5)
         assert np.array_equal(out.cpu().numpy().astype(bool), expected)
+
+
+@pytest.mark.parametrize("a_rows", [True, False])
+def test_gpu_keep16_is_the_documented_lattice_and_its_philox_is_tl_philox(a_rows):
+    """keep16 compiled (the CPU suite runs the same probe interpreted): the documented byte of Philox-4x32-7
+    in both orientations at counters near 2**31, and its widening-multiply rounds equal tl.philox's."""
+    check_keep16("cuda", a_rows)

@@ -270,11 +270,14 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         block_mask: a :class:`flashbridge.masks.BlockMask` (a pytree: pass it through jit / vmap / shard_map
             like an array argument): only the key blocks it lists are visited; rows that see nothing output 0
             and lse -inf. Not with causal / window_size (build them into the mask) or packed inputs.
-        dropout_p: attention dropout on the probabilities (after the softmax, before ``@ v``): each is kept
-            with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; lse stays the undropped
-            softmax's (as flash-attn). The mask is a function of ``(seed, batch, head, query, key)`` (Philox,
-            the generator of the dropout norms): the same seed gives the same mask here, in
-            ``flashbridge.torch_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
+        dropout_p: attention dropout on the probabilities (after the softmax, before ``@ v``) at the rate
+            ``p_q = round(256 * dropout_p) / 256`` (p rounded to a multiple of 1/256, halves up; 0.1 ->
+            0.1015625; p >= 511/512 is refused): each is kept with probability ``1 - p_q`` and scaled by
+            ``1 / (1 - p_q)``, so the expectation is exact; lse stays the undropped softmax's (as flash-attn).
+            The mask is a function of ``(seed, batch, head, query, key)`` (Philox, one draw per 16 elements,
+            ``flashbridge.reference.attention.attention_dropout_mask``): the same seed gives the same mask
+            here, in ``flashbridge.torch_api``, on CPU and GPU, and the backward regenerates it. 0 costs
+            nothing.
         seed: a Python int (int32 range) or an integer array of one element (may be traced); required when
             ``dropout_p > 0``. Under vmap, dropout maps one example at a time.
         block_table: int32 ``(B, max_pages)``: k / v are a paged cache ``(num_pages, page_size, Hkv, D)``;

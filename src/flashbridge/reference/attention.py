@@ -9,7 +9,8 @@ built explicitly, in the order the kernels apply them::
     s = s - slope * |i + Sk - Sq - j|                    ALiBi (bottom-right aligned, like causal)
     s = -inf where key j is not visible from query i     causal / window / bounds
     p = exp(s - lse), lse = log(sum_j exp(s_j) + exp(sink))
-    out = (p * keep / (1 - dropout_p)) @ v              dropout (keep: attention_dropout_mask); lse undropped
+    out = (p * keep / (1 - p_q)) @ v                    dropout (keep: attention_dropout_mask, p_q:
+                                                         attention_dropout_rate(dropout_p)); lse undropped
 
 A row that sees no key has ``out = 0`` and ``lse = -inf`` (``lse = sink`` when the head has a sink).
 Non-finite values follow IEEE arithmetic and define what the kernels return: a NaN in anything a row
@@ -23,7 +24,7 @@ import math
 
 import numpy as np
 
-from .random import philox_uniform
+from .random import philox_bytes
 
 
 def _f64(a):
@@ -131,10 +132,10 @@ def _slopes_for(alibi_slopes, b):
 
 
 def _dropout_for(dropout_mask, dropout_p, b, sq, sk):
-    """Sequence b's dropout factors ``keep / (1 - p)`` (H, Sq, Sk), or None without dropout."""
+    """Sequence b's dropout factors ``keep / (1 - p_q)`` (H, Sq, Sk), or None without dropout."""
     if dropout_mask is None:
         return None
-    return np.asarray(dropout_mask, dtype=bool)[b, :, :sq, :sk] / (1.0 - float(dropout_p))
+    return np.asarray(dropout_mask, dtype=bool)[b, :, :sq, :sk] / (1.0 - attention_dropout_rate(dropout_p))
 
 
 def _mask_for(mask, b):
@@ -161,7 +162,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     and ``(Hq, total_q)``. ``max_seqlen_*`` are accepted for signature parity and ignored. ``mask``: bool
     ``(B|1, Hq|1, Sq, Sk)``, query i sees key j only where True (dense inputs; a BlockMask's ``to_dense()``).
     ``dropout_mask``: bool ``(B, Hq, Sq, Sk)`` (max lengths when packed), the kept probabilities
-    (:func:`attention_dropout_mask`), scaled by ``1 / (1 - dropout_p)``; lse is the undropped softmax's.
+    (:func:`attention_dropout_mask`), scaled by ``1 / (1 - p_q)`` with ``p_q`` the applied rate
+    (:func:`attention_dropout_rate`); lse is the undropped softmax's.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     varlen = cu_seqlens_q is not None
@@ -248,14 +250,31 @@ def flash_attention_bwd(dout, q, k, v, *, causal=False, softmax_scale=None, wind
     return dq, dk, dv, dsinks
 
 
+def attention_dropout_threshold(dropout_p: float) -> int:
+    """The byte threshold t of attention dropout: ``round(256 * p)`` (halves up) of p rounded to float32,
+    computed as ``(floor(512 * p) + 1) >> 1`` (exact: a power-of-two scale). A byte (uniform in 0..255) is
+    kept when it is >= t, so t / 256 is the rate applied (:func:`attention_dropout_rate`)."""
+    return (int(np.float32(dropout_p) * np.float32(512)) + 1) >> 1
+
+
+def attention_dropout_rate(dropout_p: float) -> float:
+    """The dropout rate attention applies for ``dropout_p``: p rounded to the nearest multiple of 1/256
+    (``attention_dropout_threshold(p) / 256``); kept probabilities are scaled by ``1 / (1 - rate)``, so the
+    expectation is exact. 0.1 -> 26/256 = 0.1015625."""
+    return attention_dropout_threshold(dropout_p) / 256.0
+
 
 def attention_dropout_mask(seed: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                            dropout_p: float) -> np.ndarray:
-    """The keep-mask attention dropout draws, bool ``(batch, heads, seqlen_q, seqlen_k)``: element (b, h, i,
-    j) is kept when the Philox uniform (:func:`flashbridge.reference.random.philox_uniform`) of ``(seed,
-    ((b * heads + h) * seqlen_q + i) * seqlen_k + j)`` is >= ``dropout_p`` rounded to float32 -- the
-    kernels' rule (``dropout_multiplier`` in core_kernels/flash_attn/kernels_common.py). Packed sequences
-    use the maximum lengths and their own index within the batch: take ``[b, :, :len_q, :len_k]``."""
+    """The keep-mask attention dropout draws, bool ``(batch, heads, seqlen_q, seqlen_k)``: one Philox-4x32-7
+    call per 16 elements (:func:`flashbridge.reference.random.philox_bytes`). Element (b, h, i, j) is byte
+    ``8 * i3 + 4 * j3 + 2 * i0 + j0`` (x3, x0: bits 3 and 0 of x) of the call with counter ``(i & ~9, j & ~9,
+    h, b)`` and key ``seed`` -- a call serves queries i, i+1, i+8, i+9 by keys j, j+1, j+8, j+9 --, kept
+    when that byte is >= :func:`attention_dropout_threshold`: the kernels' rule (``dropout_multiplier`` in
+    core_kernels/flash_attn/kernels_common.py). The mask depends on no length: packed sequence b takes
+    ``[b, :, :len_q, :len_k]``."""
     b, h, i, j = np.ogrid[:batch, :heads, :seqlen_q, :seqlen_k]
-    offs = ((b.astype(np.int64) * heads + h) * seqlen_q + i) * seqlen_k + j
-    return philox_uniform(int(seed), offs) >= np.float32(dropout_p)
+    byte = 8 * ((i >> 3) & 1) + 4 * ((j >> 3) & 1) + 2 * (i & 1) + (j & 1)
+    draws = philox_bytes(int(seed), i & ~9, j & ~9, h, b)  # (B, H, Sq, Sk, 16)
+    keep = np.take_along_axis(draws, np.broadcast_to(byte, draws.shape[:-1])[..., None], axis=-1)[..., 0]
+    return keep >= attention_dropout_threshold(dropout_p)

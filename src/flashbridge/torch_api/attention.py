@@ -270,11 +270,14 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             only the key blocks it lists are visited (block-sparse attention); rows that see nothing output 0
             and lse -inf. Combines with softcap, ALiBi, sinks, GQA; not with causal / window_size (build that
             into the mask) or packed inputs.
-        dropout_p: attention dropout on the probabilities (after the softmax, before ``@ v``): each is kept
-            with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; lse stays the undropped
-            softmax's (as flash-attn). The mask is a function of ``(seed, batch, head, query, key)`` (Philox,
-            the generator of the dropout norms): the same seed gives the same mask here, in
-            ``flashbridge.jax_api``, on CPU and GPU, and the backward regenerates it. 0 costs nothing.
+        dropout_p: attention dropout on the probabilities (after the softmax, before ``@ v``) at the rate
+            ``p_q = round(256 * dropout_p) / 256`` (p rounded to a multiple of 1/256, halves up; 0.1 ->
+            0.1015625; p >= 511/512 is refused): each is kept with probability ``1 - p_q`` and scaled by
+            ``1 / (1 - p_q)``, so the expectation is exact; lse stays the undropped softmax's (as flash-attn).
+            The mask is a function of ``(seed, batch, head, query, key)`` (Philox, one draw per 16 elements,
+            ``flashbridge.reference.attention.attention_dropout_mask``): the same seed gives the same mask
+            here, in ``flashbridge.jax_api``, on CPU and GPU, and the backward regenerates it. 0 costs
+            nothing.
         seed: a Python int (int32 range) or a one-element integer tensor; required when ``dropout_p > 0``.
         block_table: int32 ``(B, max_pages)``: k / v are a paged cache ``(num_pages, page_size, Hkv, D)``;
             key ``j`` of sequence ``b`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``

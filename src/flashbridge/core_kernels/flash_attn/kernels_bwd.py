@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_mask_visible, block_schedule,
-                             dropout_multiplier, dropout_state,
+                             dropout_block, dropout_multiplier, dropout_state,
                              fill_uncovered_rows, grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile,
                              lse_log2, mask_bits, mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
                              score_grad, score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
@@ -178,7 +178,7 @@ def _dkdv_step(
                            slope2, diag, len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
                            HAS_ALIBI, elem_ok)  # [N, M]
     if drop is not None:  # dropout (head h): dV takes the dropped P, dS the dropped dP (as the forward's P @ V)
-        z_t = dropout_multiplier(offs_m[None, :], offs_n[:, None], b, h, drop)  # [N, M]
+        z_t = dropout_multiplier(drop, m_start, BLOCK_M, offs_n.shape[0], b, h, True)  # [N, M]
         dv = tl.dot((p_t * z_t).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     else:
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -358,6 +358,8 @@ def _dkdv_program(
 ):
     """dK, dV of the key block at ``n_start`` (< len_k) of kv head ``kh`` of sequence ``b``: all their
     columns, or with COL_SPLIT = 2 the half ``part`` (0 or 1) of them (see :func:`_dkdv_step`)."""
+    if drop is not None:
+        drop = dropout_block(drop, n_start)
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dk, dv) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -474,7 +476,7 @@ def attn_bwd_dkdv_kernel(
     n_start = pid_n * BLOCK_N
     drop = None
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, tl.num_programs(1) * GROUP, seqlen_q, seqlen_k)
+        drop = dropout_state(SEED, dropout_p)
     if n_start >= len_k:
         if IS_VARLEN and not BLOCK_SPARSE:
             if (pid_n == tl.num_programs(0) // COL_SPLIT - 1) & (part == 0):  # the extra key block
@@ -516,7 +518,7 @@ def _dq_step(
                        len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     if drop is not None:  # dropout (head h): the forward's P @ V used the dropped P, so dP is dropped too
-        dp = dp * dropout_multiplier(offs_m[:, None], offs_n[None, :], b, h, drop)
+        dp = dp * dropout_multiplier(drop, n_start, offs_m.shape[0], BLOCK_N, b, h)
     ds = score_grad(p, dp, delta[:, None], t, HAS_SOFTCAP)
     if ALIBI_GRAD:
         ds_bias = ds
@@ -589,6 +591,8 @@ def _dq_program(
     """dQ of the query block at ``m_start`` of head ``h`` of sequence ``b`` (coordinates from
     :func:`query_block`, ``m_start < len_q``). ALIBI_GRAD: also this block's term of the slope's gradient,
     stored at ``DSLOPE_BLOCKS[slope_block]`` (see :func:`_dq_step`)."""
+    if drop is not None:
+        drop = dropout_block(drop, m_start)
     # Strides are multiples of STRIDE_ALIGN (q, k, v, do, dq) and LSE_ALIGN (lse, delta): see aligned().
     stride_qb, stride_qs, stride_qh = aligned_strides(stride_qb, stride_qs, stride_qh, STRIDE_ALIGN)
     stride_kb, stride_ks, stride_kh = aligned_strides(stride_kb, stride_ks, stride_kh, STRIDE_ALIGN)
@@ -691,7 +695,7 @@ def attn_bwd_dq_kernel(
     slope_block = (b * tl.num_programs(1) + h) * tl.num_programs(0) + m_start // BLOCK_M
     drop = None
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, tl.num_programs(1), seqlen_q, seqlen_k)
+        drop = dropout_state(SEED, dropout_p)
     if m_start >= len_q:
         if ALIBI_GRAD:  # every block of the slopes' partial sums is written
             tl.store(DSLOPE_BLOCKS + slope_block, 0.0)
@@ -750,7 +754,7 @@ def attn_bwd_kernel(
     pid = tl.program_id(0)
     drop = None  # built here, outside the branches: a None cannot leave a runtime branch
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, heads_kv * GROUP, seqlen_q, seqlen_k)
+        drop = dropout_state(SEED, dropout_p)
     if pid < n_kv:
         p0, p1, p2 = unravel_grid(pid, kv_blocks, heads_kv)
         pid_n, kh, b = grid_schedule(p0, p1, p2, kv_blocks, heads_kv, n_seqs, HEAD_GROUP)

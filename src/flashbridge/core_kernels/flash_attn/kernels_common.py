@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .._loader import interpreter_twin
-from .._random import dropout_keep
+from .._random import byte_threshold, keep16
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -551,23 +551,50 @@ def fold_values(acc, p, alpha, v, DOT_PRECISION: tl.constexpr):
 # ---------------------------------------------------------------------------------------------- dropout
 
 @triton.jit
-def dropout_state(SEED, dropout_p, n_heads, seqlen_q, seqlen_k):
-    """A kernel's attention-dropout state: (seed, p, query heads, seqlen_q, seqlen_k), the kernel's (maximum)
-    sequence lengths. Kernels build it once, before any branch, only with HAS_DROPOUT, and pass ``None``
-    otherwise, so that dropout_p = 0 compiles the kernels without dropout."""
-    return tl.load(SEED), dropout_p, n_heads, seqlen_q, seqlen_k
+def dropout_state(SEED, dropout_p):
+    """A kernel's attention-dropout state: (seed, byte threshold t, scale ``256 / (256 - t)``); a program
+    adds its fixed block's start with :func:`dropout_block`. Kernels build it once, before any branch, only
+    with HAS_DROPOUT, and pass ``None`` otherwise, so that dropout_p = 0 compiles the kernels without
+    dropout."""
+    threshold = byte_threshold(dropout_p)
+    return tl.load(SEED), threshold, tl.div_rn(256.0, tl.cast(256 - threshold, tl.float32))
 
 
 @triton.jit
-def dropout_multiplier(q_idx, k_idx, b, h, drop):
-    """Attention dropout's factor for the elements (sequence b, query head h, query ``q_idx``, key ``k_idx``):
-    ``1 / (1 - p)`` where kept, 0 where dropped (float32, the broadcast shape of the index tensors; transposed
-    in dK/dV). The element is kept when the Philox uniform of ``(seed, ((b * H + h) * Sq + i) * Sk + j)`` is
-    >= p (``dropout_keep``; ``Sq`` / ``Sk`` the maximum lengths): one mask for the forward's P @ V and the
-    backward's dV and dP, torch and JAX, CPU and GPU. ``drop``: :func:`dropout_state`."""
-    seed, dropout_p, n_heads, seqlen_q, seqlen_k = drop
-    offs = ((tl.cast(b, tl.int64) * n_heads + h) * seqlen_q + q_idx) * seqlen_k + k_idx
-    return tl.where(dropout_keep(seed, offs, dropout_p), 1.0 / (1.0 - tl.cast(dropout_p, tl.float32)), 0.0)
+def dropout_block(drop, start):
+    """:func:`dropout_state` of a program whose fixed block starts at ``start``: its query rows in the
+    forward and dQ, its key rows in dK/dV (a multiple of 16, as every block start)."""
+    seed, threshold, scale = drop
+    return seed, threshold, scale, start
+
+
+@triton.jit
+def dropout_keep_tile(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h,
+                      KEYS_FIRST: tl.constexpr = False):
+    """Attention dropout's keep-mask of a [BLOCK_Q, BLOCK_K] tile of sequence b, query head h (bool; [BLOCK_K,
+    BLOCK_Q] with KEYS_FIRST: the dK/dV kernel's S^T); kept values are scaled by ``drop[2]``. ``drop``:
+    :func:`dropout_block`, whose start is the queries' (the keys' with KEYS_FIRST); ``start``: the other
+    index's block start (multiples of 16).
+
+    Element (i, j) is byte ``8 * i3 + 4 * j3 + 2 * i0 + j0`` (bits 3 and 0) of the Philox call with counter
+    ``(i & ~9, j & ~9, h, b)`` (``keep16``: one call per 16 elements), kept when the byte is >= t: a
+    function of (seed, b, h, i, j) only, so the forward's P @ V, the backward's dV and dP, torch and JAX, CPU
+    and GPU draw one mask (``reference.attention.attention_dropout_mask``)."""
+    seed, threshold, scale, fixed = drop
+    if KEYS_FIRST:
+        keep = keep16(seed, start, fixed, BLOCK_Q, BLOCK_K, tl.cast(h, tl.uint32), tl.cast(b, tl.uint32),
+                      threshold, False)
+    else:
+        keep = keep16(seed, fixed, start, BLOCK_Q, BLOCK_K, tl.cast(h, tl.uint32), tl.cast(b, tl.uint32),
+                      threshold, True)
+    return keep
+
+
+@triton.jit
+def dropout_multiplier(drop, start, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, b, h,
+                       KEYS_FIRST: tl.constexpr = False):
+    """:func:`dropout_keep_tile` as factors: ``256 / (256 - t)`` where kept, 0 where dropped (float32)."""
+    return tl.where(dropout_keep_tile(drop, start, BLOCK_Q, BLOCK_K, b, h, KEYS_FIRST), drop[2], 0.0)
 
 
 @triton.jit
@@ -635,16 +662,18 @@ def block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen
 def attend_block(acc, m_i, l_i, qk, v, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k, window_left,
                  window_right, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None,
-                 drop=None, b=0, h=0):
+                 drop=None, b=0, h=0, k_start=0):
     """Raw dot products ``qk`` [M, N] of a loaded KV block -> score modifiers (:func:`block_probs`) -> fold
     ``v`` [N, Dv] into the running (acc, m_i, l_i). Shared by every forward iteration strategy (dense
-    ranges, paged decode). ``drop`` (:func:`dropout_state`; sequence ``b``, head ``h``): dropout on the folded
-    weights only; the running sum, and so the lse, is the undropped softmax's (as flash-attn)."""
+    ranges, paged decode). ``drop`` (:func:`dropout_block` of the query block; sequence ``b``, head ``h``,
+    keys from ``k_start``): dropout on the folded weights only; the running sum, and so the lse, is the
+    undropped softmax's (as flash-attn)."""
     p, alpha, m_i, l_i = block_probs(m_i, l_i, qk, q_idx, k_idx, qk_scale, cap2, slope2, diag, seqlen_k,
                                      window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                                      POSITIVE_SCALE, elem_ok)
     if drop is not None:
-        p = p * dropout_multiplier(q_idx, k_idx, b, h, drop)
+        # the scale 1 / (1 - p_q) is applied to the output once (attn_fwd_kernel), not per element
+        p = tl.where(dropout_keep_tile(drop, k_start, p.shape[0], p.shape[1], b, h), p, 0.0)
     return fold_values(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
 
@@ -681,7 +710,7 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N] float32
     return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
                         seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                        DOT_PRECISION, POSITIVE_SCALE, elem_ok, drop, b, h)
+                        DOT_PRECISION, POSITIVE_SCALE, elem_ok, drop, b, h, n_start)
 
 
 @triton.jit

@@ -24,10 +24,10 @@ at the bottom-right of (the sequence's queries, its used keys).
 import triton
 import triton.language as tl
 
-from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, dropout_state, fill_uncovered_rows,
-                             fwd_kv_list,
-                             fwd_kv_range, kv_block_range, list_length, load_tile, mask_tokens, query_block,
-                             score_params, softmax_finalize, softmax_init, sparse_query_block_at)
+from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, dropout_block, dropout_state,
+                             fill_uncovered_rows, fwd_kv_list, fwd_kv_range, kv_block_range, list_length, load_tile,
+                             mask_tokens, query_block, score_params, softmax_finalize, softmax_init,
+                             sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
 # states it through STRIDE_ALIGN / LSE_ALIGN instead), so that both front-ends compile the same kernel.
@@ -110,7 +110,7 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     drop = None
     if HAS_DROPOUT:
-        drop = dropout_state(SEED, dropout_p, tl.num_programs(1), seqlen_q, seqlen_k)
+        drop = dropout_block(dropout_state(SEED, dropout_p), m_start)
 
     if BLOCK_SPARSE:
         # This query block's row of the mask's lists (BLOCK_M divides MASK_QB); batch / head strides are 0
@@ -149,6 +149,8 @@ def attn_fwd_kernel(
                                          POSITIVE_SCALE, drop, b, h, (BLOCK_TABLE, b, table_stride, num_pages,
                                                                    stride_kb, stride_vb), PAGE_SIZE)
     out, lse = softmax_finalize(acc, m_i, l_i)
+    if HAS_DROPOUT:  # the kept weights' scale 1 / (1 - p_q) (attend_block drops without scaling)
+        out = out * drop[2]
 
     o_base = tl.cast(b, tl.int64) * stride_ob + tl.cast(q_start + m_start, tl.int64) * stride_os + h * stride_oh
     o_ptrs = O + o_base + offs_r[:, None] * stride_os + offs_dv[None, :]

@@ -227,12 +227,21 @@ def check_score_options(*, head_dim_qk: int, causal, softmax_scale, window_size,
     return scale, (None if left < 0 else left), (0 if causal else (None if right < 0 else right)), float(softcap)
 
 
+# The smallest dropout_p whose applied rate rounds to 1: round(256 * p) = 256 for p >= 511/512 after p's
+# rounding to float32 (the kernels' ``byte_threshold``), i.e. for p >= 511/512 - 2**-25 (a tie: rounds up).
+DROPOUT_P_ROUNDS_TO_ONE = 511 / 512 - 2 ** -25
+
+
 def check_dropout(dropout_p, has_seed: bool) -> float:
     """Attention dropout's probability as a float in [0, 1); a seed is required with p > 0 (the mask is a
-    function of it: no hidden global state)."""
+    function of it: no hidden global state). The kernels apply p rounded to a multiple of 1/256
+    (``reference.attention.attention_dropout_rate``); a p that rounds to 1 (>= 511/512) is refused."""
     check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
+    if dropout_p >= DROPOUT_P_ROUNDS_TO_ONE:
+        raise ValueError(f"dropout_p: must be below 511/512 (attention applies p rounded to a multiple of 1/256, "
+                         f"and this one rounds to 1), got {dropout_p}")
     if dropout_p > 0 and not has_seed:
         raise ValueError("seed: required when dropout_p > 0 (a Python int or a one-element integer tensor)")
     return float(dropout_p)
