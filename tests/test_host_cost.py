@@ -16,6 +16,7 @@ from flashbridge import torch_api as ft  # noqa: E402
 from flashbridge.core_kernels import get_kernel  # noqa: E402
 from flashbridge.core_kernels._loader import BoundLaunch  # noqa: E402
 from flashbridge.torch_api import _runtime  # noqa: E402
+from helpers import JAX_HOST_FAMILIES, assert_jax_eager_matches_jit, jax_host_cases  # noqa: E402
 
 # the modules (torch_api's namespace binds their public functions under the same names)
 attention, cross_entropy, decode, norms = (importlib.import_module(f"flashbridge.torch_api.{m}")
@@ -140,68 +141,11 @@ def test_direct_launch_passes_the_arguments_of_jitfunction_run():
 # jax.jit, and a repeated eager call must not trace again.
 
 
-def _jax_cases():
-    """family -> (op, arrays, cotangent or None): ``op(*arrays)`` is the call; with a cotangent, its vjp too."""
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    from flashbridge import jax_api as fj
-    from flashbridge import masks
 
-    keys = iter(jax.random.split(jax.random.key(0), 40))
-
-    def rnd(*shape, dtype=jnp.float32):
-        return jax.random.normal(next(keys), shape, dtype)
-
-    x, w, b = rnd(6, 40), rnd(40), rnd(40)
-    q, k, v = rnd(1, 9, 2, 16), rnd(1, 11, 2, 16), rnd(1, 11, 2, 16)
-    qs, ks, vs = rnd(1, 32, 2, 16), rnd(1, 32, 2, 16), rnd(1, 32, 2, 16)
-    mask = fj.mask_to_device(masks.document([12, 20], block_size=16))
-    qd, kc, vc, kn = rnd(2, 1, 4, 16), rnd(2, 20, 2, 16), rnd(2, 20, 2, 16), rnd(2, 1, 2, 16)
-    lens = jnp.array([20, 7], jnp.int32)
-    qm, kvm = rnd(1, 16, 2, 96), rnd(1, 16, 96)
-    logits, labels = rnd(5, 37), jnp.array([0, 3, 36, -100, 5], jnp.int32)
-    h, wv = rnd(5, 16), rnd(37, 16)
-    xr, cos, sin = rnd(1, 12, 2, 16), rnd(12, 8), rnd(12, 8)
-    g, u = rnd(4, 24), rnd(4, 24)
-    return {
-        "norms": (lambda x, w, b, r: fj.layer_norm_dropout_residual(x, w, b, r, dropout_p=0.25, seed=7),
-                  (x, w, b, rnd(6, 40)), rnd(6, 40)),
-        "attention": (lambda q, k, v: fj.flash_attention(q, k, v, causal=True), (q, k, v), rnd(1, 9, 2, 16)),
-        "block_sparse": (lambda q, k, v: fj.flash_attention(q, k, v, block_mask=mask), (qs, ks, vs),
-                         rnd(1, 32, 2, 16)),
-        "decode": (lambda q, kc, vc, kn, n: (fj.decode_attention(q, kc, vc, cache_seqlens=n, num_splits=2),
-                                             *fj.append_kv_cache(kc, vc, kn, kn, cache_seqlens=n - 1)),
-                   (qd, kc, vc, kn, lens), None),
-        "mla": (lambda q, kv: fj.mla_attention(q, kv, head_dim_v=64, causal=True), (qm, kvm), rnd(1, 16, 2, 64)),
-        "cross_entropy": (lambda x, h, w: (fj.cross_entropy(x, labels, z_loss=1e-3),
-                                           fj.linear_cross_entropy(h, w, labels, chunk_size=4)),
-                          (logits, h, wv), (jnp.float32(1.0), jnp.float32(0.5))),
-        "rotary": (lambda x: fj.rotary_embedding(x, cos, sin), (xr,), rnd(1, 12, 2, 16)),
-        "swiglu": (lambda g, u: fj.swiglu(g, u), (g, u), rnd(4, 24)),
-    }
-
-
-_JAX_FAMILIES = ["norms", "attention", "block_sparse", "decode", "mla", "cross_entropy", "rotary", "swiglu"]
-
-
-@pytest.mark.parametrize("family", _JAX_FAMILIES)
+@pytest.mark.parametrize("family", JAX_HOST_FAMILIES)
 def test_jax_eager_call_gives_the_bits_of_the_call_inside_jit(family):
-    jax = pytest.importorskip("jax")
-    op, arrays, cotangent = _jax_cases()[family]
-
-    def same(a, b):
-        leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-        assert len(leaves_a) == len(leaves_b) > 0
-        for x, y in zip(leaves_a, leaves_b):
-            assert x.dtype == y.dtype and x.shape == y.shape
-            assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True), family
-
-    same(op(*arrays), jax.jit(op)(*arrays))
-    if cotangent is not None:
-        def grads(*a):
-            return jax.vjp(op, *a)[1](cotangent)
-
-        same(grads(*arrays), jax.jit(grads)(*arrays))
+    pytest.importorskip("jax")
+    assert_jax_eager_matches_jit(*jax_host_cases()[family], name=family)
 
 
 def test_jax_repeated_eager_call_does_not_trace_again(monkeypatch):
