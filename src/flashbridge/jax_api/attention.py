@@ -18,7 +18,7 @@ import numpy as np
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cache_options,
                                             check_cu_seqlens_values, check_dropout, int_pair, plan_attention_bwd,
                                             plan_attention_fwd)
-from ._checks import as_seed, check_arrays, check_seed
+from ._checks import as_seed, check_arrays, check_seed, seed_argument
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, jit_op, match_varying
 
@@ -326,7 +326,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
     if dropout_p > 0:
         options = dataclasses.replace(options, dropout_p=dropout_p)
-    seed = seed if dropout_p > 0 else None
+    seed = seed_argument(seed) if dropout_p > 0 else None
     if block_mask is not None:
         from .block_sparse import block_sparse_attention
         out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks, seed)
@@ -338,7 +338,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
 
 @jit_op("static")
 def _attention_op(q, k, v, alibi, sinks, cu_q, cu_k, seed, *, static: _Static):
-    """(out, lse) of checked arguments; ``seed`` None (no dropout), a Python int or an integer array."""
+    """(out, lse) of checked arguments; ``seed`` None (no dropout) or an integer array (see seed_argument)."""
     if seed is None:
         return _attention(*match_varying(q, k, v, alibi, sinks, cu_q, cu_k), static)
     *arrays, seed = match_varying(q, k, v, alibi, sinks, cu_q, cu_k, as_seed(seed))

@@ -242,8 +242,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def block_sparse_attention(q, k, v, block_mask, shape, options: AttnOptions, alibi_slopes, sinks, seed=None):
-    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse); ``seed`` (a Python int
-    or an integer array) with ``options.dropout_p > 0``."""
+    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse); ``seed`` (an integer
+    array, see ``_checks.seed_argument``) with ``options.dropout_p > 0``."""
     layout = check_block_mask(block_mask, shape, options)
     static = _Static(options, block_mask.seq_len_q, block_mask.seq_len_k, block_mask.q_block, block_mask.kv_block,
                      block_mask.terms)

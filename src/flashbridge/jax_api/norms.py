@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ..core_kernels._plan import check_real
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
-from ._checks import as_seed, check_arrays, check_seed
+from ._checks import as_seed, check_arrays, check_seed, seed_argument
 from ..core_kernels._plan import memoised
 from ._runtime import dtype_name, execute, jit_op, match_varying
 
@@ -174,7 +174,7 @@ def _norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropou
 
 @jit_op("eps", "is_rms", "dropout_p")
 def _norm_op(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
-    """``seed``: None, or a Python int / integer array (made the kernels' int32 (1,) here)."""
+    """``seed``: None, or an integer array (made the kernels' int32 (1,) here: see seed_argument)."""
     seed = None if seed is None else as_seed(seed)
     x, weight, bias, residual, post_residual, seed = match_varying(x, weight, bias, residual, post_residual, seed)
     y, h, _, _ = _fused_norm(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p)
@@ -231,5 +231,5 @@ def layer_norm_dropout_residual(x: Array, weight: Optional[Array], bias: Optiona
         raise ValueError("residual: layer_norm_dropout_residual needs a residual array, got None")
     check_real("dropout_p", dropout_p)
     check_seed(seed)
-    return _norm(x, weight, bias, None, residual, seed if dropout_p > 0 else None, eps=eps, is_rms=False,
-                 dropout_p=dropout_p)
+    return _norm(x, weight, bias, None, residual, seed_argument(seed) if dropout_p > 0 else None, eps=eps,
+                 is_rms=False, dropout_p=dropout_p)
