@@ -266,15 +266,15 @@ def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array], *,
 
 def jit_op(*static: str):
     """Decorator of the array part of a public op: ``jax.jit`` with the keyword arguments named in ``static``
-    (hashable options: shapes, flags, plans) and the configs :func:`flashbridge.configure` has active
-    around the call as static arguments, so it is traced and compiled once per configuration.
+    (hashable options: shapes, flags, plans) and the configs of the :func:`~flashbridge.core_kernels.configure`
+    blocks around the call as static arguments, so it is traced and compiled once per configuration.
 
     Rule: a public op checks its arguments on the host (types, shapes, options, the values of concrete index
-    arrays), then calls one such function with its arrays (None allowed) and options; nothing inside reads
-    an array's value. Reason: an eager call then reaches a compiled executable through jit's dispatch (C++
-    when the program has no host callback, as on a GPU) instead of tracing the custom_vjp / custom_vmap /
-    kernel-call graph anew every time. Under an outer jit, grad, vmap, shard_map or checkify the function
-    is inlined into the caller's jaxpr (``inline=True``): the same program, and the same bits, as before.
+    arrays), then calls one such function with its arrays (None allowed) and options; nothing inside reads an
+    array's value. Reason: an eager call then reaches a compiled executable through jit's C++ dispatch instead
+    of tracing the custom_vjp / custom_vmap / kernel-call graph anew every time. Under an outer jit, grad,
+    vmap, shard_map or checkify the function is inlined into the caller's jaxpr (``inline=True``): the same
+    program, and the same bits, as before.
     """
     def wrap(fn):
         def body(*args, _configs, **kwargs):
