@@ -10,6 +10,11 @@ rows take gradients of every floating input with a random cotangent (torch: ``to
     python benchmarks/host_overhead.py              # CUDA; writes results/host_overhead_h200.json
     python benchmarks/host_overhead.py --only decode --framework torch
     python benchmarks/host_overhead.py --cpu        # the harness on a CPU: tiny shapes, host time only
+    python benchmarks/host_overhead.py --cpu --framework jax --no-kernels   # JAX's host path alone
+
+On a CPU the JAX ops run their kernels in Triton's interpreter, which swamps the host path: ``--no-kernels``
+replaces each plan's execution by XLA zeros of its results' shapes (no callback, as on a GPU, where the
+kernels are custom calls), so what is timed is the path of a call from the Python call to XLA's dispatch.
 """
 from __future__ import annotations
 
@@ -28,10 +33,16 @@ GOAL = 1.5  # our host time per eager call / the framework op's
 def shapes(cpu: bool) -> dict:
     if cpu:
         return {"norm": (8, 64), "attn": (1, 16, 2, 16), "decode": [(1, 64), (2, 128)], "decode_heads": (4, 2, 32),
-                "ce": (16, 256), "lce": (16, 32, 256), "rotary": (1, 16, 2, 32), "swiglu": (8, 64)}
+                "ce": (16, 256), "lce": (16, 32, 256), "rotary": (1, 16, 2, 32), "swiglu": (8, 64),
+                "sparse": ((1, 32, 2, 16), [12, 20], 16), "mla": (1, 16, 2, 96, 64), "mla_decode": (1, 64, 4, 96, 64),
+                "append": (2, 128, 2, 32), "merge": (2, 16, 2, 32)}
     return {"norm": (64, 1024), "attn": (1, 128, 16, 64),
             "decode": [(1, 4096), (1, 32768), (8, 4096), (8, 32768)], "decode_heads": (32, 8, 128),
-            "ce": (256, 32000), "lce": (256, 1024, 32000), "rotary": (1, 128, 16, 128), "swiglu": (64, 4096)}
+            "ce": (256, 32000), "lce": (256, 1024, 32000), "rotary": (1, 128, 16, 128), "swiglu": (64, 4096),
+            # block-sparse: (B, S, H, D), document lengths, block size; MLA (B, S, H, Dqk, Dv); append
+            # (B, S_max, Hkv, D) one new token; merge (N states, S, H, D)
+            "sparse": ((1, 128, 16, 64), [48, 80], 64), "mla": (1, 128, 16, 576, 512),
+            "mla_decode": (4, 4096, 16, 576, 512), "append": (8, 4096, 8, 128), "merge": (2, 128, 16, 128)}
 
 
 # ----------------------------------------------------------------------------------------------- torch
@@ -159,6 +170,7 @@ def jax_cases(cpu: bool):
     import jax.numpy as jnp
 
     from flashbridge import jax_api as fj
+    from flashbridge import masks
 
     dt = jnp.float32 if cpu else jnp.bfloat16
     key = iter(jax.random.split(jax.random.key(0), 64))
@@ -300,6 +312,113 @@ def jax_cases(cpu: bool):
     yield "swiglu", "fwd", shape, ours_swiglu, ref_swiglu, "jax.nn.silu(g) * u", (g, u)
     yield "swiglu", "fwd+bwd", shape, vjp(ours_swiglu), vjp(ref_swiglu), "jax.nn.silu(g) * u", (g, u, dys)
 
+    rows, cols = S["norm"]
+    res = rnd(rows, cols)
+
+    def ours_ldr(x, w, b, res):
+        return fj.layer_norm_dropout_residual(x, w, b, res, dropout_p=0.1, seed=1234)
+
+    def ref_ldr(x, w, b, res):
+        keep = jax.random.bernoulli(jax.random.key(1234), 0.9, x.shape)
+        return (jnp.where(keep, ln_ref(x, w, b).astype(jnp.float32) / 0.9, 0.0) + res).astype(x.dtype)
+
+    shape = f"{rows}x{cols} p0.1"
+    yield "layer_norm_dropout_residual", "fwd", shape, ours_ldr, ref_ldr, "jnp + jax.random", (x, w, b, res)
+    yield ("layer_norm_dropout_residual", "fwd+bwd", shape, vjp(ours_ldr), vjp(ref_ldr), "jnp + jax.random",
+           (x, w, b, res, dy))
+
+    (B, Sq, H, D), docs, block = S["sparse"]
+    qs, ks, vs, dos = (rnd(B, Sq, H, D) for _ in range(4))
+    mask = masks.document(docs, causal=True, block_size=block)
+    dense = jnp.asarray(mask.to_dense())
+    mask = fj.mask_to_device(mask)
+
+    def ours_sparse(q, k, v):
+        return fj.flash_attention(q, k, v, block_mask=mask)
+
+    def ref_sparse(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=dense)
+
+    shape = f"B{B} S{Sq} H{H} D{D} document"
+    yield ("block_sparse_attention", "fwd", shape, ours_sparse, ref_sparse, "jax.nn.dot_product_attention(mask=)",
+           (qs, ks, vs))
+    yield ("block_sparse_attention", "fwd+bwd", shape, vjp(ours_sparse), vjp(ref_sparse),
+           "jax.nn.dot_product_attention(mask=)", (qs, ks, vs, dos))
+
+    def mla_ref(q, kv, dv, causal):
+        s = jnp.einsum("bqhd,bkd->bhqk", q, kv, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+        if causal:
+            sq, sk = q.shape[1], kv.shape[1]
+            s = jnp.where(jnp.tril(jnp.ones((sq, sk), bool), sk - sq), s, -jnp.inf)
+        p = jax.nn.softmax(s, -1).astype(q.dtype)
+        return jnp.einsum("bhqk,bkd->bqhd", p, kv[..., :dv])
+
+    B, Sq, H, Dqk, Dv = S["mla"]
+    qm, kvm, dom = rnd(B, Sq, H, Dqk), rnd(B, Sq, Dqk), rnd(B, Sq, H, Dv)
+
+    def ours_mla(q, kv):
+        return fj.mla_attention(q, kv, head_dim_v=Dv, causal=True)
+
+    def ref_mla(q, kv):
+        return mla_ref(q, kv, Dv, True)
+
+    shape = f"B{B} S{Sq} H{H} D{Dqk}/{Dv} causal"
+    yield "mla_attention", "fwd", shape, ours_mla, ref_mla, "jnp einsum softmax", (qm, kvm)
+    yield "mla_attention", "fwd+bwd", shape, vjp(ours_mla), vjp(ref_mla), "jnp einsum softmax", (qm, kvm, dom)
+
+    B, Sk, H, Dqk, Dv = S["mla_decode"]
+    qmd, cache = rnd(B, 1, H, Dqk), rnd(B, Sk, Dqk)
+    lens = jnp.full((B,), Sk, jnp.int32)
+
+    def ours_mla_dec(q, cache, lens):
+        return fj.mla_decode(q, cache, cache_seqlens=lens, head_dim_v=Dv)
+
+    def ref_mla_dec(q, cache, lens):
+        return mla_ref(q, cache, Dv, False)
+
+    yield ("mla_decode", "fwd", f"B{B} S{Sk} H{H} D{Dqk}/{Dv}", ours_mla_dec, ref_mla_dec, "jnp einsum softmax",
+           (qmd, cache, lens))
+
+    B, Sk, Hkv, D = S["append"]
+    kc, vc, kn, vn = rnd(B, Sk, Hkv, D), rnd(B, Sk, Hkv, D), rnd(B, 1, Hkv, D), rnd(B, 1, Hkv, D)
+    lens = jnp.full((B,), Sk // 2, jnp.int32)
+
+    def ours_append(kc, vc, kn, vn, lens):
+        return fj.append_kv_cache(kc, vc, kn, vn, cache_seqlens=lens)
+
+    def ref_append(kc, vc, kn, vn, lens):
+        b = jnp.arange(kc.shape[0])
+        return kc.at[b, lens].set(kn[:, 0]), vc.at[b, lens].set(vn[:, 0])
+
+    yield ("append_kv_cache", "fwd", f"B{B} S{Sk} Hkv{Hkv} D{D} +1", ours_append, ref_append, "jnp .at[].set",
+           (kc, vc, kn, vn, lens))
+
+    N, Sq, H, D = S["merge"]
+    outs, lses = rnd(N, Sq, H, D), rnd(N, Sq, H, dtype=jnp.float32)
+
+    def ours_merge(outs, lses):
+        return fj.merge_attention_states(outs, lses)
+
+    def ref_merge(outs, lses):
+        lse = jax.nn.logsumexp(lses, axis=0)
+        w = jnp.exp(lses - lse)[..., None]
+        return jnp.sum(w * outs.astype(jnp.float32), axis=0).astype(outs.dtype), lse
+
+    yield ("merge_attention_states", "fwd", f"N{N} S{Sq} H{H} D{D}", ours_merge, ref_merge, "jnp logsumexp",
+           (outs, lses))
+
+
+def skip_jax_kernels() -> None:
+    """Every plan the JAX front-end runs on the CPU becomes XLA zeros of its results' shapes (``--no-kernels``)."""
+    import jax.numpy as jnp
+
+    from flashbridge.jax_api import _runtime
+
+    def zeros(plan, names, aliases, *arrays):
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in _runtime._result_structs(plan))
+
+    _runtime._execute_cpu = zeros
+
 
 def jax_host_us(fn, args, calls: int) -> float:
     import jax
@@ -324,6 +443,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run the harness on the CPU (host time only)")
     parser.add_argument("--framework", choices=("torch", "jax", "both"), default="both")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="with --cpu: JAX plans become XLA zeros, timing the host path alone")
     parser.add_argument("--only", default="", help="comma-separated substrings of op names to keep")
     parser.add_argument("--calls", type=int, default=0, help="calls per timed batch (default 100; CPU 5)")
     args = parser.parse_args()
@@ -332,15 +453,19 @@ def main():
     only = [s for s in args.only.split(",") if s]
     rows, records = [], []
     frameworks = ("torch", "jax") if args.framework == "both" else (args.framework,)
+    if args.no_kernels:
+        if not cpu or frameworks != ("jax",):
+            parser.error("--no-kernels needs --cpu --framework jax")
+        skip_jax_kernels()
 
     def keep(op):
         return not only or any(s in op for s in only)
 
     def record(framework, op, mode, shape, base_name, ours_us, base_us, ours_ms, base_ms, error=None):
-        ratio = ours_us / base_us if base_us and not cpu else math.nan
+        ratio = ours_us / base_us if base_us and (not cpu or args.no_kernels) else math.nan
         ok = "" if cpu or error else ("yes" if ratio <= GOAL else "NO")
         rows.append([framework, op, mode, shape, base_name, ours_us, base_us,
-                     "" if cpu else f"{ratio:.2f}", ok, ours_ms, base_ms, error or ""])
+                     "" if math.isnan(ratio) else f"{ratio:.2f}", ok, ours_ms, base_ms, error or ""])
         records.append({"framework": framework, "op": op, "mode": mode, "shape": shape, "baseline": base_name,
                         "host_us": ours_us, "baseline_host_us": base_us,
                         "ratio": None if cpu else ratio, "within_goal": None if cpu or error else bool(ratio <= GOAL),

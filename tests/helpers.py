@@ -713,3 +713,75 @@ def make_paged_prefill_case(seed, *, lens_q=(5, 17, 1), used=(40, 17, 3), hq=4, 
             "max_seqlen_q": max(lens_q) if packed_q else None, "k": torch.cat(ks), "v": torch.cat(vs),
             "cu_seqlens_k": cu_k, "cu_seqlens_q_ref": cu_q}
     return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
+
+
+# ------------------------------------------------------------------------------------ JAX eager vs jit
+
+JAX_HOST_FAMILIES = ("norms", "attention", "block_sparse", "decode", "mla", "cross_entropy", "rotary", "swiglu")
+
+
+def jax_host_cases(dtype: str = "float32") -> dict:
+    """Small calls of an op of every family on JAX's default device: family -> (op, arrays, cotangent or
+    None); ``op(*arrays)`` is the call, with a cotangent its vjp too (test_host_cost[_gpu].py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from flashbridge import jax_api as fj
+    from flashbridge import masks
+
+    keys = iter(jax.random.split(jax.random.key(0), 40))
+    dt = jnp.dtype(dtype)
+
+    def rnd(*shape, dtype=dt):
+        return jax.random.normal(next(keys), shape, dtype)
+
+    x, w, b = rnd(6, 40), rnd(40), rnd(40)
+    q, k, v = rnd(1, 9, 2, 16), rnd(1, 11, 2, 16), rnd(1, 11, 2, 16)
+    qs, ks, vs = rnd(1, 32, 2, 16), rnd(1, 32, 2, 16), rnd(1, 32, 2, 16)
+    mask = fj.mask_to_device(masks.document([12, 20], block_size=16))
+    qd, kc, vc, kn = rnd(2, 1, 4, 16), rnd(2, 20, 2, 16), rnd(2, 20, 2, 16), rnd(2, 1, 2, 16)
+    lens = jnp.array([20, 7], jnp.int32)
+    qm, kvm = rnd(1, 16, 2, 96), rnd(1, 16, 96)
+    logits, labels = rnd(5, 37), jnp.array([0, 3, 36, -100, 5], jnp.int32)
+    h, wv = rnd(5, 16), rnd(37, 16)
+    xr, cos, sin = rnd(1, 12, 2, 16), rnd(12, 8, dtype=jnp.float32), rnd(12, 8, dtype=jnp.float32)
+    g, u = rnd(4, 24), rnd(4, 24)
+    one = jnp.float32(1.0)
+    return {
+        "norms": (lambda x, w, b, r: fj.layer_norm_dropout_residual(x, w, b, r, dropout_p=0.25, seed=7),
+                  (x, w, b, rnd(6, 40)), rnd(6, 40)),
+        "attention": (lambda q, k, v: fj.flash_attention(q, k, v, causal=True), (q, k, v), rnd(1, 9, 2, 16)),
+        "block_sparse": (lambda q, k, v: fj.flash_attention(q, k, v, block_mask=mask), (qs, ks, vs),
+                         rnd(1, 32, 2, 16)),
+        "decode": (lambda q, kc, vc, kn, n: (fj.decode_attention(q, kc, vc, cache_seqlens=n, num_splits=2),
+                                             *fj.append_kv_cache(kc, vc, kn, kn, cache_seqlens=n - 1)),
+                   (qd, kc, vc, kn, lens), None),
+        "mla": (lambda q, kv: fj.mla_attention(q, kv, head_dim_v=64, causal=True), (qm, kvm), rnd(1, 16, 2, 64)),
+        "cross_entropy": (lambda x, h, w: (fj.cross_entropy(x, labels, z_loss=1e-3),
+                                           fj.linear_cross_entropy(h, w, labels, chunk_size=4)),
+                          (logits, h, wv), (one, 0.5 * one)),
+        "rotary": (lambda x: fj.rotary_embedding(x, cos, sin), (xr,), rnd(1, 12, 2, 16)),
+        "swiglu": (lambda g, u: fj.swiglu(g, u), (g, u), rnd(4, 24)),
+    }
+
+
+def assert_jax_eager_matches_jit(op, arrays, cotangent, *, name: str) -> None:
+    """``op(*arrays)`` called eagerly and inside ``jax.jit`` give the same bits; with a cotangent, its vjp
+    too."""
+    import jax
+
+    def same(a, b):
+        leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+        assert len(leaves_a) == len(leaves_b) > 0
+        for x, y in zip(leaves_a, leaves_b):
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert np.array_equal(np.asarray(x.astype("float32") if x.dtype == "bfloat16" else x),
+                                  np.asarray(y.astype("float32") if y.dtype == "bfloat16" else y),
+                                  equal_nan=True), name
+
+    same(op(*arrays), jax.jit(op)(*arrays))
+    if cotangent is not None:
+        def grads(*a):
+            return jax.vjp(op, *a)[1](cotangent)
+
+        same(grads(*arrays), jax.jit(grads)(*arrays))

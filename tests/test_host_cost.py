@@ -1,11 +1,13 @@
 """The host path of an eager call (CPU, interpreter): plans prepared once per plan, validation and planning
 once per argument signature, and the direct compiled-kernel launch passing exactly what JITFunction.run
-passes."""
+passes; in JAX, eager calls through a jit compiled once per configuration, with the bits of the call inside
+jax.jit."""
 from __future__ import annotations
 
 import importlib
 import inspect
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,6 +16,7 @@ from flashbridge import torch_api as ft  # noqa: E402
 from flashbridge.core_kernels import get_kernel  # noqa: E402
 from flashbridge.core_kernels._loader import BoundLaunch  # noqa: E402
 from flashbridge.torch_api import _runtime  # noqa: E402
+from helpers import JAX_HOST_FAMILIES, assert_jax_eager_matches_jit, jax_host_cases  # noqa: E402
 
 # the modules (torch_api's namespace binds their public functions under the same names)
 attention, cross_entropy, decode, norms = (importlib.import_module(f"flashbridge.torch_api.{m}")
@@ -130,3 +133,38 @@ def test_direct_launch_passes_the_arguments_of_jitfunction_run():
         params, _, _ = binder(*args, **bound.constexprs, **bound.options)
         assert list(params.values()) == [*args, *bound.tail]
         assert list(params) == list(inspect.signature(fn.fn).parameters)
+
+
+# ------------------------------------------------------------------------------------------------- JAX
+# Every public JAX op checks its arguments on the host, then runs its array part through a jax.jit compiled
+# once per configuration (jax_api._runtime.jit_op): an eager call must give the bits of the same call inside
+# jax.jit, and a repeated eager call must not trace again.
+
+
+
+@pytest.mark.parametrize("family", JAX_HOST_FAMILIES)
+def test_jax_eager_call_gives_the_bits_of_the_call_inside_jit(family):
+    pytest.importorskip("jax")
+    assert_jax_eager_matches_jit(*jax_host_cases()[family], name=family)
+
+
+def test_jax_repeated_eager_call_does_not_trace_again(monkeypatch):
+    """The second eager call with the same signature runs the compiled executable (no plan is executed at
+    trace level again); a call under another ``configure`` traces anew, so its plans honour the config."""
+    jax = pytest.importorskip("jax")
+    from flashbridge.core_kernels import configure
+    from flashbridge import jax_api as fj
+    from flashbridge.core_kernels.norms.plan import NormConfig
+    from flashbridge.jax_api import norms as jax_norms
+
+    traced = []
+    real = jax_norms.execute
+    monkeypatch.setattr(jax_norms, "execute", lambda *a, **kw: traced.append(1) or real(*a, **kw))
+    x, w = jax.random.normal(jax.random.key(1), (3, 17)), jax.numpy.ones(17)
+    first = fj.rms_norm(x, w, eps=1e-3)
+    count = len(traced)
+    assert np.array_equal(fj.rms_norm(x, w, eps=1e-3), first)
+    assert len(traced) == count, "the eager call traced again"
+    with configure(NormConfig(block_m=1)):
+        assert np.array_equal(fj.rms_norm(x, w, eps=1e-3), first)
+    assert len(traced) > count, "a call under configure reused the plans of another config"

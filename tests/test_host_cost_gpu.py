@@ -1,6 +1,7 @@
 """The direct compiled-kernel launch and the replayed eager calls on a CUDA GPU: the same bits as
 JITFunction.run and as the implementation run in full for an op of every family, under CUDA-graph capture
-too, and a misaligned view gets a kernel of its own (skipped without a GPU)."""
+too, and a misaligned view gets a kernel of its own; JAX eager calls give the bits of the call inside
+jax.jit (skipped without a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ if not torch.cuda.is_available():
 
 from flashbridge import torch_api as ft  # noqa: E402
 from flashbridge.core_kernels import _loader  # noqa: E402
+from helpers import JAX_HOST_FAMILIES, assert_jax_eager_matches_jit, jax_host_cases  # noqa: E402
 
 
 def _rand(seed, *shape, dtype=torch.bfloat16, grad=False):
@@ -143,3 +145,17 @@ def test_misaligned_view_gets_its_own_kernel_and_the_right_values():
         y = ft.rms_norm(t, w)
         ref = torch.nn.functional.rms_norm(t.float(), (1024,), w.float(), 1e-6)
         torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family", JAX_HOST_FAMILIES)
+def test_jax_eager_call_gives_the_bits_of_the_call_inside_jit_on_the_gpu(family, dtype):
+    jax = pytest.importorskip("jax")
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend")
+    with jax.default_device(gpu):
+        op, arrays, cotangent = jax_host_cases(dtype)[family]
+        assert all(a.devices() == {gpu} for a in arrays)
+        assert_jax_eager_matches_jit(op, arrays, cotangent, name=family)

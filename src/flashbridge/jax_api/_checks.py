@@ -32,13 +32,14 @@ def check_seed(seed) -> None:
         raise TypeError(f"seed: expected a Python int or an integer array of one element, got {seed!r}")
 
 
-def as_seed(seed) -> jax.Array:
-    """A dropout seed as the int32 ``(1,)`` array the kernels read (traced seeds allowed). A 64-bit seed
-    inside int32's range keeps its value; others get their high word mixed into the low one (the torch
-    front-end's ``fold_seed``, the same bits), so that 2**40 is not seed 0."""
+def as_seed(seed) -> jax.Array | np.ndarray:
+    """A dropout seed as the int32 ``(1,)`` array the kernels read (traced seeds allowed; a Python int gives a
+    host array, a constant in any trace). A 64-bit seed inside int32's range keeps its value; others get
+    their high word mixed into the low one (the torch front-end's ``fold_seed``, the same bits), so that 2**40
+    is not seed 0."""
     check_seed(seed)
     if isinstance(seed, int):
-        return jnp.array([seed], dtype=jnp.int32)
+        return np.array([seed], dtype=np.int32)
     seed = jnp.reshape(seed, (1,))
     if jnp.dtype(seed.dtype).itemsize <= 4:
         return seed.astype(jnp.int32)
@@ -48,6 +49,13 @@ def as_seed(seed) -> jax.Array:
     mix = extra * jnp.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as an int64
     mix = ((mix ^ (mix >> 32)) & 0xFFFFFFFF) | 1  # odd, so never 0 where extra is not
     return lo ^ jnp.where(extra == 0, 0, mix).astype(jnp.int32)
+
+
+def seed_argument(seed):
+    """A seed as an argument of a jitted op, which then applies :func:`as_seed`: a Python int becomes its
+    host array here (as a dynamic argument it would be traced as a scalar, not as the constant it is), an
+    array passes as it is (converting it here would dispatch its ops eagerly)."""
+    return as_seed(seed) if isinstance(seed, int) else seed
 
 
 def host_list(a):

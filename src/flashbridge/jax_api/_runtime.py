@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._extras import require
+from ..core_kernels._config import _active as _active_configs
 from ..core_kernels._poison import poison_value, poisoning
 from ..core_kernels import INTERPRETER, HostArray, Plan, Target, get_kernel
 
@@ -261,3 +262,30 @@ def execute(make_plan: PlanFactory, inputs: Mapping[str, jax.Array], *,
             cpu=functools.partial(_execute_cpu, cpu_plan, names, aliases),
             cuda=functools.partial(_execute_gpu, gpu_plan, names, aliases))
     return _mark_varying(tuple(outs), _varying_axes(arrays))
+
+
+def jit_op(*static: str):
+    """Decorator of the array part of a public op: ``jax.jit`` with the keyword arguments named in ``static``
+    (hashable options: shapes, flags, plans) and the configs of the :func:`~flashbridge.core_kernels.configure`
+    blocks around the call as static arguments, so it is traced and compiled once per configuration.
+
+    Rule: a public op checks its arguments on the host (types, shapes, options, the values of concrete index
+    arrays), then calls one such function with its arrays (None allowed) and options; nothing inside reads an
+    array's value. Reason: an eager call then reaches a compiled executable through jit's C++ dispatch instead
+    of tracing the custom_vjp / custom_vmap / kernel-call graph anew every time. Under an outer jit, grad,
+    vmap, shard_map or checkify the function is inlined into the caller's jaxpr (``inline=True``): the same
+    program, and the same bits, as before.
+    """
+    def wrap(fn):
+        def body(*args, _configs, **kwargs):
+            return fn(*args, **kwargs)
+
+        jitted = jax.jit(body, static_argnames=(*static, "_configs"), inline=True)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return jitted(*args, _configs=_active_configs.get(), **kwargs)
+
+        return call
+
+    return wrap

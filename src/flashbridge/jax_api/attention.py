@@ -18,9 +18,9 @@ import numpy as np
 from ..core_kernels.flash_attn.plan import (AttnOptions, check_attention_args, check_cache_options,
                                             check_cu_seqlens_values, check_dropout, int_pair, plan_attention_bwd,
                                             plan_attention_fwd)
-from ._checks import as_seed, check_arrays, check_seed
+from ._checks import as_seed, check_arrays, check_seed, seed_argument
 from ..core_kernels._plan import memoised
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 Array = jax.Array
 
@@ -329,19 +329,23 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
         check_cu_seqlens_values(np.asarray(offsets_q).tolist(), np.asarray(offsets_k).tolist(), shape)
     if dropout_p > 0:
         options = dataclasses.replace(options, dropout_p=dropout_p)
+    seed = seed_argument(seed) if dropout_p > 0 else None
     if block_mask is not None:
         from .block_sparse import block_sparse_attention
-        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks,
-                                          as_seed(seed) if dropout_p > 0 else None)
+        out, lse = block_sparse_attention(q, k, v, block_mask, shape, options, alibi_slopes, sinks, seed)
         return (out, lse) if return_lse else out
-    if dropout_p > 0:
-        static = _Static(options, max_seqlen_q, max_seqlen_k)
-        *arrays, seed_a = match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, as_seed(seed))
-        out, lse = _attention(*arrays, static, seed_a)
-        return (out, lse) if return_lse else out
-    static = _Static(options, max_seqlen_q, max_seqlen_k)
-    out, lse = _attention(*match_varying(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k), static)
+    out, lse = _attention_op(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seed,
+                             static=_Static(options, max_seqlen_q, max_seqlen_k))
     return (out, lse) if return_lse else out
+
+
+@jit_op("static")
+def _attention_op(q, k, v, alibi, sinks, cu_q, cu_k, seed, *, static: _Static):
+    """(out, lse) of checked arguments; ``seed`` None (no dropout) or an integer array (see seed_argument)."""
+    if seed is None:
+        return _attention(*match_varying(q, k, v, alibi, sinks, cu_q, cu_k), static)
+    *arrays, seed = match_varying(q, k, v, alibi, sinks, cu_q, cu_k, as_seed(seed))
+    return _attention(*arrays, static, seed)
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
@@ -370,9 +374,10 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
                              "is_causal / local_window_size, or flash_attention with cu_seqlens")
     check_arrays(query=query, key=key, value=value)
     unbatched = query.ndim == 3
-    if unbatched:
-        query, key, value = query[None], key[None], value[None]
-    shape, options = check_attention_args(q=_info(query), k=_info(key), v=_info(value), softmax_scale=scale)
+    lead = (lambda a: (1, *a.shape)) if unbatched else (lambda a: tuple(a.shape))
+    shape, options = check_attention_args(q=(lead(query), dtype_name(query.dtype)),
+                                          k=(lead(key), dtype_name(key.dtype)),
+                                          v=(lead(value), dtype_name(value.dtype)), softmax_scale=scale)
     diag = shape.seqlen_k - shape.seqlen_q
     left = right = None
     if local_window_size is not None:
@@ -387,8 +392,15 @@ def dot_product_attention(query: Array, key: Array, value: Array, bias: Optional
     # from the bottom-right diagonal t + S - T: shift both sides by that offset.
     options = dataclasses.replace(options, window_left=None if left is None else left + diag,
                                   window_right=None if right is None else right - diag)
-    out, lse = _attention(*match_varying(query, key, value), None, None, None, None,
-                          _Static(options, None, None))
+    return _dot_product_attention_op(query, key, value, static=_Static(options, None, None), unbatched=unbatched,
+                                     return_residual=return_residual)
+
+
+@jit_op("static", "unbatched", "return_residual")
+def _dot_product_attention_op(query, key, value, *, static: _Static, unbatched: bool, return_residual: bool):
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    out, lse = _attention(*match_varying(query, key, value), None, None, None, None, static)
     if unbatched:
         out, lse = out[0], lse[0]
     if return_residual:

@@ -8,7 +8,7 @@ from ..core_kernels import INTERPRETER
 from ..core_kernels._plan import memoised
 from ..core_kernels.flash_attn.plan import CACHE_OP, check_cache_offsets, check_kv_cache_args, plan_attention_fwd
 from ._checks import forward_only, host_list
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 check_kv_cache_args, plan_attention_fwd = memoised(check_kv_cache_args), memoised(plan_attention_fwd)
 
@@ -30,9 +30,13 @@ def cache_attention(q, k, v, *, block_table, seqused_k, alibi_slopes, sinks, cu_
     if shape.varlen and offsets_q is not None and (cu_seqlens_k is None or offsets_k is not None):
         check_cache_offsets(offsets_q, offsets_k, shape, cache)
 
+    names = plan_attention_fwd(shape, options, target=INTERPRETER, cache=cache).inputs
+    return _cache_op(tuple(given[n] for n in names), names=names, shape=shape, options=options, cache=cache)
+
+
+@jit_op("names", "shape", "options", "cache")
+def _cache_op(arrays, *, names, shape, options, cache):
     def make_plan(target):
         return plan_attention_fwd(shape, options, target=target, cache=cache)
 
-    names = make_plan(INTERPRETER).inputs
-    arrays = match_varying(*[given[n] for n in names])
-    return forward_only(CACHE_OP, lambda *a: execute(make_plan, dict(zip(names, a))), *arrays)
+    return forward_only(CACHE_OP, lambda *a: execute(make_plan, dict(zip(names, a))), *match_varying(*arrays))

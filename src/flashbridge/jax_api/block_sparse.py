@@ -20,7 +20,8 @@ import numpy as np
 from .. import masks as _masks
 from ..core_kernels.block_sparse.plan import SparseLayout, band_arrays, check_block_mask, layout_of
 from ..core_kernels.flash_attn.plan import AttnOptions, check_attention_args, plan_attention_bwd, plan_attention_fwd
-from ._runtime import dtype_name, execute, match_varying
+from ._checks import as_seed
+from ._runtime import dtype_name, execute, jit_op, match_varying
 from .attention import cotangent_values, perturbed, primal_values, split_bwd_results, vmap_bwd_results
 
 _NAMES = _masks.BlockMask.array_names
@@ -241,18 +242,24 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def block_sparse_attention(q, k, v, block_mask, shape, options: AttnOptions, alibi_slopes, sinks, seed=None):
-    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse); ``seed`` (int32 (1,))
-    with ``options.dropout_p > 0``."""
+    """``flash_attention(..., block_mask=...)`` after its argument checks: (out, lse); ``seed`` (an integer
+    array, see ``_checks.seed_argument``) with ``options.dropout_p > 0``."""
     layout = check_block_mask(block_mask, shape, options)
     static = _Static(options, block_mask.seq_len_q, block_mask.seq_len_k, block_mask.q_block, block_mask.kv_block,
                      block_mask.terms)
     host = all(a is None or isinstance(a, np.ndarray) for a in block_mask.arrays)  # a host mask: copied once
     arrays = band_arrays(layout, lambda: (mask_to_device(block_mask) if host else block_mask).arrays)  # band: none
-    if options.dropout_p > 0:
-        q, k, v, alibi_slopes, sinks, seed, *arrays = match_varying(q, k, v, alibi_slopes, sinks, seed, *arrays)
-        return _attention(q, k, v, alibi_slopes, sinks, tuple(arrays), static, seed)
-    q, k, v, alibi_slopes, sinks, *arrays = match_varying(q, k, v, alibi_slopes, sinks, *arrays)
-    return _attention(q, k, v, alibi_slopes, sinks, tuple(arrays), static)
+    return _sparse_op(q, k, v, alibi_slopes, sinks, tuple(arrays), seed if options.dropout_p > 0 else None,
+                      static=static)
+
+
+@jit_op("static")
+def _sparse_op(q, k, v, alibi, sinks, mask_arrays, seed, *, static: _Static):
+    if seed is not None:
+        q, k, v, alibi, sinks, seed, *arrays = match_varying(q, k, v, alibi, sinks, as_seed(seed), *mask_arrays)
+        return _attention(q, k, v, alibi, sinks, tuple(arrays), static, seed)
+    q, k, v, alibi, sinks, *arrays = match_varying(q, k, v, alibi, sinks, *mask_arrays)
+    return _attention(q, k, v, alibi, sinks, tuple(arrays), static)
 
 
 def mask_to_device(block_mask: _masks.BlockMask, device: Optional[jax.Device] = None) -> _masks.BlockMask:

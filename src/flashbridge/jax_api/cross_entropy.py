@@ -32,7 +32,7 @@ from ..core_kernels.cross_entropy.plan import (
     CrossEntropyOutput, LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
     plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy, plan_linear_logits)
 from ._checks import check_arrays
-from ._runtime import dtype_name, execute, gpu_target, match_varying
+from ._runtime import dtype_name, execute, gpu_target, jit_op, match_varying
 
 Array = jax.Array
 F32 = jnp.float32
@@ -549,11 +549,20 @@ def cross_entropy(logits: Array, labels: Array, *, weight: Optional[Array] = Non
         label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, reduction=reduction,
         weight=_shape_dtype(weight))
     _validate_label_values(labels, vocab, ignore_index, validate_labels)
-    lead = tuple(labels.shape)
     extras = return_accuracy or return_predicted
     opts = _Opts(int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap),
                  weight is not None, dtype_name(labels.dtype) if extras else None)
-    class_weight, weight_sum = _prepare_class_weight(weight, int(ignore_index))
+    return _ce_op(logits, labels, weight, opts=opts, n_rows=n_rows, vocab=vocab, reduction=reduction,
+                  returns=(bool(return_lse), bool(return_accuracy), bool(return_predicted)))
+
+
+@jit_op("opts", "n_rows", "vocab", "reduction", "returns")
+def _ce_op(logits, labels, weight, *, opts: _Opts, n_rows, vocab, reduction, returns):
+    """``returns``: (return_lse, return_accuracy, return_predicted)."""
+    return_lse, return_accuracy, return_predicted = returns
+    lead = tuple(labels.shape)
+    extras = return_accuracy or return_predicted
+    class_weight, weight_sum = _prepare_class_weight(weight, opts.ignore_index)
     x, y, class_weight, weight_sum = match_varying(logits.reshape(n_rows, vocab), labels.reshape(n_rows),
                                                    class_weight, weight_sum)
     loss_rows, z_rows, lse, predicted = _ce(x, y, class_weight, weight_sum, opts)
@@ -575,9 +584,24 @@ def _linear_ce(hidden, weight, labels, bias, *, transposed, ignore_index, label_
         logit_softcap=logit_softcap, reduction=reduction, chunk_size=chunk_size, weight_transposed=transposed,
         class_weight=_shape_dtype(class_weight))
     _validate_label_values(labels, vocab, ignore_index, validate_labels)
+    return _linear_ce_op(hidden, weight, labels, bias, class_weight, n_rows=n_rows, h=h, vocab=vocab,
+                         transposed=bool(transposed), ignore_index=int(ignore_index),
+                         label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                         logit_softcap=float(logit_softcap), reduction=reduction,
+                         chunk_size=int(chunk_size) if chunk_size else None,
+                         returns=(bool(return_lse), bool(return_accuracy), bool(return_predicted)))
+
+
+@jit_op("n_rows", "h", "vocab", "transposed", "ignore_index", "label_smoothing", "z_loss", "logit_softcap",
+        "reduction", "chunk_size", "returns")
+def _linear_ce_op(hidden, weight, labels, bias, class_weight, *, n_rows, h, vocab, transposed, ignore_index,
+                  label_smoothing, z_loss, logit_softcap, reduction, chunk_size, returns):
+    """Checked arguments; ``returns``: (return_lse, return_accuracy, return_predicted). The passes are
+    planned here, once per configuration."""
+    return_lse, return_accuracy, return_predicted = returns
     lead = tuple(labels.shape)
     extras = return_accuracy or return_predicted
-    common = dict(dtype=dtype_name(hidden.dtype), chunk_size=int(chunk_size) if chunk_size else None,
+    common = dict(dtype=dtype_name(hidden.dtype), chunk_size=chunk_size,
                   logits_into_dw_rows=False, per_row_weight=True, ignore_index=ignore_index,
                   label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap,
                   target=gpu_target() or INTERPRETER,  # the passes are static: planned once for both platforms

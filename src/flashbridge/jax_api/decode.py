@@ -25,7 +25,7 @@ from ..core_kernels.decode.plan import (check_append_args, check_cache_values, c
                                         check_scale_values, plan_append, plan_cascade, plan_decode, plan_merge)
 from ._checks import check_arrays, forward_only, host_list
 from ..core_kernels._plan import memoised
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 Array = jax.Array
 
@@ -71,6 +71,34 @@ def _run(name: str, make_plan, given: dict, aliases=None):
     names = make_plan(INTERPRETER).inputs
     arrays = match_varying(*[given[n] for n in names])
     return forward_only(name, lambda *a: execute(make_plan, dict(zip(names, a)), aliases=aliases), *arrays)
+
+
+@jit_op("shape", "options", "splits", "return_lse")
+def _decode_op(arrays: dict, *, shape, options, splits, return_lse):
+    out, lse = _run("decode_attention", lambda target: plan_decode(shape, options, target=target, num_splits=splits),
+                    arrays)
+    return (out, lse) if return_lse else out
+
+
+@jit_op("n", "rows", "dim", "dtype", "rows_shape")
+def _merge_op(outs, lses, *, n, rows, dim, dtype, rows_shape):
+    out, lse = _run("merge_attention_states", lambda target: plan_merge(n, rows, dim, dtype, target=target),
+                    {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
+    return out.reshape(*rows_shape, dim), lse.reshape(rows_shape)
+
+
+@jit_op("shape", "shared_len", "options", "splits", "return_lse")
+def _cascade_op(arrays: dict, *, shape, shared_len, options, splits, return_lse):
+    out, lse = _run("cascade_attention",
+                    lambda target: plan_cascade(shape, shared_len, options, target=target, num_splits=splits), arrays)
+    return (out, lse) if return_lse else out
+
+
+@jit_op("shape")
+def _append_op(arrays: dict, *, shape):
+    # the kernel writes through its k_out / v_out outputs, which take over the caches' buffers
+    return _run("append_kv_cache", lambda target: plan_append(shape, target=target), arrays,
+                aliases={"k_out": "k_cache", "v_out": "v_cache"})
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -136,12 +164,7 @@ def decode_attention(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens:
         check_cache_values(*values, shape.cache)
     _host_leftpad(cache_leftpad, cache_seqlens)
     check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
-
-    def make_plan(target):
-        return plan_decode(shape, options, target=target, num_splits=splits)
-
-    out, lse = _run("decode_attention", make_plan, arrays)
-    return (out, lse) if return_lse else out
+    return _decode_op(arrays, shape=shape, options=options, splits=splits, return_lse=bool(return_lse))
 
 
 def merge_attention_states(outs: Array, lses: Array) -> tuple[Array, Array]:
@@ -163,13 +186,7 @@ def merge_attention_states(outs: Array, lses: Array) -> tuple[Array, Array]:
             raise TypeError(f"{name}: expected a jax.Array, got None")
     n, rows_shape, dim, dtype = check_merge_args(_info(outs), _info(lses))
     rows = int(np.prod(rows_shape, dtype=np.int64))
-
-    def make_plan(target):
-        return plan_merge(n, rows, dim, dtype, target=target)
-
-    out, lse = _run("merge_attention_states", make_plan,
-                    {"outs": outs.reshape(n, rows, dim), "lses": lses.reshape(n, rows)})
-    return out.reshape(*rows_shape, dim), lse.reshape(rows_shape)
+    return _merge_op(outs, lses, n=n, rows=rows, dim=dim, dtype=dtype, rows_shape=tuple(rows_shape))
 
 
 def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array, v_cache: Array, *,
@@ -201,12 +218,8 @@ def cascade_attention(q: Array, shared_k: Array, shared_v: Array, k_cache: Array
     if values is not None:
         check_cache_values(*values, shape.cache)
     check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
-
-    def make_plan(target):
-        return plan_cascade(shape, shared_len, options, target=target, num_splits=splits)
-
-    out, lse = _run("cascade_attention", make_plan, arrays)
-    return (out, lse) if return_lse else out
+    return _cascade_op(arrays, shape=shape, shared_len=shared_len, options=options, splits=splits,
+                       return_lse=bool(return_lse))
 
 
 # ----------------------------------------------------------------------------------------------- append
@@ -246,6 +259,4 @@ def append_kv_cache(k_cache: Array, v_cache: Array, k_new: Array, v_new: Array, 
         check_cache_values(*values, shape.cache, new_tokens=shape.new_tokens)
     _host_leftpad(cache_leftpad, cache_seqlens)
     check_scale_values(k_scale=host_list(k_scale), v_scale=host_list(v_scale))
-    # the kernel writes through its k_out / v_out outputs, which take over the caches' buffers
-    return _run("append_kv_cache", lambda target: plan_append(shape, target=target), arrays,
-                aliases={"k_out": "k_cache", "v_out": "v_cache"})
+    return _append_op(arrays, shape=shape)

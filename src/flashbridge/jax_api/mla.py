@@ -25,7 +25,7 @@ from ..core_kernels.mla.plan import (check_decode_values, check_index_values, ch
                                      check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
 from . import block_sparse as _bs
 from ._checks import check_arrays, forward_only
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 Array = jax.Array
 
@@ -225,8 +225,26 @@ def _block_mask_attention(q, kv, block_mask, shape, options):
                          block_mask.q_block, block_mask.kv_block, block_mask.terms)
     if all(a is None or isinstance(a, np.ndarray) for a in block_mask.arrays):  # a host mask: copied once
         block_mask = _bs.mask_to_device(block_mask)
-    q, kv, *arrays = match_varying(q, kv, *block_mask.arrays)
+    return _mla_masked_op(q, kv, tuple(block_mask.arrays), static=static)
+
+
+@jit_op("static")
+def _mla_masked_op(q, kv, mask_arrays, *, static: _MaskStatic):
+    q, kv, *arrays = match_varying(q, kv, *mask_arrays)
     return _mla_masked(q, kv, tuple(arrays), static)
+
+
+@jit_op("static")
+def _mla_op(q, kv, indices, *, static: _Static):
+    return _mla(*match_varying(q, kv, indices), static)
+
+
+@jit_op("names", "shape", "options", "splits")
+def _mla_decode_op(arrays, *, names, shape, options, splits):
+    def make_plan(target):
+        return plan_mla_fwd(shape, options, target=target, num_splits=splits)
+
+    return forward_only("mla_decode", lambda *a: execute(make_plan, dict(zip(names, a))), *match_varying(*arrays))
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -270,7 +288,7 @@ def mla_attention(q: Array, kv: Array, *, head_dim_v: int = 512, causal: bool = 
     if values is not None:
         check_index_values(values, None, shape.cache.capacity)
     static = _Static(shape.head_dim_v, float(options.softmax_scale), bool(causal))
-    out, lse = _mla(*match_varying(q, kv, indices), static)
+    out, lse = _mla_op(q, kv, indices, static=static)
     return (out, lse) if return_lse else out
 
 
@@ -313,13 +331,10 @@ def mla_decode(q: Array, kv_cache: Array, *, cache_seqlens: Array, block_table: 
         if values is not None:
             check_index_values(values, lengths, None)
 
-    def make_plan(target):
-        return plan_mla_fwd(shape, options, target=target, num_splits=splits)
-
     given = {"q": q, "kv": kv_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
              "indices": indices, "kv_scale": kv_scale}
     names = plan_mla_fwd(shape, options, target=INTERPRETER, num_splits=splits).inputs
-    out, lse = forward_only("mla_decode", lambda *a: execute(make_plan, dict(zip(names, a))),
-                            *match_varying(*[given[n] for n in names]))
+    out, lse = _mla_decode_op(tuple(given[n] for n in names), names=names, shape=shape, options=options,
+                              splits=splits)
     return (out, lse) if return_lse else out
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 
 from ..core_kernels._plan import check_real
 from ..core_kernels.norms.plan import check_norm_args, plan_norm_bwd, plan_norm_fwd
-from ._checks import as_seed, check_arrays, check_seed
+from ._checks import as_seed, check_arrays, check_seed, seed_argument
 from ..core_kernels._plan import memoised
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 Array = jax.Array
 
@@ -168,9 +168,16 @@ def _norm(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropou
     tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual, "post_residual": post_residual}
     check_norm_args(**{k: None if a is None else (tuple(a.shape), dtype_name(a.dtype))
                        for k, a in tensors.items()}, eps=eps, dropout_p=dropout_p)
+    return _norm_op(x, weight, bias, residual, post_residual, seed, eps=float(eps), is_rms=bool(is_rms),
+                    dropout_p=float(dropout_p))
+
+
+@jit_op("eps", "is_rms", "dropout_p")
+def _norm_op(x, weight, bias, residual, post_residual, seed, *, eps, is_rms, dropout_p):
+    """``seed``: None, or an integer array (made the kernels' int32 (1,) here: see seed_argument)."""
+    seed = None if seed is None else as_seed(seed)
     x, weight, bias, residual, post_residual, seed = match_varying(x, weight, bias, residual, post_residual, seed)
-    y, h, _, _ = _fused_norm(x, weight, bias, residual, post_residual, seed, float(eps), bool(is_rms),
-                             float(dropout_p))
+    y, h, _, _ = _fused_norm(x, weight, bias, residual, post_residual, seed, eps, is_rms, dropout_p)
     return y if residual is None else (y, h)
 
 
@@ -224,5 +231,5 @@ def layer_norm_dropout_residual(x: Array, weight: Optional[Array], bias: Optiona
         raise ValueError("residual: layer_norm_dropout_residual needs a residual array, got None")
     check_real("dropout_p", dropout_p)
     check_seed(seed)
-    seed_arr = as_seed(seed) if dropout_p > 0 else None
-    return _norm(x, weight, bias, None, residual, seed_arr, eps=eps, is_rms=False, dropout_p=dropout_p)
+    return _norm(x, weight, bias, None, residual, seed_argument(seed) if dropout_p > 0 else None, eps=eps,
+                 is_rms=False, dropout_p=dropout_p)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from ..core_kernels.rotary.plan import check_rotary_args, check_rotary_values, plan_rotary
 from ._checks import check_arrays, host_list
 from ..core_kernels._plan import memoised
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 Array = jax.Array
 
@@ -117,8 +117,14 @@ def _apply(x, k, cos, sin, *, interleaved, inplace, position_ids, cu_seqlens):
     host = {n: host_list(a) for n, a in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens))}
     if any(v is not None for v in host.values()):
         check_rotary_values(shape, **host)
+    return _rotary_op(x, k, cos, sin, position_ids, cu_seqlens, interleaved=bool(interleaved), inplace=bool(inplace))
+
+
+@jit_op("interleaved", "inplace")
+def _rotary_op(x, k, cos, sin, position_ids, cu_seqlens, *, interleaved, inplace):
     x, k, cos, sin, position_ids, cu_seqlens = match_varying(x, k, cos, sin, position_ids, cu_seqlens)
-    return _rotary(x, k, cos, sin, position_ids, cu_seqlens, bool(interleaved), bool(inplace))
+    outs = _rotary(x, k, cos, sin, position_ids, cu_seqlens, interleaved, inplace)
+    return outs[0] if k is None else outs
 
 
 def rotary_embedding(x: Array, cos: Array, sin: Array, *, interleaved: bool = False, inplace: bool = False,
@@ -152,7 +158,7 @@ def rotary_embedding(x: Array, cos: Array, sin: Array, *, interleaved: bool = Fa
         True
     """
     return _apply(x, None, cos, sin, interleaved=interleaved, inplace=inplace, position_ids=position_ids,
-                  cu_seqlens=cu_seqlens)[0]
+                  cu_seqlens=cu_seqlens)
 
 
 def rotary_embedding_qk(q: Array, k: Array, cos: Array, sin: Array, *, interleaved: bool = False,

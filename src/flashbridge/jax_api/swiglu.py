@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from ..core_kernels.swiglu.plan import check_swiglu_args, plan_swiglu_bwd, plan_swiglu_fwd
 from ._checks import check_arrays
 from ..core_kernels._plan import memoised
-from ._runtime import dtype_name, execute, match_varying
+from ._runtime import dtype_name, execute, jit_op, match_varying
 
 Array = jax.Array
 
@@ -110,5 +110,9 @@ def swiglu(gate: Array, up: Optional[Array] = None) -> Array:
         raise TypeError("gate: expected a jax.Array, got None")
     check_swiglu_args(gate=(tuple(gate.shape), dtype_name(gate.dtype)),
                       up=None if up is None else (tuple(up.shape), dtype_name(up.dtype)))
-    gate, up = match_varying(gate, up)
-    return _swiglu(gate, up)
+    return _swiglu_op(gate, up)
+
+
+@jit_op()
+def _swiglu_op(gate, up):
+    return _swiglu(*match_varying(gate, up))
