@@ -41,7 +41,7 @@ def _philox_rounds(seed, c0, c1, c2, c3, N_ROUNDS: tl.constexpr):
     """``tl.philox(seed, c0, c1, c2, c3, N_ROUNDS)`` (uint32 counter words), bit for bit, with each round's
     two 32 x 32 -> 64-bit products as one widening multiply (``mul.wide.u32``: one IMAD.WIDE on sm_90,
     where tl.philox's separate high and low halves take two instructions each)."""
-    seed = tl.to_tensor(seed).to(tl.uint64)
+    seed = tl.cast(seed, tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     for _ in tl.static_range(N_ROUNDS):
@@ -60,7 +60,7 @@ def _ge_bytes(w, tt, tt_low):
     ``tt`` = t in every byte and ``tt_low`` = t & 127 in every byte; ``(w | 0x80..) - tt_low`` borrows
     nowhere across bytes and leaves ``low 7 bits >= t's`` in each byte's top bit)."""
     d = (w | 0x80808080) - tt_low
-    return ((w & ~tt) | (~(w ^ tt) & d)) & 0x80808080
+    return ((w & (tt ^ 0xFFFFFFFF)) | ((w ^ tt ^ 0xFFFFFFFF) & d)) & 0x80808080
 
 
 @triton.jit
