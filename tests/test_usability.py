@@ -419,7 +419,7 @@ def test_func_backward_runs_the_eager_plan(monkeypatch):
     assert seen == [False, False, False]
 
 
-@pytest.mark.parametrize("transform", ["autograd", "func.vjp"])
+@pytest.mark.parametrize("transform", ["autograd", pytest.param("func.vjp", marks=pytest.mark.slow)])
 def test_attention_backward_takes_odd_stride_cotangents(transform, monkeypatch):
     """On CUDA, q / k / v and the cotangent reach the kernels with their own strides (last dimension
     contiguous); here that path runs in the interpreter (``_prepare`` as on CUDA). Cotangents laid out as
