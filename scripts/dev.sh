@@ -2,7 +2,10 @@
 # The two everyday commands, each doing the set-up on first use (a virtual environment in .venv, or in
 # $FLASHBRIDGE_VENV):
 #   scripts/dev.sh check [args]   python -m flashbridge check: every op, every framework, against float64
-#   scripts/dev.sh test  [args]   the test suite (GPU tests skip cleanly without a CUDA GPU)
+#   scripts/dev.sh test  [args]   the test suite (GPU tests skip cleanly without a CUDA GPU) on
+#                                 $PYTEST_WORKERS pytest-xdist workers (2), without the tests marked slow:
+#                                 the default is -m "not slow"; an -m of your own replaces it
+#                                 (scripts/dev.sh test -m slow runs only the slow ones, -m "" everything)
 # The environment is installed once, and again only when pyproject.toml changes (a stamp in the
 # environment holds the checksum of the pyproject.toml it was installed from); the package itself is an
 # editable install, so edits to the sources need no reinstall.
@@ -37,5 +40,6 @@ fi
 
 case "$command" in
   check) exec "$py" -m flashbridge check "$@" ;;
-  test) exec "$py" -m pytest -n "${PYTEST_WORKERS:-2}" "$@" ;;
+  # pytest keeps the last -m it is given, so one among the arguments replaces the default
+  test) exec "$py" -m pytest -n "${PYTEST_WORKERS:-2}" -m "not slow" "$@" ;;
 esac

@@ -292,7 +292,7 @@ def test_torch_compile_fullgraph_with_a_seed_tensor():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["streaming", "bits"])
+@pytest.mark.parametrize("kind", ["streaming", pytest.param("bits", marks=pytest.mark.slow)])
 def test_block_mask_walks_draw_the_same_mask(kind):
     """The block-sparse list walks (forward and both backward loops) apply the dense kernels' mask; JAX gives
     torch's bits."""

@@ -153,7 +153,10 @@ def test_attention_fused_backward_compiles_identically_and_vectorised():
     assert_wgmma_pipelined(ptx, "one-launch attention backward")
 
 
-@pytest.mark.parametrize("kernel", ["attn_fwd_kernel", ":attn_bwd_kernel", "attn_bwd_dkdv_kernel",
+# the forward and the dQ kernel in the default run; the larger dK/dV compiles (the one-launch backward's
+# pipelined MMAs with dropout, the two-kernel dK/dV) in the slow one
+@pytest.mark.parametrize("kernel", ["attn_fwd_kernel", pytest.param(":attn_bwd_kernel", marks=pytest.mark.slow),
+                                    pytest.param("attn_bwd_dkdv_kernel", marks=pytest.mark.slow),
                                     "attn_bwd_dq_kernel"])
 def test_attention_dropout_compiles_identically(kernel):
     """Attention dropout (HAS_DROPOUT: the Philox mask in the forward's P @ V and the backward's dV / dP): the

@@ -163,7 +163,8 @@ LIN_CASES = [  # lead, H, V, dtype, chunk, bias, options, reduction
     ((130,), 32, 1000, "float32", 65, False, dict(label_smoothing=0.1), "mean"),
     ((130,), 32, 1000, "float32", 48, True, ALL, "none"),
     ((2, 65), 32, 1000, "bfloat16", 64, True, dict(z_loss=1e-3), "mean"),
-    ((7,), 16, 32003, "float32", 4, False, dict(logit_softcap=5.0), "mean"),
+    # a vocabulary of 32 times the others' (the V=1000 cases cross vocabulary tiles and end ragged too)
+    pytest.param(((7,), 16, 32003, "float32", 4, False, dict(logit_softcap=5.0), "mean"), marks=pytest.mark.slow),
     ((7,), 16, 1000, "float16", 2, True, ALL, "none"),
     # default chunks with N >= H: the JAX op's pass 1 places chunks of H tokens in dW's storage (4 such
     # chunks + 2 tokens; exactly 4; 2 x 65 tokens, reduction "none" recomputing in the backward)

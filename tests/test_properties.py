@@ -5,7 +5,8 @@ Each family draws its cases from one strategy and checks the same things: the to
 reference under the accuracy rule (``helpers.assert_close``: twice the error of the reference rounded to the
 dtype plus a floor), gradients where the op has them, and the JAX result bit for bit equal to torch's (the
 same kernels on the same device). Draws are derandomized (a fixed sequence per test, no example database),
-so CI is reproducible; ``max_examples`` keeps each family within ~30 s of interpreter time.
+so CI is reproducible; ``max_examples`` keeps each family within ~30 s of interpreter time, and a few of
+them (the first draws of the same sequence) run in the default selection, the rest with the slow tests.
 """
 from __future__ import annotations
 
@@ -31,13 +32,23 @@ from flashbridge.reference import rotary as RR  # noqa: E402
 from flashbridge.reference import swiglu as RS  # noqa: E402
 
 
-def bounded(n: int):
-    """Hypothesis settings of one family: ``n`` examples, no deadline (the interpreter is slow), derandomized,
-    no database, and no shrinking (each step reruns kernels in the interpreter: minutes; the failing draw is
-    printed as found)."""
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                    phases=(Phase.explicit, Phase.generate),
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def bounded(full: int, quick: int, **strategies):
+    """One family's property test, twice: ``quick`` examples in the default run and ``full`` in the slow one
+    (``-m slow``; CI runs both), each drawn from ``strategies`` (hypothesis ``given``) with no deadline (the
+    interpreter is slow), derandomized (the quick draws are the full run's first ones), no database, and no
+    shrinking (each step reruns kernels in the interpreter: minutes; the failing draw is printed as found)."""
+    def decorate(body):
+        @pytest.mark.parametrize("examples", [pytest.param(quick, id="quick"),
+                                              pytest.param(full, id="full", marks=pytest.mark.slow)])
+        def test(examples):
+            settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                     phases=(Phase.explicit, Phase.generate),
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(
+                given(**strategies)(body))()
+
+        test.__name__, test.__qualname__, test.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        return test
+    return decorate
 
 
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,8 +80,7 @@ def _rng(data):
 
 # ------------------------------------------------------------------------------------------------- norms
 
-@bounded(12)
-@given(data=st.data())
+@bounded(12, 4, data=st.data())
 def test_norms(data):
     op = data.draw(st.sampled_from(["rms", "ln"]), label="op")
     dtype = data.draw(st.sampled_from(["float32", "bfloat16", "float16"]), label="dtype")
@@ -161,8 +171,7 @@ def attention_cases(draw):
                 scale=draw(st.sampled_from([None, 0.3]), label="softmax_scale"))
 
 
-@bounded(8)
-@given(case=attention_cases(), data=st.data())
+@bounded(8, 3, case=attention_cases(), data=st.data())
 def test_attention(case, data):
     rng = _rng(data)
     c = case
@@ -235,8 +244,7 @@ def _to_fp8(x, scale):
     return stored.astype(np.float64), torch.from_numpy(stored.view(np.uint8)).view(torch.float8_e4m3fn)
 
 
-@bounded(15)
-@given(data=st.data())
+@bounded(15, 5, data=st.data())
 def test_decode(data):
     d = data.draw
     b, sq = d(st.integers(1, 3), label="batch"), d(st.integers(1, 3), label="sq")
@@ -297,8 +305,7 @@ def test_decode(data):
 
 # ----------------------------------------------------------------------------------------- cross-entropy
 
-@bounded(15)
-@given(data=st.data())
+@bounded(15, 5, data=st.data())
 def test_cross_entropy(data):
     d = data.draw
     lead = d(st.lists(st.integers(1, 9), min_size=1, max_size=2), label="lead")
@@ -340,8 +347,7 @@ def test_cross_entropy(data):
 
 # ------------------------------------------------------------------------------------------------ rotary
 
-@bounded(15)
-@given(data=st.data())
+@bounded(15, 5, data=st.data())
 def test_rotary(data):
     d = data.draw
     packed = d(st.booleans(), label="packed")
@@ -382,8 +388,7 @@ def test_rotary(data):
 
 # ------------------------------------------------------------------------------------------------ swiglu
 
-@bounded(15)
-@given(data=st.data())
+@bounded(15, 5, data=st.data())
 def test_swiglu(data):
     d = data.draw
     lead = d(st.lists(st.integers(1, 7), min_size=1, max_size=2), label="lead")
@@ -452,8 +457,7 @@ def block_masks(draw):
     return m, batch
 
 
-@bounded(7)
-@given(mask=block_masks(), data=st.data())
+@bounded(7, 3, mask=block_masks(), data=st.data())
 def test_block_sparse_attention(mask, data):
     m, batch = mask
     d = data.draw
@@ -493,8 +497,7 @@ def test_block_sparse_attention(mask, data):
 
 # --------------------------------------------------------------------------------------------------- MLA
 
-@bounded(8)
-@given(data=st.data())
+@bounded(8, 3, data=st.data())
 def test_mla_attention(data):
     d = data.draw
     b, sq, sk = d(st.integers(1, 2), label="batch"), d(st.integers(1, 24), label="sq"), d(st.integers(1, 40),
@@ -531,8 +534,7 @@ def test_mla_attention(data):
         _same_bits(tv, jv, name)
 
 
-@bounded(12)
-@given(data=st.data())
+@bounded(12, 4, data=st.data())
 def test_mla_decode(data):
     d = data.draw
     b, sq = d(st.integers(1, 3), label="batch"), d(st.integers(1, 2), label="sq")

@@ -240,7 +240,7 @@ def test_dev_sh_installs_once_and_again_when_pyproject_changes(tmp_path):
     log.write_text("")
     second = _dev(checkout, venv, "test", "-k", "norms")
     assert second.returncode == 0 and second.stderr == ""  # installed: no step, no pip
-    assert log.read_text().splitlines() == ["-m pytest -n 2 -k norms"]
+    assert log.read_text().splitlines() == ["-m pytest -n 2 -m not slow -k norms"]
 
     (checkout / "pyproject.toml").write_text((checkout / "pyproject.toml").read_text() + "\n# changed\n")
     log.write_text("")
@@ -248,6 +248,28 @@ def test_dev_sh_installs_once_and_again_when_pyproject_changes(tmp_path):
     assert third.returncode == 0 and third.stderr.splitlines() == [
         "scripts/dev.sh: installing flashbridge[all,test] from this checkout (editable; this can take minutes)"]
     assert "-m pip install -q -e .[all,test]" in log.read_text().splitlines()
+
+
+def test_dev_sh_test_leaves_out_slow_tests_unless_given_an_m(tmp_path):
+    """scripts/dev.sh test passes -m "not slow" before the arguments; pytest keeps the last -m, so one among the
+    arguments (-m slow in CI's second run) replaces the default."""
+    (tmp_path / "checkout").mkdir()
+    checkout, venv, log = _fake_checkout(tmp_path / "checkout")
+    assert _dev(checkout, venv, "check").returncode == 0  # installs
+    for args, call in (((), "-m pytest -n 2 -m not slow"), (("-m", "slow"), "-m pytest -n 2 -m not slow -m slow")):
+        log.write_text("")
+        assert _dev(checkout, venv, "test", *args).returncode == 0
+        assert log.read_text().splitlines() == [call]
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    (tmp_path / "test_marks.py").write_text(
+        "import pytest\n\ndef test_quick():\n    pass\n\n@pytest.mark.slow\ndef test_exhaustive():\n    pass\n")
+    for name, expect in (("default", "test_quick"), ("slow", "test_exhaustive")):
+        args = ["-m", "not slow", *(["-m", "slow"] if name == "slow" else [])]
+        run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                              "--collect-only", "-q", *args, "test_marks.py"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+        assert [line for line in run.stdout.splitlines() if "::" in line] == [f"test_marks.py::{expect}"], run.stdout
 
 
 def test_dev_sh_usage(tmp_path):
@@ -397,7 +419,7 @@ def test_func_backward_runs_the_eager_plan(monkeypatch):
     assert seen == [False, False, False]
 
 
-@pytest.mark.parametrize("transform", ["autograd", "func.vjp"])
+@pytest.mark.parametrize("transform", ["autograd", pytest.param("func.vjp", marks=pytest.mark.slow)])
 def test_attention_backward_takes_odd_stride_cotangents(transform, monkeypatch):
     """On CUDA, q / k / v and the cotangent reach the kernels with their own strides (last dimension
     contiguous); here that path runs in the interpreter (``_prepare`` as on CUDA). Cotangents laid out as
@@ -409,7 +431,7 @@ def test_attention_backward_takes_odd_stride_cotangents(transform, monkeypatch):
 
     monkeypatch.setattr(attention, "_prepare", lambda t: t if t.stride(-1) == 1 else t.contiguous())
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(2, s, h, 16, generator=g) for s, h in ((13, 4), (17, 2), (17, 2)))
+    q, k, v = (torch.randn(2, s, h, 16, generator=g) for s, h in ((13, 2), (17, 1), (17, 1)))
 
     def fn(q, k, v):
         return ft.flash_attention(q, k, v, causal=True, softcap=4.0)
