@@ -28,13 +28,33 @@ if HAS_CUDA:
         pass
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here
 def pytest_collection_modifyitems(config, items):
+    _thin_grids(items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _thin_grids(items) -> None:
+    """``@pytest.mark.thin(keep)`` on a parametrized test: ``keep`` of its cases, spread evenly over its
+    parameter grid (the first and the last among them), stay in the default run; the others are marked
+    ``slow`` (CI runs them after the default run)."""
+    grids: dict = {}
+    for item in items:
+        marker = item.get_closest_marker("thin")
+        if marker is not None and getattr(item, "callspec", None) is not None:
+            grids.setdefault((item.path, item.originalname), (marker.args[0], []))[1].append(item)
+    for keep, cases in grids.values():
+        if len(cases) <= keep:
+            continue
+        kept = {round(i * (len(cases) - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else {0}
+        for i, item in enumerate(cases):
+            if i not in kept:
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

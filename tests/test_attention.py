@@ -152,6 +152,7 @@ def test_reference_masking_conventions():
 
 @pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (17, 17), (63, 130), (130, 63), (130, 130)])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.thin(6)
 def test_torch_odd_lengths(sq, sk, causal):
     q, k, v, kw = make_inputs(sq * 1000 + sk, b=1, sq=sq, sk=sk, dqk=40)
     check_forward_backward(q, k, v, kw, dict(causal=causal))
@@ -187,6 +188,7 @@ OPTION_CASES = {
 
 
 @pytest.mark.parametrize("name", list(OPTION_CASES))
+@pytest.mark.thin(6)
 def test_torch_options(name):
     spec, options = OPTION_CASES[name]
     q, k, v, kw = make_inputs(len(name), **spec)
@@ -400,6 +402,7 @@ def test_local_mask_mode():
 
 @pytest.mark.parametrize("spec", [dict(sq=130, sk=63), dict(sq=63, sk=130, hq=4, hkv=2), dict(sq=17, sk=17),
                                   dict(seqlens=[(17, 63), (63, 17), (0, 5), (130, 130)], hq=4, hkv=1)])
+@pytest.mark.thin(2)
 def test_causal_mask_needs_no_bound_check(spec):
     """Causal calls mask with one comparison per score (HAS_LOCAL = 1, keys past the sequence excluded by
     the diagonal alone); a left window wider than any sequence takes the general three-comparison mask:
@@ -427,6 +430,7 @@ def test_sdpa_drop_in_rejects_masks_and_bad_dropout():
 
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("kind", ["self", "cross-kdim", "causal-mask", "is-causal", "unbatched"])
+@pytest.mark.thin(4)
 def test_multihead_attention_drop_in(batch_first, kind):
     torch.manual_seed(0)
     kdim = vdim = None
@@ -637,6 +641,7 @@ def test_jax_bad_inputs():
     dict(q=(2, 33, 2, 16), k=(2, 33, 2, 16), is_causal=True, local_window_size=7),
     dict(q=(17, 4, 16), k=(23, 4, 16)),
 ], ids=["causal", "gqa-top-left", "window", "causal-window", "unbatched"])
+@pytest.mark.thin(2)
 def test_jax_dot_product_attention_drop_in(case):
     ja = _jax_api()
     case = dict(case)
@@ -709,6 +714,7 @@ def test_attention_config_rejects_bad_values():
     dict(seqlens=[(5, 5), (130, 130), (63, 90)], hq=4, hkv=2, causal=True),
 ], ids=["causal", "window", "sq>sk-mods", "varlen"])
 @pytest.mark.parametrize("masked_block_n", [16, pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.thin(2)
 def test_masked_block_n_matches_the_reference(case, masked_block_n):
     """AttentionConfig.masked_block_n: the forward's masked segments (causal diagonal, both window edges,
     ragged tails, rows that see nothing) walk their keys in narrower blocks than the visible segment's (the
@@ -1053,6 +1059,7 @@ _ORDER_CONFIGS = [
     pytest.param(case, config, id=f"{','.join(f'{k}={v}' for k, v in config.items())}-case{i}",
                  marks=() if i == j else pytest.mark.slow)
     for j, config in enumerate(_ORDER_CONFIGS) for i, case in enumerate(_ORDER_CASES)])
+@pytest.mark.thin(2)
 def test_program_order_and_fused_backward_give_identical_results(case, config):
     """block_schedule's program orders (AttentionConfig.head_group) and the one-launch backward
     (fused_backward, the default: attn_bwd_kernel): every output element written (outputs are poisoned before

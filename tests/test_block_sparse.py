@@ -308,6 +308,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.thin(5)
 def test_attention_matches_reference(case):
     build, kw = CASES[case]
     check_attention(build(), **kw)

@@ -198,6 +198,7 @@ def _naive_linear(h, w, y, b, dtype, reduction, g, opts):
 
 
 @pytest.mark.parametrize("case", LIN_CASES, ids=_lin_id)
+@pytest.mark.thin(4)
 def test_linear_cross_entropy_both_frameworks(case):
     lead, hidden, vocab, dtype, chunk, bias, opts, reduction = case
     rng = _rng("lin", _lin_id(case))

@@ -181,6 +181,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.thin(8)
 def test_torch_decode(name):
     spec, options, splits = CASES[name]
     q, k, v, kw = make_case(_seed(name), **spec)

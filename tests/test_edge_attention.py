@@ -167,6 +167,7 @@ def _packed(seed=6, total=40, h=2, d=16):
 
 
 @pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
+@pytest.mark.thin(3)
 def test_invalid_offsets_under_jax_jit_write_every_row(case):
     cu, max_len = BAD_OFFSETS[case]
     cu = np.array(cu, np.int32)

@@ -69,6 +69,7 @@ def _inputs(name, b, sq, sk, h, dqk, dtype):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.thin(2)
 def test_forward_and_gradients_match_the_reference(name):
     build, b, h, dqk, dv, dtype, scale, jax_parity = CASES[name]
     m = build()

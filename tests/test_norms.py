@@ -61,6 +61,7 @@ def _case_id(c):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.thin(7)
 def test_forward_backward_both_frameworks(case):
     op, lead, n, dtype, has_w, has_b, has_res, w_dtype = case
     w_dtype = w_dtype or dtype

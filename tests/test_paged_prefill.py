@@ -58,6 +58,7 @@ def _check(case, out, lse, **options):
 
 @pytest.mark.parametrize("page_size", [8, 16, 64, 128, 384])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.thin(4)
 def test_paged_matches_reference(page_size, causal):
     case = make_paged_prefill_case(100 + page_size, page_size=page_size, lens_q=(5, 17, 1, 9),
                                    used=(70, 17, 3, 130) if page_size >= 64 else (40, 17, 3, 30))

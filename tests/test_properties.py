@@ -457,7 +457,7 @@ def block_masks(draw):
     return m, batch
 
 
-@bounded(7, 3, mask=block_masks(), data=st.data())
+@bounded(7, 2, mask=block_masks(), data=st.data())
 def test_block_sparse_attention(mask, data):
     m, batch = mask
     d = data.draw
@@ -497,7 +497,7 @@ def test_block_sparse_attention(mask, data):
 
 # --------------------------------------------------------------------------------------------------- MLA
 
-@bounded(8, 3, data=st.data())
+@bounded(8, 2, data=st.data())
 def test_mla_attention(data):
     d = data.draw
     b, sq, sk = d(st.integers(1, 2), label="batch"), d(st.integers(1, 24), label="sq"), d(st.integers(1, 40),

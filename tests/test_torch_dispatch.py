@@ -79,6 +79,7 @@ def _run(fn, fast, requires_grad):
 
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.thin(6)
 def test_fast_path_matches_dispatcher(family, requires_grad):
     if family == "decode" and requires_grad:
         pytest.skip("decode is forward only")

@@ -372,6 +372,7 @@ def _assert_equal(got, want):
 
 
 @pytest.mark.parametrize("family", FUNC_FAMILIES)
+@pytest.mark.thin(5)
 def test_func_grad_and_vjp_match_autograd(family):
     torch, _ = _torch()
     fn, params = _func_case(family)
@@ -384,6 +385,7 @@ def test_func_grad_and_vjp_match_autograd(family):
 
 
 @pytest.mark.parametrize("family", FUNC_FAMILIES)
+@pytest.mark.thin(5)
 def test_func_vmap_matches_a_loop(family):
     """vmap over the first argument (the batching rules fold it into rows or the batch where they can) and
     over all of them; per-sample gradients (vmap of grad) over all of them."""
@@ -630,6 +632,7 @@ COMPILE_OPS = ["rms_norm", "layer_norm", "layer_norm_dropout_residual", "flash_a
 
 
 @pytest.mark.parametrize("op", COMPILE_OPS)
+@pytest.mark.thin(4)
 def test_compile_dynamic_fullgraph(op):
     """torch.compile(fullgraph=True, dynamic=True) of every public op, forward and backward: no graph
     break, no recompile for a second size, the eager bits (aot_eager: the same kernels run)."""
