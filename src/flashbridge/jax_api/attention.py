@@ -342,9 +342,7 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
 @jit_op("static")
 def _attention_op(q, k, v, alibi, sinks, cu_q, cu_k, seed, *, static: _Static):
     """(out, lse) of checked arguments; ``seed`` None (no dropout) or an integer array (see seed_argument)."""
-    if seed is None:
-        return _attention(*match_varying(q, k, v, alibi, sinks, cu_q, cu_k), static)
-    *arrays, seed = match_varying(q, k, v, alibi, sinks, cu_q, cu_k, as_seed(seed))
+    *arrays, seed = match_varying(q, k, v, alibi, sinks, cu_q, cu_k, None if seed is None else as_seed(seed))
     return _attention(*arrays, static, seed)
 
 

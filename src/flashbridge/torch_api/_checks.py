@@ -6,23 +6,23 @@ import functools
 import torch
 from torch import Tensor
 
-from ._runtime import DTYPE_NAMES
+from ._runtime import DTYPE_NAMES, signature
 
 
 def once_per_signature(check):
-    """``check(*args)`` (returns nothing, raises on bad arguments) run once per argument signature: tensors
-    by type, shape, dtype and device, other arguments by type and value. A later call with a signature that
-    passed returns at once; one that raised raises again. Runs every time under ``torch.compile`` (dynamo
-    traces it; the compiled graph runs no checks) or with an unhashable argument."""
+    """``check(*args)`` (returns nothing, raises on bad arguments) run once per argument signature
+    (:func:`~._runtime.signature`). A later call with a signature that passed returns at once; one that
+    raised raises again. Runs every time under ``torch.compile`` (dynamo traces it; the compiled graph runs
+    no checks), under torch.func transforms (their wrapped tensors have no strides) or with an unhashable
+    argument."""
     passed: set = set()
 
     @functools.wraps(check)
     def wrapper(*args):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return check(*args)
         try:
-            key = tuple([(type(a), a.shape, a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a)
-                         for a in args])
+            key = signature(args)
             seen = key in passed
         except TypeError:  # an unhashable argument
             return check(*args)

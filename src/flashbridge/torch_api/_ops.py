@@ -32,8 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._forward_only import no_backward_message
 from ..core_kernels._config import _active as _active_configs
-from ..core_kernels._poison import poisoning
-from ._runtime import Replay, record_executions
+from ._runtime import Replay, record_executions, signature
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # True while a transform's backward runs: a vjp function called after its torch.func.vjp returned has
@@ -209,7 +208,7 @@ class FusedOp:
         replays = self.replays
         if replays is None or not FusedOp.replay:
             return self.impl(*args)
-        key = _signature(args)
+        key = (_active_configs.get(), signature(args))  # plans depend on the active configs too
         replay = replays.get(key, _UNSEEN)
         if replay is _UNSEEN:
             result, calls = record_executions(self.impl, args)
@@ -221,13 +220,6 @@ class FusedOp:
 
 
 _UNSEEN = object()
-
-
-def _signature(args) -> tuple:
-    """All that a replayable implementation depends on: each tensor's shape, strides, dtype and device, the
-    other arguments by type and value, the active configs, and whether buffers are being poisoned."""
-    return (_active_configs.get(), poisoning(), *[
-        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a) for a in args])
 
 
 def register_forward_only(op: FusedOp, name: str) -> None:

@@ -123,6 +123,15 @@ class _Program:
             else:
                 interpreted(*[env[n] for n in ins], *scalars, *[env[n] for n in outs], **constexprs)
 
+    def launch_on(self, device, env: dict) -> None:
+        """:meth:`launch` on ``device``: Triton launches on the current device, so switch only when the
+        tensors live elsewhere (the switch itself costs host time on every call)."""
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                self.launch(env)
+        else:
+            self.launch(env)
+
 
 def _program(plan: Plan, interpret: bool) -> _Program:
     state = plan.runtime_state
@@ -168,13 +177,7 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
                 env[name] = given
             else:  # staged with its contents, copied back below
                 env[name] = given.to(launch_dtype, memory_format=torch.contiguous_format, copy=True)
-    # Triton launches on the current device: switch only when the tensors live elsewhere (the switch
-    # itself costs host time on every call).
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            program.launch(env)
-    else:
-        program.launch(env)
+    program.launch_on(device, env)
     for name, want in program.casts:
         env[name] = env[name].to(want)
     if out:
@@ -185,6 +188,14 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
     if recording is not None:
         recording.append((program, inputs, bool(out), device, results))
     return results
+
+
+def signature(args) -> tuple:
+    """What a pure function of its arguments' metadata can depend on: each tensor's type, shape, strides,
+    dtype and device, the other arguments by type and value (raises TypeError for an unhashable one only
+    when hashed)."""
+    return tuple([(type(a), a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                  else (type(a), a) for a in args])
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -252,11 +263,7 @@ class Replay:
         program, device = self.program, self.device
         env = {name: args[i] for name, i in self.inputs}
         program.allocate(env, device, ())
-        if device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                program.launch(env)
-        else:
-            program.launch(env)
+        program.launch_on(device, env)
         outs = []
         for j, view in self.outputs:
             if j is None:

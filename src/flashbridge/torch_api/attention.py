@@ -52,12 +52,18 @@ def _problem(q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqle
         q=_info(q), k=_info(k), v=_info(v), alibi_slopes=_info(alibi_slopes), sinks=_info(sinks),
         cu_seqlens_q=_info(cu_seqlens_q), cu_seqlens_k=_info(cu_seqlens_k), max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k)
-    options = AttnOptions(
+    return shape, op_options(alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap,
+                             dropout_p)
+
+
+def op_options(alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap,
+               dropout_p=0.0) -> AttnOptions:
+    """The AttnOptions of an attention op's flat arguments."""
+    return AttnOptions(
         softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
         softcap=softcap, has_alibi=alibi_slopes is not None,
         alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2, has_sinks=sinks is not None,
         dropout_p=dropout_p)
-    return shape, options
 
 
 # -------------------------------------------------------------------------------------------------- ops
@@ -221,15 +227,12 @@ _flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _attention(q, k, v, options: AttnOptions, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                max_seqlen_k, seed: Optional[Tensor] = None):
-    if options.dropout_p > 0:
-        return _flash_attn_fwd(
-            q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
-            float(options.softcap), seed, float(options.dropout_p))
+    # without dropout the optional (seed, dropout_p) stay off the call: the op's schema defaults
+    dropout = (seed, float(options.dropout_p)) if options.dropout_p > 0 else ()
     return _flash_attn_fwd(
         q, k, v, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         float(options.softmax_scale), bool(options.causal), options.window_left, options.window_right,
-        float(options.softcap))
+        float(options.softcap), *dropout)
 
 
 # ----------------------------------------------------------------------------------------------- public

@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..core_kernels.flash_attn.plan import CACHE_OP, AttnOptions, check_cache_offsets, check_kv_cache_args
+from ..core_kernels.flash_attn.plan import CACHE_OP, check_cache_offsets, check_kv_cache_args
 from ._ops import fused_op, register_forward_only, underlying
 from ._runtime import execute, memoised, target_for
-from .attention import _info, _prepare, _strides, plan_attention_fwd
+from .attention import _info, _prepare, _strides, op_options, plan_attention_fwd
 
 check_kv_cache_args = memoised(check_kv_cache_args)
 
@@ -38,10 +38,7 @@ def _flash_attn_cache_fwd(
     """Returns (out, lse) as ``flash_attn_fwd``: out in q's layout with v's head dim, lse float32."""
     shape, cache = _problem(q, k, v, block_table, seqused_k, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
                             max_seqlen_q, max_seqlen_k)
-    options = AttnOptions(
-        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
-        softcap=softcap, has_alibi=alibi_slopes is not None,
-        alibi_batched=alibi_slopes is not None and alibi_slopes.dim() == 2, has_sinks=sinks is not None)
+    options = op_options(alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     plan = plan_attention_fwd(shape, options, target=target_for(q.device),
                               strides={"q": _strides(q), "k": _strides(k), "v": _strides(v)}, cache=cache)
