@@ -97,6 +97,20 @@ def test_replayed_calls_give_the_bits_of_the_full_implementation(family, monkeyp
         assert torch.equal(a, b) and torch.equal(a, c), family
 
 
+def test_a_replayed_call_still_refuses_an_fp8_cache_off_a_2_byte_boundary():
+    """The implementation checks the FP8 cache's start address; a view of the same shape and strides one
+    byte off is another signature, so the check runs again instead of a replay."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    base = torch.randn(1, 256, 2, 68, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    q = torch.randn(1, 1, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    lens = torch.tensor([200], device="cuda", dtype=torch.int32)
+    k = base[..., 4:68]
+    for _ in range(2):  # records, then replays
+        ft.decode_attention(q, k, base[..., 2:66], cache_seqlens=lens)
+    with pytest.raises(ValueError, match="v_cache: an FP8 cache"):
+        ft.decode_attention(q, k, base[..., 1:65], cache_seqlens=lens)
+
+
 def test_replays_are_recorded_for_the_hot_ops():
     import importlib
 

@@ -202,13 +202,15 @@ class FusedOp:
 
     def run_eager(self, args):
         """The implementation on plain tensors. An op declared ``replay=True`` (:func:`fused_op`) runs it
-        once per argument signature, recording its kernel execution; later calls of that signature replay
+        once per argument signature (addresses modulo 16 included), recording its kernel execution; later
+        calls of that signature replay
         the execution (:class:`~._runtime.Replay`): the same kernels, the same bits, without the checks,
         planning and bookkeeping of the implementation on the eager hot path."""
         replays = self.replays
         if replays is None or not FusedOp.replay:
             return self.impl(*args)
-        key = (_active_configs.get(), signature(args))  # plans depend on the active configs too
+        # plans depend on the active configs too; run_eager sees plain tensors only, whose addresses can be read
+        key = (_active_configs.get(), signature(args, addresses=True))
         replay = replays.get(key, _UNSEEN)
         if replay is _UNSEEN:
             result, calls = record_executions(self.impl, args)
@@ -256,7 +258,8 @@ def underlying(t: Tensor) -> Tensor:
 def fused_op(name: str, *, mutates_args=(), replay: bool = False) -> Callable[[Callable], FusedOp]:
     """Decorator: ``@fused_op("norm_fwd")`` defines ``flashbridge::norm_fwd`` from the function's
     annotations (as ``torch.library.custom_op`` does) and returns its :class:`FusedOp`. ``replay=True``
-    declares the implementation a pure function of its argument signature (no reads of tensor values on
-    the GPU path, no state, nothing done to the results after the kernels): eager calls then replay its
+    declares the implementation a pure function of its argument signature (shapes, strides, dtypes, devices,
+    address alignment, other arguments; no reads of tensor values on the GPU path, no state, nothing done to
+    the results after the kernels): eager calls then replay its
     kernel execution (:meth:`FusedOp.run_eager`)."""
     return lambda impl: FusedOp(name, impl, mutates_args, replay)

@@ -190,10 +190,14 @@ def execute(plan: Plan, inputs: Mapping[str, torch.Tensor],
     return results
 
 
-def signature(args) -> tuple:
+def signature(args, addresses: bool = False) -> tuple:
     """What a pure function of its arguments' metadata can depend on: each tensor's type, shape, strides,
-    dtype and device, the other arguments by type and value (raises TypeError for an unhashable one only
-    when hashed)."""
+    dtype and device (with ``addresses``, also its address modulo 16: the alignment kernels specialise on,
+    and that implementations check, e.g. an FP8 cache's 2-byte start), the other arguments by type and value
+    (an unhashable one raises TypeError only when the result is hashed)."""
+    if addresses:
+        return tuple([(type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16)
+                      if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
     return tuple([(type(a), a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
                   else (type(a), a) for a in args])
 
