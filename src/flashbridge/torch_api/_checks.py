@@ -88,9 +88,11 @@ def fold_seed(seed: Tensor) -> Tensor:
 
 
 def seed_tensor(seed: int | Tensor, device: torch.device) -> Tensor:
-    """A dropout seed as the int32 ``(1,)`` tensor the kernels read (int64 tensors: :func:`fold_seed`)."""
+    """A dropout seed as the int32 ``(1,)`` tensor the kernels read (int64 tensors: :func:`fold_seed`). An int
+    is written by a fill on the device: ``torch.tensor([seed], device=...)`` would copy it from pageable host
+    memory, which waits for the GPU's stream on every call."""
     check_seed(seed)
     if isinstance(seed, Tensor):
         seed = seed.reshape(1).to(device=device)
         return seed if seed.dtype == torch.int32 else fold_seed(seed)
-    return torch.tensor([seed], dtype=torch.int32, device=device)
+    return torch.full((1,), seed, dtype=torch.int32, device=device)
