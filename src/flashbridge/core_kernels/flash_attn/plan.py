@@ -402,8 +402,8 @@ def check_kv_cache_args(*, q: TensorInfo, k: TensorInfo, v: TensorInfo, block_ta
         raise ValueError("seqused_k: required with block_table (int32 (batch,), the keys each sequence uses)")
     if seqused_k[1] != "int32":
         raise TypeError(f"seqused_k: must be int32, got {seqused_k[1]}")
-    for name in ("k", "v"):
-        check_float_dtype(name, (v if name == "v" else k)[1])
+    check_float_dtype("k", k[1])
+    check_float_dtype("v", v[1])
     qs, ks, vs = tuple(q[0]), tuple(k[0]), tuple(v[0])
     packed_q = cu_seqlens_q is not None
     if packed_q and (len(cu_seqlens_q[0]) != 1 or cu_seqlens_q[0][0] < 2):
