@@ -12,12 +12,16 @@ walked as lists.
 
     python benchmarks/bench_block_sparse.py            # every row, both frameworks, plot
     python benchmarks/bench_block_sparse.py --quick    # three rows (causal, window 1024, BigBird), torch only
+    python benchmarks/bench_block_sparse.py --sweep '[{"dkdv_block_m": 32}, {"dkdv_num_stages": 2}]' \
+        --rows "document x16,bigbird ~10%"              # our defaults against AttentionConfig settings,
+                                                       # alternated in one process, FlexAttention beside
     python benchmarks/bench_block_sparse.py --ptxas    # no GPU needed: compile the block-sparse kernels for
                                                        # sm_90 and print registers / spills next to the dense
 """
 from __future__ import annotations
 
 import argparse
+import json
 import traceback
 
 from _common import compile_launch_sm90, environment, print_table, save, save_figure, time_jax
@@ -267,6 +271,49 @@ def plot(entries, name="block_sparse_h200"):
     save_figure(fig, name)
 
 
+# ------------------------------------------------------------------------------------------------ sweep
+
+def sweep(names, configs: list, rounds: int = 3) -> dict:
+    """Forward and backward ms of ours under the defaults and under each ``AttentionConfig`` keyword set of
+    ``configs``, alternated ``rounds`` times in one process (medians), with FlexAttention timed once per
+    row beside them: which setting would move a row past Flex, and by how much."""
+    import torch
+
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+    from flashbridge.torch_api import flash_attention
+    from flashbridge.torch_api.block_sparse import mask_tensors
+
+    out = {}
+    for row in names:
+        mask = our_mask(row)
+        mask_tensors(mask, "cuda")
+        q, k, v = (_randn(B, S, H, D) for _ in range(3))
+        settings = [("defaults", {})] + [(json.dumps(c, sort_keys=True), c) for c in configs]
+        times = {label: [] for label, _ in settings}
+        for _ in range(rounds):
+            for label, cfg in settings:
+                try:
+                    with configure(AttentionConfig(**cfg)):
+                        times[label].append(_time_fwd_bwd(lambda: flash_attention(q, k, v, block_mask=mask), (q, k, v)))
+                except Exception as exc:  # a setting that does not compile or fit is reported, not fatal
+                    times[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                    settings = [(lb, c) for lb, c in settings if lb != label]
+        flex = torch_providers(row, mask)["flex (compiled)"]()
+        res = {"flex": {"fwd_ms": flex[0], "bwd_ms": flex[1]}}
+        for label, t in times.items():
+            if isinstance(t, str):
+                res[label] = {"error": t}
+                continue
+            fwd, bwd = (float(np.median([x[i] for x in t])) for i in (0, 1))
+            res[label] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd / flex": fwd / flex[0], "bwd / flex": bwd / flex[1]}
+            print(f"{row:18s} {label:60s} fwd {fwd:.4f} ({fwd / flex[0]:.3f} of flex) "
+                  f"bwd {bwd:.4f} ({bwd / flex[1]:.3f} of flex)", flush=True)
+        out[row] = res
+        torch.cuda.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ ptxas
 
 def ptxas_report():
@@ -309,12 +356,18 @@ def main():
     parser.add_argument("--no-jax", action="store_true")
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
+    parser.add_argument("--sweep", metavar="JSON", help="a JSON list of AttentionConfig keyword sets to time "
+                        "against the defaults (torch, alternated, FlexAttention beside)")
+    parser.add_argument("--rounds", type=int, default=3, help="--sweep: alternations")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
         return
     print(environment())
     names = args.rows.split(",") if args.rows else rows(args.quick)
+    if args.sweep:
+        print(f"wrote {save('block_sparse_sweep', {'sweep': sweep(names, json.loads(args.sweep), args.rounds)})}")
+        return
     name = "block_sparse_h200" + ("_quick" if args.quick else "")
     payload = {"environment": environment(), "shape": {"b": B, "h": H, "d": D, "s": S, "block": BLOCK},
                "rows": []}
