@@ -241,6 +241,16 @@ def h16_rows(run: Run, quick=False, with_jax=True):
                     "fp8_speedup": bf16["ms"] / ms if "ms" in bf16 else None}
 
         run.add(case, "ours torch fp8", measure_fp8)
+        # the same cache through the widened path (no column pairs, V read twice), for the comparison
+        run.add(case, "ours torch fp8 widened", lambda: _with_config({"fp8_pairs": False}, measure_fp8))
+
+
+def _with_config(fields, measure):
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.mla.plan import MLAConfig
+
+    with configure(MLAConfig(**fields)):
+        return measure()
 
 
 def sparse_rows(run: Run, with_jax=True):
@@ -465,9 +475,10 @@ SWEEP = {  # case -> (kwargs of DecodeInputs, MLAConfig field dicts)
     "H16 B64 S32768": (dict(b=64, s=32768, heads=16), [{}, {"num_stages": 3}, {"num_stages": 7}, {"block_n": 32},
                                                         {"num_warps": 4}, {"block_n": 128, "num_stages": 3}]),
     "H16 B64 S32768 fp8": (dict(b=64, s=32768, heads=16, fp8=True),
-                           [{}, {"separate_v": False}, {"num_stages": 3}, {"block_n": 64}, {"num_warps": 4}]),
-    "H128 B64 S4096 fp8": (dict(b=64, s=4096, fp8=True), [{}, {"separate_v": False}, {"block_m": 16},
-                                                           {"block_m": 64, "block_n": 64, "num_stages": 2}]),
+                           [{}, {"fp8_pairs": False}, {"num_stages": 5}, {"num_stages": 9}, {"block_n": 32},
+                            {"block_n": 128, "num_stages": 5}, {"num_warps": 4}]),
+    "H128 B64 S4096 fp8": (dict(b=64, s=4096, fp8=True), [{}, {"fp8_pairs": False}, {"block_m": 16},
+                                                           {"num_stages": 5}, {"block_n": 32}]),
     "sparse H128 B64 top-k 2048 of S32768": (dict(b=64, s=32768, topk=2048), [{}, {"block_n": 32}]),
 }
 

@@ -310,6 +310,11 @@ DECODE_CASES = {
     "fp8-sparse": dict(lens=(4, 25, 30), fp8=True, topk=6),
     "bf16-576-512": dict(lens=(17, 5, 1), h=2, dqk=576, dv=512, dtype="bfloat16", page_size=16),
     "fp8-bf16q-576-512": dict(lens=(9, 17, 0), h=2, dqk=576, dv=512, dtype="bfloat16", fp8=True),
+    # 16-bit queries and even dims: the FP8 latent is read as column pairs (PAIRS; the cases above with Dqk 40 =
+    # 32 + 8 widen in registers: 8 rope dims are too few pairs for a dot)
+    "fp8-pairs-paged8-bf16q": dict(lens=(0, 12, 31), fp8=True, page_size=8, dqk=96, dv=64, dtype="bfloat16"),
+    "fp8-pairs-sparse-f16q": dict(lens=(4, 25, 30), fp8=True, topk=6, dqk=64, dv=32, dtype="float16"),
+    "fp8-pairs-no-rest-sq2": dict(lens=(5, 1, 33), fp8=True, dqk=64, dv=64, dtype="bfloat16", sq=2, h=5),
 }
 
 
@@ -318,6 +323,72 @@ def test_torch_mla_decode(name):
     spec = DECODE_CASES[name]
     q, cache, kw = make_cache(zlib_seed(name), **spec)
     check_decode(q, cache, kw, floor=1e-5 if q.dtype == torch.float32 else 1e-3)
+
+
+def _fp8_plan_flags(dtype="bfloat16", dqk=96, dv=64, kv_strides=None, config=None):
+    from flashbridge.core_kernels import INTERPRETER
+    from flashbridge.core_kernels.mla.plan import check_mla_decode_args, plan_mla_fwd
+
+    shape, options, _ = check_mla_decode_args(q=((2, 1, 4, dqk), dtype), kv_cache=((2, 40, dqk), "float8_e4m3fn"),
+                                              cache_seqlens=((2,), "int32"), head_dim_v=dv, kv_scale=((), "float32"))
+    launch = plan_mla_fwd(shape, options, target=INTERPRETER, strides={"kv": kv_strides} if kv_strides else None,
+                          config=config).launches[0]
+    flags = launch.constexpr_dict()
+    return flags["PAIRS"], flags["SEPARATE_V"]
+
+
+def test_fp8_latent_read_as_column_pairs_where_the_shapes_allow():
+    """PAIRS (the latent read once as 16-bit column pairs, widened as K and as V) for 16-bit queries with even
+    Dv and Dqk - Dv, >= 16 pairs in each part and even cache strides; otherwise (or with
+    MLAConfig(fp8_pairs=False)) the tiles are widened in registers and V is loaded again (SEPARATE_V)."""
+    from flashbridge.core_kernels.mla.plan import MLAConfig
+
+    assert _fp8_plan_flags() == (True, False)
+    assert _fp8_plan_flags("float16", dqk=64, dv=64) == (True, False)
+    assert _fp8_plan_flags(dqk=576, dv=512) == (True, False)
+    for kw in (dict(dtype="float32"), dict(dqk=40, dv=32), dict(dqk=96, dv=63), dict(dqk=95, dv=64),
+               dict(kv_strides=(40 * 97, 97)), dict(config=MLAConfig(fp8_pairs=False))):
+        assert _fp8_plan_flags(**kw) == (False, True), kw
+    assert _fp8_plan_flags(config=MLAConfig(fp8_pairs=False, separate_v=False)) == (False, False)
+    with pytest.raises(ValueError, match="MLAConfig.fp8_pairs"):
+        MLAConfig(fp8_pairs=1)
+
+
+@pytest.mark.parametrize("name", ["fp8-pairs-paged8-bf16q", "fp8-pairs-sparse-f16q"])
+def test_fp8_column_pairs_agree_with_the_widened_tiles(name):
+    """The two FP8 paths give the same attention (f16 dots on exact e4m3 values either way; sums in another
+    order), in both front-ends, and JAX equals torch bit for bit on each."""
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.mla.plan import MLAConfig
+
+    q, cache, kw = make_cache(zlib_seed(name) + 1, **DECODE_CASES[name])
+    dv = kw.pop("head_dim_v")
+
+    def both():
+        out_t = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=2)
+        out_j = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=2))(
+            torch_to_jax(q), torch_to_jax(cache), _j(kw))
+        np.testing.assert_array_equal(np64(out_j), np64(out_t))
+        return np64(out_t)
+
+    pairs = both()
+    with configure(MLAConfig(fp8_pairs=False)):
+        widened = both()
+    np.testing.assert_allclose(pairs, widened, atol=2e-3, rtol=2e-2)
+
+
+def test_torch_fp8_latent_must_start_on_a_pair():
+    """An FP8 latent read as column pairs must start on a 2-byte boundary: a view 1 byte past one is refused
+    before any launch, naming the cache; a copy of it runs."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(3 * 40 * 96 + 1, generator=g).to(torch.float8_e4m3fn)
+    odd = flat[1:].view(3, 40, 96)
+    q = torch.randn(3, 1, 4, 96, generator=g).to(torch.bfloat16)
+    kw = dict(cache_seqlens=torch.tensor([40, 3, 17], dtype=torch.int32), head_dim_v=64,
+              kv_scale=torch.tensor(0.5))
+    with pytest.raises(ValueError, match="kv_cache: an FP8 cache must start on a 2-byte boundary"):
+        tapi.mla_decode(q, odd, **kw)
+    check_decode(q, odd.clone(), kw, floor=1e-3)
 
 
 def test_torch_decode_split_counts_agree_and_fixed_split_is_reproducible():
@@ -493,7 +564,8 @@ def test_jax_vmap_folds_into_the_batch():
     np.testing.assert_array_equal(np64(grads[0][1]), np64(tq.grad))
 
 
-@pytest.mark.parametrize("name", ["sparse-paged4-sq2", "fp8-paged8", "fp8-bf16q-576-512", "contig-h16-sq3"])
+@pytest.mark.parametrize("name", ["sparse-paged4-sq2", "fp8-paged8", "fp8-bf16q-576-512", "contig-h16-sq3",
+                                  "fp8-pairs-paged8-bf16q", "fp8-pairs-sparse-f16q"])
 def test_jax_mla_decode_matches_torch_bitwise(name):
     q, cache, kw = make_cache(zlib_seed(name), **DECODE_CASES[name])
     dv = kw.pop("head_dim_v")

@@ -96,6 +96,8 @@ DECODE = {
     "h16-ragged": dict(b=8, lens=(32768, 1, 4000, 65, 20000, 63, 3000, 4095), heads=16),
     "h16-fp8": dict(b=8, lens=(32768, 1, 4000, 65, 20000, 63, 3000, 4095), heads=16, fp8=True),
     "h16-sparse": dict(b=4, lens=(32768, 5000, 2047, 9000), heads=16, topk=2048),
+    "h16-fp8-sparse": dict(b=4, lens=(32768, 5000, 2047, 9000), heads=16, topk=2048, fp8=True),
+    "h128-fp8-f16q-sq2": dict(b=4, lens=(4096, 100, 3000, 2049), sq=2, fp8=True, dtype=torch.float16),
 }
 
 
@@ -105,7 +107,7 @@ def test_gpu_mla_decode(name):
     check_decode(q, cache, kw)
 
 
-@pytest.mark.parametrize("name", ["h128-b8-ragged", "h128-sparse-2048", "h16-fp8"])
+@pytest.mark.parametrize("name", ["h128-b8-ragged", "h128-sparse-2048", "h16-fp8", "h128-fp8-f16q-sq2"])
 def test_gpu_jax_decode_matches_torch_bitwise(name):
     import jax
 
@@ -119,6 +121,35 @@ def test_gpu_jax_decode_matches_torch_bitwise(name):
         jax.dlpack.from_dlpack(q), jax.dlpack.from_dlpack(cache), {n: jax.dlpack.from_dlpack(v) for n, v in kw.items()})
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a).astype(np.float64), np64(b))
+
+
+@pytest.mark.parametrize("name", ["h16-fp8", "h128-fp8", "h16-fp8-sparse"])
+def test_gpu_fp8_column_pairs_agree_with_the_widened_tiles(name):
+    """The default FP8 path (the latent read once as 16-bit column pairs, PAIRS) and the widened one
+    (MLAConfig(fp8_pairs=False): tiles widened in registers, V read twice) give the same attention up to
+    the order of the f16 dots' sums."""
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels.mla.plan import MLAConfig
+    from flashbridge.torch_api.mla import mla_decode
+
+    q, cache, kw = paged_case(zlib.crc32(name.encode()) + 1, **DECODE[name])
+    pairs = mla_decode(q, cache, **kw)
+    with configure(MLAConfig(fp8_pairs=False)):
+        widened = mla_decode(q, cache, **kw)
+    torch.testing.assert_close(pairs.float(), widened.float(), atol=2e-3, rtol=2e-2)
+
+
+def test_gpu_fp8_latent_off_a_pair_is_refused():
+    """A CUDA FP8 latent view 1 byte past a 2-byte boundary is refused before any launch; a copy runs."""
+    from flashbridge.torch_api.mla import mla_decode
+
+    q, cache, kw = paged_case(9, b=2, lens=(300, 64), heads=16, fp8=True)
+    flat = torch.empty(cache.numel() + 1, dtype=cache.dtype, device="cuda")
+    odd = flat[1:].view(cache.shape)
+    odd.copy_(cache)
+    with pytest.raises(ValueError, match="kv_cache: an FP8 cache must start on a 2-byte boundary"):
+        mla_decode(q, odd, **kw)
+    assert torch.equal(mla_decode(q, odd.clone(), **kw), mla_decode(q, cache, **kw))
 
 
 def test_gpu_decode_attention_routes_latent_views():

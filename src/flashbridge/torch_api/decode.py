@@ -113,12 +113,12 @@ def _cascade_plan(shape, shared_len, options, target, num_splits, k_strides, v_s
                         strides={"k_cache": k_strides, "v_cache": v_strides}, config=config)
 
 
-def _check_pairs_base(plan, keys: dict[str, Tensor], values: dict[str, Tensor]) -> None:
+def _check_pairs_base(plan, *caches: dict[str, Tensor], flags: tuple[str, ...] = ("K_PAIRS", "V_PAIRS")) -> None:
     """Decode kernels read FP8 K and V caches as 16-bit pairs of columns (``K_PAIRS`` / ``V_PAIRS``, see
-    ``core_kernels.decode.kernels.load_e4m3_pairs``): such a cache's first byte must sit on a 2-byte
-    boundary. Plans see shapes and strides only, so the base addresses are checked here (JAX arrays are
-    always aligned)."""
-    for flag, tensors in (("K_PAIRS", keys), ("V_PAIRS", values)):
+    ``core_kernels.decode.kernels.load_e4m3_pairs``; the MLA kernel's latent: ``PAIRS``): such a cache's
+    first byte must sit on a 2-byte boundary. Plans see shapes and strides only, so the base addresses are
+    checked here (JAX arrays are always aligned). ``caches[i]``: the named tensors that ``flags[i]`` covers."""
+    for flag, tensors in zip(flags, caches):
         if not any(launch.constexpr_dict().get(flag) for launch in plan.launches):
             continue
         for name, t in tensors.items():

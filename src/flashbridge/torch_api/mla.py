@@ -22,6 +22,7 @@ from ..core_kernels.mla.plan import (MLAConfig, check_decode_values, check_index
                                      check_mla_block_mask, check_mla_decode_args, plan_mla_bwd, plan_mla_fwd)
 from ..masks import BlockMask
 from ._checks import check_tensors
+from .decode import _check_pairs_base
 from .block_sparse import _layout as _mask_layout, mask_tensors
 from ._ops import fused_op, register_forward_only, underlying
 from ._runtime import dtype_name, execute, target_for
@@ -228,6 +229,7 @@ def _mla_decode(q: Tensor, kv_cache: Tensor, cache_seqlens: Tensor, block_table:
     q, kv_cache = _prepare(q), _prepare(kv_cache)
     plan = _decode_plan(shape, options, target_for(q.device), num_splits, _q_strides(q), _kv_strides(kv_cache),
                         active_config(MLAConfig))
+    _check_pairs_base(plan, {"kv_cache": kv_cache}, flags=("PAIRS",))
     given = {"q": q, "kv": kv_cache, "cache_seqlens": cache_seqlens, "block_table": block_table,
              "indices": indices, "kv_scale": kv_scale}
     return execute(plan, {n: given[n] if n in ("q", "kv") else given[n].contiguous() for n in plan.inputs})

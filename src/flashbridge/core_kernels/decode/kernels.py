@@ -76,13 +76,28 @@ def load_e4m3_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_
     then give the even and the odd columns in f16. Widening V before the dot costs a trip back through
     shared memory, and K widened by Triton leaves ptxas rebuilding q's operand registers for every MMA.
     WIDEN_ASM (compiled kernels) widens in inline PTX, the interpreter with Triton's bit casts. Needs D even,
-    even strides and a 2-byte aligned base (the plan's ``K_PAIRS`` / ``V_PAIRS``)."""
-    offs_p = tl.arange(0, BLOCK_D // 2)
-    pairs_row = rows.to(tl.pointer_type(tl.uint16), bitcast=True)
-    pairs = load_tile(pairs_row[:, None] + offs_p[None, :], key_ok, offs_p * 2 < D, APPLY_MASK,
-                      BLOCK_D != D)  # [N, D / 2]: columns 2j (low byte) and 2j + 1 (high byte)
+    even strides and a 2-byte aligned base (the plan's ``K_PAIRS`` / ``V_PAIRS``). A tile that serves as
+    both K and V (MLA's latent) is loaded once by :func:`load_column_pairs` and widened twice by
+    :func:`widen_e4m3_pairs`, with and without the transpose."""
+    pairs = load_column_pairs(rows, key_ok, D, BLOCK_D, APPLY_MASK)
     if TRANSPOSE:
         pairs = tl.trans(pairs)
+    return widen_e4m3_pairs(pairs, WIDEN_ASM)
+
+
+@triton.jit
+def load_column_pairs(rows, key_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, APPLY_MASK: tl.constexpr):
+    """Rows ``rows`` [N] (pointers to each row's first byte) of an FP8 tile [N, D] as uint16 [N, BLOCK_D / 2]:
+    element j holds columns 2j (low byte) and 2j + 1 (high byte). D even, 2-byte aligned rows."""
+    offs_p = tl.arange(0, BLOCK_D // 2)
+    pairs_row = rows.to(tl.pointer_type(tl.uint16), bitcast=True)
+    return load_tile(pairs_row[:, None] + offs_p[None, :], key_ok, offs_p * 2 < D, APPLY_MASK, BLOCK_D != D)
+
+
+@triton.jit
+def widen_e4m3_pairs(pairs, WIDEN_ASM: tl.constexpr):
+    """uint16 column pairs (:func:`load_column_pairs`, any shape) -> (even, odd) float16 tiles of that shape:
+    the low and the high byte of each element as e4m3 values (see :func:`load_e4m3_pairs`)."""
     if WIDEN_ASM:
         even, odd = tl.inline_asm_elementwise(_E4M3_PAIRS_TO_F16, "=r,=r,r", [pairs],
                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=2)

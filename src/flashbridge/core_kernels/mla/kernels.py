@@ -5,7 +5,9 @@ So a program's MMA rows are *query heads* (and query tokens): row ``r`` of the f
 is token ``r // HEADS``, head ``r % HEADS`` -- for H=128 a token's heads fill two 64-row blocks -- and every
 latent tile is loaded once for all of them. A key tile is read as its value part ``[N, DV]`` and the rest
 ``[N, DQK - DV]`` (DeepSeek: 512 + 64, the RoPE key): ``q k^T`` is a dot over the first plus a dot over the
-second, and ``p @ v`` reuses the first tile as V (FP8 caches load it a second time, see ``SEPARATE_V``).
+second, and ``p @ v`` reuses the first tile as V. FP8 caches with 16-bit queries read the tile as 16-bit
+column pairs once and widen it twice, as K and as V (``PAIRS``, the decode family's FP8 technique, see
+:func:`pair_scores`); otherwise FP8 tiles are widened in registers (``SEPARATE_V``: V loaded a second time).
 
 * :func:`mla_fwd_kernel`: decode (a latent cache, contiguous or paged, FP8 or not, split-KV with the decode
   family's merge kernel) and prefill (``kv`` as a contiguous cache whose length is the key length) are one
@@ -31,7 +33,7 @@ heads (per-head masks do not fit this layout; the plans reject them).
 import triton
 import triton.language as tl
 
-from ..decode.kernels import cache_slots, f16_query
+from ..decode.kernels import cache_slots, f16_query, load_column_pairs, widen_e4m3_pairs
 from ..flash_attn.kernels_common import (aligned, aligned_strides, block_mask_visible, fold_values, kv_key_range,
                                          kv_step_mask, list_block, list_length, list_step, load_tile, mask_bits,
                                          mask_tokens, online_softmax_probs, score_grad, score_params,
@@ -112,6 +114,30 @@ def latent_scores(q_v, q_r, kv_v, kv_r, rope_ratio, HAS_ROPE: tl.constexpr, DOT_
 
 
 @triton.jit
+def pair_scores(q_v, q_vo, q_r, q_ro, pairs_v, row, key_ok, rope_ratio, DQK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DR: tl.constexpr, CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                WIDEN_ASM: tl.constexpr):
+    """Raw scores [M, N] (float32) against an FP8 latent read as column pairs (``PAIRS``): ``pairs_v``
+    [N, BLOCK_DV / 2] (uint16, :func:`load_column_pairs`) is the value part, and the rest is read the same way
+    from ``row + DV``. Both are widened transposed into their even and odd columns in f16 ([D / 2, N] each,
+    :func:`widen_e4m3_pairs`) and dotted with q's even (``q_v`` / ``q_r``) and odd (``q_vo`` / ``q_ro``)
+    columns; the rest's two dots add onto the value part's scores times ``rope_ratio`` (as
+    :func:`latent_scores`). The value tile stays in the pipeline's buffer for ``p @ V``, which widens it
+    again without the transpose: the latent is read once per step, and no widened tile goes back through
+    shared memory (the decode family's ``K_PAIRS`` / ``V_PAIRS``)."""
+    k_e, k_o = widen_e4m3_pairs(tl.trans(pairs_v), WIDEN_ASM)  # [DV / 2, N]
+    # (q is f16 in compiled kernels; the interpreter runs 16-bit queries as float32: exact widening)
+    qk = tl.dot(q_v, k_e.to(q_v.dtype), input_precision=DOT_PRECISION)
+    qk = tl.dot(q_vo, k_o.to(q_v.dtype), qk, input_precision=DOT_PRECISION)
+    if DQK > DV:
+        pairs_r = load_column_pairs(row + DV, key_ok, DQK - DV, BLOCK_DR, CHECK_KEYS)
+        r_e, r_o = widen_e4m3_pairs(tl.trans(pairs_r), WIDEN_ASM)  # [(DQK - DV) / 2, N]
+        qk = tl.dot(q_r, r_e.to(q_r.dtype), qk * rope_ratio, input_precision=DOT_PRECISION)
+        qk = tl.dot(q_ro, r_o.to(q_r.dtype), qk, input_precision=DOT_PRECISION)
+    return qk
+
+
+@triton.jit
 def key_mask(tok, offs_k, key_ok, diag, CAUSAL: tl.constexpr, elem_ok=None):
     """Bool [M, N]: row (token ``tok``) sees key ``offs_k``: the key is valid (``key_ok``: inside the
     sequence, a listed index) and, when causal, at or before the token's position ``tok + diag``. A block
@@ -162,19 +188,23 @@ def latent_rows(BLOCK_TABLE, b, n_start, offs_n, offs_k, key_ok, stride_tb, num_
 
 @triton.jit
 def mla_fwd_steps(
-    acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, step_lo, step_hi, tok, diag, length, num_pages,
-    topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, BIT_ROWS, BITS, TOK_K, tq, m_local, window_left,
-    window_right,
+    acc, acc_odd, m_i, l_i, q_v, q_vo, q_r, q_ro, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, step_lo, step_hi, tok, diag,
+    length, num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, BIT_ROWS, BITS, TOK_K, tq,
+    m_local, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, APPLY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     SPARSE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, SEPARATE_V: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr,
-    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
+    MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, PAIRS: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
 ):
     """Fold steps ``[step_lo, step_hi)`` into the running softmax. Dense: step = key block ``step``;
     without APPLY_MASK every key of every block is inside the sequence and visible from every row. SPARSE:
     step = ``BLOCK_N`` entries of the row's top-k list at ``IDX_ROW`` (always masked). SEPARATE_V: the value
-    tile is loaded again through ``KV_V`` (the same cache) for ``p @ V`` (see mla_fwd_kernel).
+    tile is loaded again through ``KV_V`` (the same cache) for ``p @ V`` (see mla_fwd_kernel). PAIRS (an FP8
+    cache, 16-bit queries): the latent is read as column pairs (:func:`pair_scores`), ``q_vo`` / ``q_ro`` are
+    q's odd columns (``q_v`` / ``q_r`` its even ones) and ``acc`` / ``acc_odd`` accumulate V's even / odd
+    columns; otherwise ``q_vo``, ``q_ro`` and ``acc_odd`` are unused.
 
     BLOCK_SPARSE: ``IDX_ROW`` is one row of a block mask's full or partial key-block lists, step s the
     ``s % (MASK_KB // BLOCK_N)``-th ``BLOCK_N`` keys of entry ``s // (MASK_KB // BLOCK_N)`` (``list_step``);
@@ -203,9 +233,14 @@ def mla_fwd_steps(
                                  stride_ks, PAGED, PAGE_SIZE, SPARSE or (PAGED and PAGE_SIZE % BLOCK_N != 0),
                                  APPLY_MASK)
         row = (KV + base) + rows
-        kv_v, kv_r = load_latent(row, key_ok, offs_dv, offs_dr, DQK, DV, BLOCK_DV, BLOCK_DR, APPLY_MASK)
-        kv_v = kv_v.to(q_v.dtype)  # the compute dtype (FP8 caches widen here; SEPARATE_V: for the scores only)
-        qk = latent_scores(q_v, q_r, kv_v, kv_r.to(q_r.dtype), rope_ratio, DQK > DV, DOT_PRECISION)
+        if PAIRS:
+            pairs_v = load_column_pairs(row, key_ok, DV, BLOCK_DV, APPLY_MASK)  # [N, DV / 2]: K and V
+            qk = pair_scores(q_v, q_vo, q_r, q_ro, pairs_v, row, key_ok, rope_ratio, DQK, DV, BLOCK_DR, APPLY_MASK,
+                             DOT_PRECISION, WIDEN_ASM)
+        else:
+            kv_v, kv_r = load_latent(row, key_ok, offs_dv, offs_dr, DQK, DV, BLOCK_DV, BLOCK_DR, APPLY_MASK)
+            kv_v = kv_v.to(q_v.dtype)  # the compute dtype (FP8 caches widen here; SEPARATE_V: for the scores only)
+            qk = latent_scores(q_v, q_r, kv_v, kv_r.to(q_r.dtype), rope_ratio, DQK > DV, DOT_PRECISION)
         if POSITIVE_SCALE:  # the scale goes into the exponent (see block_probs in kernels_common)
             if APPLY_MASK:
                 qk = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL, elem_ok), qk, float("-inf"))
@@ -215,12 +250,17 @@ def mla_fwd_steps(
             if APPLY_MASK:
                 s2 = tl.where(key_mask(tok, offs_k, key_ok, diag, CAUSAL, elem_ok), s2, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_probs(m_i, l_i, s2, 1.0)
-        if SEPARATE_V:
-            v = load_tile(((KV_V + base) + rows)[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK,
-                          BLOCK_DV != DV)
-            kv_v = v.to(q_v.dtype)
-        acc = fold_values(acc, p, alpha, kv_v, DOT_PRECISION)
-    return acc, m_i, l_i
+        if PAIRS:  # the same tile as V: even and odd columns into their own accumulators
+            v_e, v_o = widen_e4m3_pairs(pairs_v, WIDEN_ASM)  # [N, DV / 2]
+            acc = fold_values(acc, p, alpha, v_e, DOT_PRECISION)
+            acc_odd = fold_values(acc_odd, p, alpha, v_o, DOT_PRECISION)
+        else:
+            if SEPARATE_V:
+                v = load_tile(((KV_V + base) + rows)[:, None] + offs_dv[None, :], key_ok, offs_dv < DV, APPLY_MASK,
+                              BLOCK_DV != DV)
+                kv_v = v.to(q_v.dtype)
+            acc = fold_values(acc, p, alpha, kv_v, DOT_PRECISION)
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit
@@ -246,7 +286,7 @@ def mla_fwd_kernel(
     HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, QO_ALIGN: tl.constexpr,
     KV_ALIGN: tl.constexpr, LSE_ALIGN: tl.constexpr, SEPARATE_V: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, HAS_LOCAL: tl.constexpr, MASK_GLOBAL: tl.constexpr,
-    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr,
+    MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, PAIRS: tl.constexpr, WIDEN_ASM: tl.constexpr,
 ):
     """Grid ``(row blocks, num_splits, batch)``; the row blocks of one (sequence, split) are adjacent in launch
     order, so the programs reading the same latent tiles run together (L2). Causal grids start with the last
@@ -260,12 +300,16 @@ def mla_fwd_kernel(
     BLOCK_DR (>= 16, unused when ``DQK == DV``) are the padded widths of the value columns and of the rest.
     Strides are multiples of QO_ALIGN (q, out), KV_ALIGN (cache) and LSE_ALIGN (lse) elements.
 
-    SEPARATE_V (FP8 caches): ``KV_V`` is the cache again, and ``p @ V`` reads its value tile through it. A
-    tile that feeds both dots (q k^T through a transpose, and p @ V) after widening is loaded into
-    registers, not staged through shared memory by cp.async; loaded through a second pointer the value tile
-    is a load of its own with one dot after it, which Triton's pipeliner stages (sm_90, H=16, 32 keys: its
-    rows go through a shared-memory buffer, 189 -> 165 registers). Its second read of the rows comes from
-    L2. With 16-bit caches the one tile serves both dots from shared memory, and KV_V is unused.
+    PAIRS (FP8 caches, 16-bit queries, even dims and strides, a 2-byte aligned cache): the latent is read as
+    16-bit column pairs, staged once by the pipeline and widened into both dots' operands as they are loaded
+    from shared memory (:func:`pair_scores`); q k^T and p @ V run in f16 on q's and V's even and odd columns
+    (two accumulators, joined at the end). WIDEN_ASM: widen in inline PTX (compiled kernels).
+    SEPARATE_V (FP8 caches without PAIRS): ``KV_V`` is the cache again, and ``p @ V`` reads its value tile
+    through it. A tile that feeds both dots (q k^T through a transpose, and p @ V) after widening is loaded
+    into registers, not staged through shared memory by cp.async; loaded through a second pointer the value
+    tile is a load of its own with one dot after it, which Triton's pipeliner stages (sm_90, H=16, 32 keys:
+    its rows go through a shared-memory buffer, 189 -> 165 registers). Its second read of the rows comes
+    from L2. With 16-bit caches the one tile serves both dots from shared memory, and KV_V is unused.
 
     BLOCK_SPARSE (prefill, one split): the grid spans whole mask query blocks (``MASK_QB * HEADS`` rows each,
     a multiple of BLOCK_M) and takes them in the mask's longest-first ``Q_ORDER``; a program walks the full
@@ -312,19 +356,31 @@ def mla_fwd_kernel(
             qk_scale = qk_scale * inv_r
         else:
             qk_scale = qk_scale * inv_v
+    if PAIRS:  # q's even and odd columns, against the latent's (see pair_scores)
+        q_v, q_vo = tl.split(tl.reshape(q_v, [BLOCK_M, BLOCK_DV // 2, 2]))
+        if DQK > DV:
+            q_r, q_ro = tl.split(tl.reshape(q_r, [BLOCK_M, BLOCK_DR // 2, 2]))
+        else:
+            q_ro = q_r
+    else:
+        q_vo = q_v
+        q_ro = q_r
     m_i, l_i = softmax_init(Q, h, BLOCK_M, False)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    ACC_D: tl.constexpr = BLOCK_DV // 2 if PAIRS else BLOCK_DV  # PAIRS: V's even / odd columns apart
+    acc = tl.zeros([BLOCK_M, ACC_D], dtype=tl.float32)
+    acc_odd = acc
 
     if SPARSE:  # one token per row block (TOKEN_ROWS): its list, split evenly
         IDX_ROW = INDICES + (tl.cast(b, tl.int64) * stride_ib + tl.cast(tok_first, tl.int64) * stride_is)
         n_steps = tl.cdiv(topk, BLOCK_N)
         s_lo = (split * n_steps) // n_splits
         s_hi = ((split + 1) * n_steps) // n_splits
-        acc, m_i, l_i = mla_fwd_steps(
-            acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, s_lo, s_hi, tok, diag, length, num_pages,
-            topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, Q, Q, Q, tok, tok, window_left,
-            window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, True, CAUSAL, True, DOT_PRECISION,
-            POSITIVE_SCALE, SEPARATE_V, False, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS)
+        acc, acc_odd, m_i, l_i = mla_fwd_steps(
+            acc, acc_odd, m_i, l_i, q_v, q_vo, q_r, q_ro, KV, KV_V, BLOCK_TABLE, IDX_ROW, b, s_lo, s_hi, tok, diag,
+            length, num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, Q, Q, Q, tok, tok,
+            window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, True, CAUSAL, True,
+            DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V, False, MASK_QB, MASK_KB, HAS_LOCAL, MASK_GLOBAL, MASK_DOC,
+            MASK_BITS, PAIRS, WIDEN_ASM)
     elif BLOCK_SPARSE:  # this query block's row of the mask's lists: full key blocks, then partial ones
         qb = tok_first // MASK_QB
         row = tl.cast(b * mask_stride_b + qb, tl.int64)
@@ -335,13 +391,13 @@ def mla_fwd_kernel(
         for part in tl.static_range(2):
             NUM = FULL_KV_NUM if part == 0 else KV_NUM
             IDX = FULL_KV_IDX if part == 0 else KV_IDX
-            acc, m_i, l_i = mla_fwd_steps(
-                acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, IDX + lists, b, 0,
+            acc, acc_odd, m_i, l_i = mla_fwd_steps(
+                acc, acc_odd, m_i, l_i, q_v, q_vo, q_r, q_ro, KV, KV_V, BLOCK_TABLE, IDX + lists, b, 0,
                 list_length(NUM, row, mask_max) * (MASK_KB // BLOCK_N), tok, diag, length, num_pages, topk,
                 qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, KV_BITS_IDX + lists, BITS, TOK_K + tok_b, tq,
                 m_local, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE,
                 part == 1, False, False, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V, True, MASK_QB, MASK_KB,
-                HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS)
+                HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, PAIRS, WIDEN_ASM)
     else:
         # key blocks visible from the rows' tokens, split evenly; [full_lo, full_hi) need no mask
         lo, full_lo, full_hi, hi = kv_key_range(tok_first, tok_last, diag, length, _NO_LEFT_EDGE, 0, BLOCK_N, CAUSAL)
@@ -355,12 +411,14 @@ def mla_fwd_kernel(
             seg_lo = tl.maximum(bounds[seg], s_lo)
             seg_hi = tl.minimum(bounds[seg + 1], s_hi)
             if seg == 0 or seg_lo < seg_hi:
-                acc, m_i, l_i = mla_fwd_steps(
-                    acc, m_i, l_i, q_v, q_r, KV, KV_V, BLOCK_TABLE, Q, b, seg_lo, seg_hi, tok, diag, length,
-                    num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, Q, Q, Q, tok, tok,
-                    window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE, seg == 1,
-                    CAUSAL, False, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V, False, MASK_QB, MASK_KB, HAS_LOCAL,
-                    MASK_GLOBAL, MASK_DOC, MASK_BITS)
+                acc, acc_odd, m_i, l_i = mla_fwd_steps(
+                    acc, acc_odd, m_i, l_i, q_v, q_vo, q_r, q_ro, KV, KV_V, BLOCK_TABLE, Q, b, seg_lo, seg_hi, tok,
+                    diag, length, num_pages, topk, qk_scale, rope_ratio, stride_tb, stride_kp, stride_ks, Q, Q, Q,
+                    tok, tok, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DV, BLOCK_DR, PAGED, PAGE_SIZE,
+                    seg == 1, CAUSAL, False, DOT_PRECISION, POSITIVE_SCALE, SEPARATE_V, False, MASK_QB, MASK_KB,
+                    HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, PAIRS, WIDEN_ASM)
+    if PAIRS:  # columns 2j and 2j + 1 side by side again
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_DV])
     out, lse = softmax_finalize(acc, m_i, l_i)
     if HAS_SCALE:
         out = out * tl.load(KV_SCALE).to(tl.float32)

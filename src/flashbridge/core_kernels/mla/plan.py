@@ -57,8 +57,11 @@ class MLAConfig:
     * ``merge_block_elements`` / ``merge_block_states``: the split merge's tile (decode's merge kernel).
     * ``dq_*`` / ``dkv_*``: the backward kernels' tiles; ``dkv_splits``: programs sharing one key block's
       rows in the dKV kernel (their float32 partial sums are added in a fixed order).
+    * ``fp8_pairs``: FP8 caches with 16-bit queries read the latent as 16-bit column pairs, once for both dots
+      (``PAIRS`` in ``mla/kernels.py``; see :func:`column_pairs` for when the shapes allow it); False widens
+      the tiles in registers instead (with ``separate_v``). None = where the shapes allow.
     * ``separate_v``: load the value tile a second time for ``p @ V`` (``SEPARATE_V`` in
-      ``mla/kernels.py``); None = for FP8 caches.
+      ``mla/kernels.py``); None = for FP8 caches read without column pairs.
     """
 
     block_m: Optional[int] = None
@@ -78,15 +81,16 @@ class MLAConfig:
     dkv_num_stages: Optional[int] = None
     dkv_splits: Optional[int] = None
     separate_v: Optional[bool] = None
+    fp8_pairs: Optional[bool] = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if f.name == "separate_v":
+            if f.name in ("separate_v", "fp8_pairs"):
                 if not isinstance(value, bool):
-                    raise ValueError(f"MLAConfig.separate_v: must be None, True or False, got {value!r}")
+                    raise ValueError(f"MLAConfig.{f.name}: must be None, True or False, got {value!r}")
                 continue
             if "block_m" in f.name or "block_n" in f.name:
                 if value < 16 or value & (value - 1):
@@ -356,6 +360,19 @@ def _widths(shape: MLAShape) -> tuple[int, int]:
     return _pad(shape.head_dim_v), _pad(max(shape.head_dim_qk - shape.head_dim_v, 1))
 
 
+def column_pairs(shape: MLAShape, config: Optional[MLAConfig] = None) -> bool:
+    """Whether an FP8 latent is read as 16-bit column pairs (``PAIRS``, see ``pair_scores`` in
+    mla/kernels.py), as far as the shape tells: 16-bit queries, even ``Dv`` and ``Dqk - Dv`` (a pair never
+    straddles the value part's edge), and at least 16 pairs in each part's padded width (``tl.dot``'s
+    smallest contraction). The plan adds even cache strides; the torch front-end checks the base's 2-byte
+    alignment (JAX arrays are aligned)."""
+    config = config or active_config(MLAConfig)
+    bdv, bdr = _widths(shape)
+    rest = shape.head_dim_qk - shape.head_dim_v
+    return (config.fp8_pairs is not False and shape.cache.fp8 and shape.dtype != "float32"
+            and shape.head_dim_v % 2 == 0 and rest % 2 == 0 and bdv >= 32 and (rest == 0 or bdr >= 32))
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     block_m: int
@@ -387,7 +404,13 @@ def fwd_tiles(shape: MLAShape, target: Target, config: Optional[MLAConfig] = Non
     Fewer rows (H=16, memory-bound): 8 warps (mma.sync: 133 registers, no spills), 64 keys, the pipeline
     depth that gives two latent buffers (168 KB): 3 stages for a contiguous cache, 5 when each step first
     reads a page id or top-k positions (the pipeliner gives that load a stage of its own).
-    FP8 caches (16-bit queries widened to f16; ``p @ V`` loads its value tile through a second pointer, so
+    FP8 caches read as column pairs (:func:`column_pairs`; q in f16, the latent staged once as 16-bit pairs
+    and widened into both dots' operands): 64 keys per step, 8 warps, at most 32 rows (mma.sync: a widened
+    tile cannot be a wgmma operand without a trip through shared memory, and 64 rows spilled 1 KB), two
+    stages more than 16-bit caches (each buffer holds half the bytes: about as many bytes in flight).
+    sm_90 (Triton 3.9), paged: H=16 155-159 registers, no spills, 131 KB, 639 instructions per 64-key step
+    (bf16: 549); H=128 (32 rows) 200 registers, no spills, 824 per step.
+    FP8 caches otherwise (widened in registers; ``p @ V`` loads its value tile through a second pointer, so
     both tiles are staged through cp.async, see ``SEPARATE_V``): 32 keys per step, 8 warps, at most 32 rows,
     two buffers per tile (3 stages contiguous, 5 gathered) -- 64 rows on wgmma spilled 600-700 B and ptxas
     serialised every wgmma (a wait after each); 32 rows run mma.sync: 243 registers, no spills, 106 KB
@@ -402,6 +425,8 @@ def fwd_tiles(shape: MLAShape, target: Target, config: Optional[MLAConfig] = Non
         tiles = Tiles(bm, 16, 4, 1, 4)
     elif shape.dtype == "float32":
         tiles = Tiles(16, 16, 8, 2)
+    elif shape.cache.fp8 and column_pairs(shape, config):
+        tiles = Tiles(min(bm, 32), 64, 8, 7 if gathered else 5)
     elif shape.cache.fp8:
         tiles = Tiles(min(bm, 32), 32, 8, 5 if gathered else 3)
     elif bm >= 64:
@@ -516,6 +541,7 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
     q_strides = strides.get("q") or contiguous_q_strides(shape.q_shape)
     kv_strides = strides.get("kv") or cache_strides(cache)
     idx_strides = (shape.seqlen_q * shape.topk, shape.topk) if shape.sparse else (0, 0)
+    pairs = column_pairs(shape, config) and pow2_divisor(*kv_strides, cap=2) == 2
     if splits == 1:
         ob, os_, oh = contiguous_q_strides(shape.out_shape)
         out_strides, lse_strides, outputs = (0, ob, os_, oh), (0, *_lse_strides(shape)), ("out", "lse")
@@ -547,7 +573,8 @@ def plan_mla_fwd(shape: MLAShape, options: MLAOptions, *, target: Target, num_sp
                     ("POSITIVE_SCALE", options.softmax_scale > 0),
                     ("QO_ALIGN", pow2_divisor(*q_strides, *out_strides)), ("KV_ALIGN", pow2_divisor(*kv_strides)),
                     ("LSE_ALIGN", pow2_divisor(*lse_strides)),
-                    ("SEPARATE_V", cache.fp8 if config.separate_v is None else config.separate_v), *mask_flags),
+                    ("SEPARATE_V", (cache.fp8 and not pairs) if config.separate_v is None else config.separate_v),
+                    *mask_flags, ("PAIRS", pairs), ("WIDEN_ASM", pairs and not target.interpret)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
