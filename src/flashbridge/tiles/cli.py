@@ -34,6 +34,11 @@ def add_parsers(sub) -> None:
     tune.add_argument("ops", nargs="*", help=f"ops to tune (default all: {', '.join(_tune_ops())})")
     tune.add_argument("--quick", action="store_true", help="one shape per op")
     tune.add_argument("--json", metavar="PATH", help="also write every timing to this JSON file")
+    tune.add_argument("--check", action="store_true",
+                      help="write nothing: report the model's choice and the tile the cache resolves against the "
+                           "sweep's best, and how many rows are within 10%% and 2%%")
+    tune.add_argument("--ship", action="store_true",
+                      help="write the entries to the package's shipped file (flashbridge/tiles/data/tiles.json)")
     warm = sub.add_parser(
         "warmup", help="compile the kernels a model will use ahead of time",
         description="Compile the kernels of the given ops, head dims and dtypes for the GPU at hand, so that "
@@ -244,7 +249,7 @@ def run(args) -> int:
     if args.command == "tune":
         from .tune import tune_command
 
-        return tune_command(args.ops, quick=args.quick, json_path=args.json)
+        return tune_command(args.ops, quick=args.quick, json_path=args.json, check=args.check, ship=args.ship)
     from .warmup import warmup_command
 
     return warmup_command(args)
