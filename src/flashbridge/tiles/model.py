@@ -376,17 +376,19 @@ def _attn_hard(kind: str):
 
 def _attn_merits(kind: str):
     def merits(tile: Tile, est: Estimate, case: AttnCase, gpu: GPUProfile) -> tuple:
-        # reuse first (bytes per FLOP), then the pipeline up to 3 stages, then the step width (fewer,
-        # larger MMAs per loaded block), then resident warps (latency hiding), then deeper pipelines
+        # reuse first (bytes per FLOP), then the pipeline up to 3 stages, then the step width up to the head
+        # dim (fewer, larger MMAs per loaded block; a step wider than the head dim makes the softmax's work
+        # per step outgrow the MMAs'), then resident warps (latency hiding), then deeper pipelines
         reuse = tile.block_n if kind == "dkdv" else tile.block_m
         step = tile.block_m if kind == "dkdv" else tile.block_n
-        return (reuse, min(tile.num_stages, 3), step, min(est.warps_per_sm, 16), tile.num_stages)
+        d = max(_attn_dims(case)[:2])
+        return (reuse, min(tile.num_stages, 3), min(step, d), min(est.warps_per_sm, 16), tile.num_stages)
     return merits
 
 
-_ATTN_MERITS = ("reuse", "stages(<=3)", "step", "warps/SM(<=16)", "stages")
-_ATTN_RULE = ("most rows sharing each streamed block, then pipeline depth up to 3, then the widest step, "
-              "then resident warps")
+_ATTN_MERITS = ("reuse", "stages(<=3)", "step(<=D)", "warps/SM(<=16)", "stages")
+_ATTN_RULE = ("most rows sharing each streamed block, then pipeline depth up to 3, then the widest step up to "
+              "the head dim, then resident warps")
 
 
 def _attn_model(kind: str, title: str, estimate, prefix: str) -> KernelModel:
