@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashbridge.core_kernels.flash_attn.plan import (GPU_DKDV_COL_SPLIT, GPU_TILES, AttentionConfig,
-                                                      check_attention_args, plan_attention_bwd, plan_attention_fwd)
+from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+                                                      plan_attention_fwd)
 from flashbridge.torch_api._runtime import execute, target_for
 from flashbridge.torch_api.attention import flash_attention
 
@@ -422,7 +422,20 @@ PROGRAM_CONFIGS = (dict(head_group=1), dict(head_group=4), dict(head_group=8), d
 # --order-only: the defaults against grid order and the two-launch backward (head_group 8 / 16 / 64 were
 # timed on 2026-11-30 and lost to 4; fewer settings compile fewer kernels)
 ORDER_ONLY_CONFIGS = (dict(head_group=1), dict(), dict(fused_backward=False), dict(fused_backward=False, head_group=1))
-# (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (GPU_TILES, which the
+def default_tiles(shape, options, target) -> dict:
+    """The plan's (block_m, block_n, num_warps, num_stages) of the forward, dK/dV and dQ kernels: what the
+    tuning cache resolves for this call on this GPU (flashbridge.tiles.cache)."""
+    def tile(launch):
+        c = launch.constexpr_dict()
+        return (c["BLOCK_M"], c["BLOCK_N"], launch.num_warps, launch.num_stages)
+
+    bwd = plan_attention_bwd(shape, options, target=target, config=AttentionConfig(fused_backward=False))
+    return {"fwd": tile(plan_attention_fwd(shape, options, target=target).launches[0]),
+            "dkdv": tile(next(l for l in bwd.launches if l.kernel.endswith("attn_bwd_dkdv_kernel"))),
+            "dq": tile(next(l for l in bwd.launches if l.kernel.endswith("attn_bwd_dq_kernel")))}
+
+
+# (block_m, block_n, num_warps, num_stages) tried by --tune beside the plan's defaults (the tuning cache's, which the
 # sweep of 2026-11-30 chose from these lists): neighbours of the bests, smaller tiles for D=256, where a
 # 128-wide K/V tile exceeds shared memory
 TUNE_CANDIDATES = {
@@ -493,10 +506,10 @@ def tune(d, causal, s=4096):
         rows.append(row)
         print(f"tune D={d} causal={causal}", row, flush=True)
 
-    tiles = GPU_TILES[d]
+    tiles = default_tiles(shape, options, target)
     cands = TUNE_CANDIDATES[d]
     # the plan's defaults first (full and masked forward), then the candidates around them
-    fwd_cands = list(dict.fromkeys([tiles["fwd_masked" if causal else "fwd"], *cands["fwd"]]))
+    fwd_cands = list(dict.fromkeys([tiles["fwd"], *cands["fwd"]]))
     out = lse = None
     for bm, bn, w, st in fwd_cands:
         cfg = AttentionConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
@@ -522,8 +535,7 @@ def tune(d, causal, s=4096):
     rows += time_program_configs(b, s, H, H, d, causal)
     # the plan's dK/dV default: the "dkdv_split" tile where the head dim splits dK/dV's columns (GPU_DKDV_COL_SPLIT;
     # the candidates then run split too)
-    defaults = {"dkdv": tiles.get("dkdv_split", tiles["dkdv"]) if GPU_DKDV_COL_SPLIT.get(d) else tiles["dkdv"],
-                "dq": tiles["dq"]}
+    defaults = {"dkdv": tiles["dkdv"], "dq": tiles["dq"]}
     bwd_cands = {kernel: list(dict.fromkeys([defaults[kernel], *cands[kernel]])) for kernel in ("dkdv", "dq")}
     inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     for kernel, cands in bwd_cands.items():
@@ -611,7 +623,6 @@ def main():
         ptxas_report()
         return
     print(environment())
-    print("GPU tile defaults:", GPU_TILES)
     payload = {"environment": environment(), "main": [], "extra": [], "tune": []}
     seqlens = (4096,) if args.quick else SEQLENS
     dims = (128,) if args.quick else HEAD_DIMS

@@ -4,6 +4,8 @@ import os
 # Must happen before JAX initialises its CPU backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+# GPU plans read tiles from the user's tuning cache: the tests see the shipped entries only
+os.environ["FLASHBRIDGE_CACHE"] = os.path.join(__import__("tempfile").mkdtemp(prefix="flashbridge-test-"), "cache")
 
 import pytest  # noqa: E402
 

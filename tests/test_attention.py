@@ -785,12 +785,12 @@ def test_head_group_default_is_4_for_causal_attention_on_a_gpu():
 
 
 def test_gqa_causal_backward_takes_its_dkdv_tile():
-    """On a GPU, D=128: causal GQA backward takes GPU_TILES' "dkdv_gqa_causal" tile (32 query rows per step:
-    each dK/dV program walks group x Sq rows); MHA and full GQA keep "dkdv"; D=64 (no such entry) keeps
-    "dkdv"; AttentionConfig.dkdv_* still wins; the interpreter keeps its one tile."""
+    """On a GPU, D=128: causal GQA backward takes the H200's causal GQA dK/dV tile (32 query rows per step:
+    each dK/dV program walks group x Sq rows); MHA and full GQA keep 64; D=64 keeps its 64;
+    AttentionConfig.dkdv_* still wins; the interpreter keeps its one tile."""
     from flashbridge.core_kernels import Target
-    from flashbridge.core_kernels.flash_attn.plan import (GPU_TILES, INTERPRETER_TILE, AttentionConfig,
-                                                          check_attention_args, plan_attention_bwd)
+    from flashbridge.core_kernels.flash_attn.plan import (INTERPRETER_TILE, AttentionConfig, check_attention_args,
+                                                          plan_attention_bwd)
 
     gpu, cpu = Target(interpret=False, num_sms=132), Target(interpret=True, num_sms=4)
 
@@ -800,9 +800,9 @@ def test_gqa_causal_backward_takes_its_dkdv_tile():
         launch = plan_attention_bwd(shape, options, target=target, config=config).launches[1]
         return dict(launch.constexprs)["KV_BLOCK_M"]
 
-    assert dkdv_block_m(2, True) == GPU_TILES[128]["dkdv_gqa_causal"][0] == 32
-    assert dkdv_block_m(8, True) == dkdv_block_m(2, False) == GPU_TILES[128]["dkdv"][0] == 64
-    assert dkdv_block_m(2, True, d=64) == GPU_TILES[64]["dkdv"][0]
+    assert dkdv_block_m(2, True) == 32
+    assert dkdv_block_m(8, True) == dkdv_block_m(2, False) == 64
+    assert dkdv_block_m(2, True, d=64) == 64
     assert dkdv_block_m(2, True, config=AttentionConfig(dkdv_block_m=64)) == 64
     assert dkdv_block_m(2, True, target=cpu) == INTERPRETER_TILE[0]
 
@@ -958,12 +958,11 @@ def test_tail_segments_left_out_only_when_provably_empty():
 
 def test_dkdv_col_split_defaults_and_errors():
     """GPU_DKDV_COL_SPLIT: D=256 (and head dims padded to it) splits dK/dV's columns over two programs per
-    key block with the table's "dkdv_split" tile (grid axis 0 doubled); other head dims, float32 inputs and
+    key block with the H200's split tile (grid axis 0 doubled); other head dims, float32 inputs and
     the interpreter keep one program; the config overrides (back to the unsplit tile); bad values and
     halves narrower than 16 columns are errors naming the field."""
     from flashbridge.core_kernels import Target
-    from flashbridge.core_kernels.flash_attn.plan import (GPU_TILES, AttentionConfig, check_attention_args,
-                                                          plan_attention_bwd)
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, check_attention_args, plan_attention_bwd
 
     gpu, cpu = Target(interpret=False, num_sms=132), Target(interpret=True, num_sms=4)
 
@@ -975,7 +974,7 @@ def test_dkdv_col_split_defaults_and_errors():
         return c.get("COL_SPLIT"), launch.grid[0], (c.get("BLOCK_M"), c.get("BLOCK_N"), launch.num_warps,
                                                      launch.num_stages)
 
-    split_tile, tile = GPU_TILES[256]["dkdv_split"], GPU_TILES[256]["dkdv"]
+    split_tile, tile = (32, 128, 8, 2), (32, 32, 4, 2)  # the H200's shipped D=256 dK/dV tiles
     assert dkdv(256) == dkdv(256, causal=True) == (2, 2 * 512 // split_tile[1], split_tile)
     assert dkdv(192, dv=128, causal=True)[0] == 2
     assert dkdv(256, dkdv_col_split=1) == (1, 512 // tile[1], tile)

@@ -74,11 +74,13 @@ def test_every_kernel_has_a_table_on_every_profile(kernel, gpu):
 def test_h200_defaults_fit_and_other_gpus_get_their_own_choice():
     h200 = tiles.report("attention_fwd", "H200", head_dim=128)
     assert h200.default.verdict == "kept" and h200.choice.tile == h200.default.tile == Tile(128, 128, 8, 3)
-    # the H200 table's forward tile needs 224 KB of shared memory: too much for an L40S (99 KB) or an A100
+    # the H200's forward tile needs 224 KB of shared memory: too much for an L40S (99 KB) or an A100; without
+    # entries of their own, their plans take the model's choice
     for gpu in ("L40S", "A100"):
         rep = tiles.report("attention_fwd", gpu, head_dim=128)
-        assert rep.default.verdict == "pruned" and "shared memory" in rep.default.reason
-        assert rep.choice.est.smem <= rep.gpu.smem_per_block
+        h200_tile = rep.row(Tile(128, 128, 8, 3))
+        assert h200_tile.verdict == "pruned" and "shared memory" in h200_tile.reason
+        assert rep.default.tile == rep.choice.tile and rep.choice.est.smem <= rep.gpu.smem_per_block
 
 
 def test_fwd_shared_memory_formula_matches_the_known_default():
@@ -98,7 +100,8 @@ def test_tiles_command_prints_the_table_and_explains(capsys):
     for gpu in ("L40S", "MI300X"):  # GPUs we do not have: the table and the reasoning from their profiles
         assert main(["tiles", "flash_attention", "--head-dim", "128", "--gpu", gpu, "--explain"]) == 0
         out = capsys.readouterr().out
-        assert "On this GPU the model prunes it: shared memory" in out and f"on the {gpu}" in out
+        assert "The H200's shipped tile (128, 128, 8, 3) is pruned on this GPU: shared memory" in out
+        assert f"on the {gpu}" in out and "no tuned entry for this GPU" in out
     assert main(["tiles", "rms_norm", "--cols", "4096", "--gpu", "H100"]) == 0
     assert "norm_fwd_kernel" in capsys.readouterr().out
     assert main(["tiles", "flash_attention", "--gpu", "V100"]) == 2
@@ -188,7 +191,9 @@ def cache_dir(tmp_path, monkeypatch):
 def test_cache_keys_name_gpu_triton_op_and_bucket():
     gpu = tiles.PROFILES["H200"]
     a = cache.entry_key(gpu, "attention_fwd", _case("attention_fwd", head_dim=128, seqlen=4096), "3.6.0")
-    assert a == "H200|sm90|triton 3.6.0|attention_fwd|d128-bfloat16-full-g1-s4k"
+    assert a == "H200|sm90|triton 3.6.0|attention_fwd|d128-bfloat16-full-mha-s4k"
+    assert cache.class_key(gpu, "attention_fwd", _case("attention_fwd", head_dim=96, seqlen=100_000), "3.6.0") == \
+        "H200|sm90|triton 3.6.0|attention_fwd|d128-bfloat16-full-mha"
     # lengths within one bucket share an entry; masking, head dim, GPU and Triton version do not
     assert a == cache.entry_key(gpu, "attention_fwd", _case("attention_fwd", head_dim=128, seqlen=3000), "3.6.0")
     others = {cache.entry_key(gpu, "attention_fwd", _case("attention_fwd", head_dim=128, causal=True), "3.6.0"),
@@ -196,8 +201,12 @@ def test_cache_keys_name_gpu_triton_op_and_bucket():
               cache.entry_key(tiles.PROFILES["A100"], "attention_fwd", _case("attention_fwd", head_dim=128), "3.6.0"),
               cache.entry_key(gpu, "attention_fwd", _case("attention_fwd", head_dim=128), "3.9.0")}
     assert a not in others and len(others) == 4
-    assert cache.shape_bucket(_case("norm_fwd", rows=16384, cols=8192)) == "n8192-bfloat16-r16k"
-    assert cache.shape_bucket(_case("decode", batch=32, cache_len=8192)).startswith("d128-bfloat16-bfloat16-contig-g4")
+    assert cache.shape_bucket(_case("norm_fwd", rows=16384, cols=8192), "norm_fwd") == "n8192-bfloat16-r16k"
+    assert cache.shape_bucket(_case("decode", batch=32, cache_len=8192), "decode") == "narrow-L16k"
+    assert cache.shape_bucket(_case("decode", batch=1, cache_len=8192), "decode") == "idle_contiguous-L16k"
+    assert cache.shape_bucket(_case("cross_entropy", rows=8192), "cross_entropy") == "v131072-many"
+    assert cache.shape_bucket(_case("attention_dkdv", head_dim=256), "attention_dkdv") == \
+        "d256-bfloat16-full-mha-split2-s4k"
 
 
 def test_cache_user_dir_from_the_environment(monkeypatch, tmp_path):
@@ -220,6 +229,57 @@ def test_lookup_falls_back_user_then_shipped_then_model(cache_dir):
     assert cache.lookup("attention_fwd", case, gpu) == (Tile(128, 64, 8, 4), "user cache")
     config = cache.config_for("attention_fwd", case, gpu)
     assert (config.block_m, config.block_n, config.num_warps, config.num_stages) == (128, 64, 8, 4)
+
+
+def test_lookup_order_user_shipped_other_triton_model_and_lengths(cache_dir):
+    """user (bucket, then class) > shipped of this Triton (bucket, then class) > shipped of the newest other
+    Triton for the same GPU (bucket, then class) > the model; another GPU's entries never serve."""
+    gpu, kernel = tiles.PROFILES["H200"], "attention_dq"
+    case = _case(kernel, head_dim=64, seqlen=16384)
+    key = lambda v, length=True: (cache.entry_key if length else cache.class_key)(gpu, kernel, case, v)  # noqa: E731
+    t = [Tile(16 * (i + 1), 32, 4, 2) for i in range(7)]
+    model_tile = build_report(MODELS[kernel], case, gpu).choice.tile
+    assert cache.lookup(kernel, case, gpu, version="9.9.0") == (model_tile, "model")
+    other_gpu = cache.entry_key(tiles.PROFILES["H100"], kernel, case, "9.9.0")
+    cache.store({other_gpu: cache.make_entry(t[6], 1.0)}, cache.shipped_file())
+    assert cache.lookup(kernel, case, gpu, version="9.9.0")[1] == "model"
+    steps = [(cache.shipped_file(), key("3.5.0", False), "shipped (triton 3.5.0)"),
+             (cache.shipped_file(), key("3.6.0", False), "shipped (triton 3.6.0)"),  # the newest other version
+             (cache.shipped_file(), key("3.6.0"), "shipped (triton 3.6.0)"),  # a length bucket before its class
+             (cache.shipped_file(), key("9.9.0", False), "shipped"),
+             (cache.shipped_file(), key("9.9.0"), "shipped"),
+             (None, key("9.9.0", False), "user cache")]
+    for i, (path, k, source) in enumerate(steps):
+        cache.store({k: cache.make_entry(t[i], 1.0)}, path)
+        assert cache.lookup(kernel, case, gpu, version="9.9.0") == (t[i], source), k
+    # a length outside every stored bucket takes the class entry
+    long = _case(kernel, head_dim=64, seqlen=1 << 20)
+    assert cache.lookup(kernel, long, gpu, version="9.9.0") == (t[5], "user cache")
+
+
+def test_plans_read_the_cache_and_config_still_wins(cache_dir):
+    """A user entry changes the tile a plan built afterwards takes (lookups are re-read when the file
+    changes); configure() / a config's fields still win; the interpreter keeps its own tile."""
+    from flashbridge.core_kernels import Target
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig, plan_attention_fwd
+
+    gpu = tiles.PROFILES["H200"]
+    case = _case("attention_fwd", head_dim=64, seqlen=1024)
+    target = Target(False, 132)
+
+    def fwd_tile(config=None, t=target):
+        launch = plan_attention_fwd(case.shape, case.options, target=t, config=config).launches[0]
+        c = launch.constexpr_dict()
+        return Tile(c["BLOCK_M"], c["BLOCK_N"], launch.num_warps, launch.num_stages)
+
+    before = fwd_tile()
+    cache.store({cache.entry_key(gpu, "attention_fwd", case): cache.make_entry(Tile(64, 32, 4, 4), 1.0)})
+    assert fwd_tile() == Tile(64, 32, 4, 4) != before
+    assert fwd_tile(AttentionConfig(num_warps=8)) == Tile(64, 32, 8, 4)
+    assert fwd_tile(t=Target(True, 4)) == Tile(64, 64, 4, 1)
+    # another GPU without entries: the model's choice for that GPU
+    l40s = tiles.PROFILES["L40S"]
+    assert fwd_tile(t=Target(False, l40s.sms, l40s)) == build_report(MODELS["attention_fwd"], case, l40s).choice.tile
 
 
 def test_lookup_survives_a_broken_cache(cache_dir):

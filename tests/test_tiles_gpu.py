@@ -112,3 +112,32 @@ def test_live_profile_and_compiled_metadata():
             assert compiled.metadata.shared == row.est.smem, (name, row.tile)
             if not row.note:
                 assert compiled.n_spills == 0, (name, row.tile, compiled.n_spills)
+
+
+def test_a_quick_tune_writes_an_entry_that_plans_use(tmp_path, monkeypatch):
+    """``tune norms --quick`` times the steady candidates of one row per kernel, writes the fastest to the
+    user cache; a plan built afterwards (no config) takes that tile, and ``--check`` reports it at 1.0x of the
+    sweep's best within noise."""
+    import json
+
+    from flashbridge.__main__ import main
+    from flashbridge.core_kernels.norms.plan import plan_norm_fwd
+    from flashbridge.tiles import cache
+    from flashbridge.torch_api._runtime import target_for
+
+    monkeypatch.setenv("FLASHBRIDGE_CACHE", str(tmp_path))
+    assert main(["tune", "norms", "--quick", "--json", str(tmp_path / "tune.json")]) == 0
+    entries = cache.read_entries(tmp_path / "tiles.json")
+    gpu = tiles.profile_of()
+    case = cache.case_for("norm_fwd", rows=16384, cols=8192)
+    key = cache.entry_key(gpu, "norm_fwd", case)
+    assert key in entries, sorted(entries)
+    stored = entries[key]["tile"]
+    launch = plan_norm_fwd(16384, 8192, x_dtype="bfloat16", residual_dtype=None, is_rms=True, has_weight=True,
+                           has_bias=False, has_post_residual=False, dropout_p=0.0, eps=1e-6,
+                           target=target_for(torch.device("cuda"))).launches[0]
+    assert [launch.constexpr_dict()["BLOCK_M"], launch.num_warps] == [stored[0], stored[2]]
+    assert cache.lookup("norm_fwd", case, gpu)[1] == "user cache"
+    assert main(["tune", "norms", "--quick", "--check", "--json", str(tmp_path / "check.json")]) == 0
+    rows = json.loads((tmp_path / "check.json").read_text())["rows"]
+    assert rows and all(r["plan_ratio"] <= 1.10 for r in rows), [(r["kernel"], r["plan_ratio"]) for r in rows]

@@ -41,6 +41,9 @@ class Target:
 
     interpret: bool
     num_sms: int = 1
+    # the GPU's flashbridge.tiles.GPUProfile: plans read its tiles from the tuning cache
+    # (flashbridge.tiles.cache); None resolves as the H200, the reference the shipped tiles were timed on
+    gpu: Any = None
 
     @property
     def kind(self) -> str:

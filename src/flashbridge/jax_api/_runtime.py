@@ -49,7 +49,10 @@ def gpu_target() -> Target | None:
         return None
     if not devices:
         return None
-    return Target(interpret=False, num_sms=int(getattr(devices[0], "core_count", 0) or 132))
+    from ..tiles.profiles import profile_named
+
+    sms = int(getattr(devices[0], "core_count", 0) or 132)
+    return Target(interpret=False, num_sms=sms, gpu=profile_named(getattr(devices[0], "device_kind", ""), sms))
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from typing import Optional
 
 from .model import KB, MODELS, OPS, Report, Row, build_report
 from .profiles import PROFILES, GPUProfile, profile, profile_of
@@ -33,6 +34,11 @@ def add_parsers(sub) -> None:
     tune.add_argument("ops", nargs="*", help=f"ops to tune (default all: {', '.join(_tune_ops())})")
     tune.add_argument("--quick", action="store_true", help="one shape per op")
     tune.add_argument("--json", metavar="PATH", help="also write every timing to this JSON file")
+    tune.add_argument("--check", action="store_true",
+                      help="write nothing: report the model's choice and the tile the cache resolves against the "
+                           "sweep's best, and how many rows are within 10%% and 2%%")
+    tune.add_argument("--ship", action="store_true",
+                      help="write the entries to the package's shipped file (flashbridge/tiles/data/tiles.json)")
     warm = sub.add_parser(
         "warmup", help="compile the kernels a model will use ahead of time",
         description="Compile the kernels of the given ops, head dims and dtypes for the GPU at hand, so that "
@@ -150,9 +156,12 @@ def explain(rep: Report) -> str:
                     f"{g.ridge:.0f}; re-reads are mostly served by L2)")
         else:
             fit += f"; a block keeps {e.inflight / KB:.0f} KB of loads in flight"
-        lines.append(f"The plan's default {d.tile} {fit}.")
+        lines.append(f"The plan's default {d.tile} ({_source(rep)}) {fit}.")
         if d.verdict == "pruned":
             lines.append(f"On this GPU the model prunes it: {d.reason}.")
+        ref = _reference_tile(rep)
+        if ref is not None and ref.tile != d.tile and ref.verdict == "pruned":
+            lines.append(f"The H200's shipped tile {ref.tile} is pruned on this GPU: {ref.reason}.")
     if c is None:
         lines.append("No candidate survives on this GPU.")
         return "\n".join(lines)
@@ -164,8 +173,7 @@ def explain(rep: Report) -> str:
             lines.append(f"The runner-up {runner.tile} loses on {_first_difference(rep, c, runner)}.")
     else:
         lines.append(f"The model's choice is {c.tile}, not the default: {_first_difference(rep, c, d)}"
-                     + (" (the default's table entry was timed on an H200; `python -m flashbridge tune` "
-                        "measures both on the GPU at hand)." if d is not None else "."))
+                     + (" (`python -m flashbridge tune` measures both on the GPU at hand)." if d is not None else "."))
     pruned = [r for r in rep.rows if r.verdict == "pruned"]
     if pruned:
         examples = {}
@@ -174,6 +182,31 @@ def explain(rep: Report) -> str:
         lines.append(f"{len(pruned)} of {len(rep.rows)} candidates were pruned ({_reason_counts(pruned)}); e.g. "
                      + "; ".join(f"{r.tile}: {r.reason}" for r in list(examples.values())[:4]) + ".")
     return "\n".join(lines)
+
+
+def _source(rep: Report) -> str:
+    """Where the plan's default comes from: the tuning cache's lookup order (flashbridge.tiles.cache)."""
+    from . import cache
+
+    if rep.case is None:
+        return "the plan's"
+    try:
+        _, source = cache.lookup(rep.kernel, rep.case, rep.gpu)
+    except Exception:  # noqa: BLE001 - an explanation never fails on its footnote
+        return "the plan's"
+    return {"user cache": "from the user tuning cache", "model": "the model's choice: no tuned entry for this GPU",
+            "default": "the plan's fallback"}.get(source, f"from the {source} entries")
+
+
+def _reference_tile(rep: Report) -> Optional[Row]:
+    """The H200's tile for the same call, as a row of this GPU's table (None on the H200 itself)."""
+    from . import cache
+    from .profiles import PROFILES
+
+    if rep.case is None or rep.gpu.name == "H200":
+        return None
+    tile, source = cache.lookup(rep.kernel, rep.case, PROFILES["H200"])
+    return rep.row(tile) if source.startswith("shipped") or source == "user cache" else None
 
 
 def _first_difference(rep: Report, a: Row, b: Row) -> str:
@@ -216,7 +249,7 @@ def run(args) -> int:
     if args.command == "tune":
         from .tune import tune_command
 
-        return tune_command(args.ops, quick=args.quick, json_path=args.json)
+        return tune_command(args.ops, quick=args.quick, json_path=args.json, check=args.check, ship=args.ship)
     from .warmup import warmup_command
 
     return warmup_command(args)

@@ -91,6 +91,7 @@ class Report:
     merit_names: tuple[str, ...]
     rule: str  # the merit order in words
     notes: list[str] = dataclasses.field(default_factory=list)
+    case: Any = None  # the call as the model saw it
 
     @property
     def survivors(self) -> list[Row]:
@@ -159,11 +160,14 @@ class KernelModel:
     describe: Callable[[Any], str]
 
 
-def build_report(model: KernelModel, shape, gpu: GPUProfile, *, keep: int = MAX_SURVIVORS) -> Report:
-    """Estimate every candidate, prune, rank and choose (see the module docstring)."""
-    target = Target(interpret=False, num_sms=gpu.sms)
-    default = model.tile_of(model.launch(shape, target, None))
-    tiles = list(dict.fromkeys([*model.space(shape, gpu), default]))
+def build_report(model: KernelModel, shape, gpu: GPUProfile, *, keep: int = MAX_SURVIVORS,
+                 with_default: bool = True) -> Report:
+    """Estimate every candidate, prune, rank and choose (see the module docstring). ``with_default``: also
+    build the plan's own tile (what the tuning cache resolves), which plans asking for the model's choice
+    skip."""
+    target = Target(interpret=False, num_sms=gpu.sms, gpu=gpu)
+    default = model.tile_of(model.launch(shape, target, None)) if with_default else None
+    tiles = list(dict.fromkeys([*model.space(shape, gpu), *([default] if with_default else [])]))
     rows = []
     for tile in tiles:
         est = model.estimate(tile, shape, gpu)
@@ -198,7 +202,8 @@ def build_report(model: KernelModel, shape, gpu: GPUProfile, *, keep: int = MAX_
         alive[0].choice = True
     order = {id(r): i for i, r in enumerate(alive)}
     rows.sort(key=lambda r: (r.verdict != "kept", order.get(id(r), 0), not r.default))
-    return Report(model.name, model.title, model.describe(shape), gpu, rows, model.merit_names, model.rule)
+    return Report(model.name, model.title, model.describe(shape), gpu, rows, model.merit_names, model.rule,
+                  case=shape)
 
 
 def _why_better(model: KernelModel, a: Row, b: Row) -> str:
@@ -292,7 +297,7 @@ def _attn_space(kind: str):
 def _fwd_loops(tile: Tile, case: AttnCase, gpu: GPUProfile) -> list[tuple[int, int]]:
     """(key block width, stages) of the forward's loops: the visible segment and the masked ones (their
     width and depth from the plan's MASKED_BLOCK_N / MASKED_STAGES for this tile)."""
-    launch = _attn_plan_launch("fwd")(case, Target(False, gpu.sms), _attn_config("")(tile))
+    launch = _attn_plan_launch("fwd")(case, Target(False, gpu.sms, gpu), _attn_config("")(tile))
     c = launch.constexpr_dict()
     return [(tile.block_n, tile.num_stages), (c["MASKED_BLOCK_N"], c["MASKED_STAGES"] or tile.num_stages)]
 
@@ -351,7 +356,7 @@ def _dq_estimate(tile: Tile, case: AttnCase, gpu: GPUProfile) -> Estimate:
 def _col_split(case: AttnCase, gpu: GPUProfile) -> int:
     from ..core_kernels.flash_attn.plan import AttentionConfig, _dkdv_col_split
 
-    return _dkdv_col_split(AttentionConfig(), case.shape, case.options, Target(False, gpu.sms))
+    return _dkdv_col_split(AttentionConfig(), case.shape, case.options, Target(False, gpu.sms, gpu))
 
 
 def _attn_hard(kind: str):
@@ -371,17 +376,19 @@ def _attn_hard(kind: str):
 
 def _attn_merits(kind: str):
     def merits(tile: Tile, est: Estimate, case: AttnCase, gpu: GPUProfile) -> tuple:
-        # reuse first (bytes per FLOP), then the pipeline up to 3 stages, then the step width (fewer,
-        # larger MMAs per loaded block), then resident warps (latency hiding), then deeper pipelines
+        # reuse first (bytes per FLOP), then the pipeline up to 3 stages, then the step width up to the head
+        # dim (fewer, larger MMAs per loaded block; a step wider than the head dim makes the softmax's work
+        # per step outgrow the MMAs'), then resident warps (latency hiding), then deeper pipelines
         reuse = tile.block_n if kind == "dkdv" else tile.block_m
         step = tile.block_m if kind == "dkdv" else tile.block_n
-        return (reuse, min(tile.num_stages, 3), step, min(est.warps_per_sm, 16), tile.num_stages)
+        d = max(_attn_dims(case)[:2])
+        return (reuse, min(tile.num_stages, 3), min(step, d), min(est.warps_per_sm, 16), tile.num_stages)
     return merits
 
 
-_ATTN_MERITS = ("reuse", "stages(<=3)", "step", "warps/SM(<=16)", "stages")
-_ATTN_RULE = ("most rows sharing each streamed block, then pipeline depth up to 3, then the widest step, "
-              "then resident warps")
+_ATTN_MERITS = ("reuse", "stages(<=3)", "step(<=D)", "warps/SM(<=16)", "stages")
+_ATTN_RULE = ("most rows sharing each streamed block, then pipeline depth up to 3, then the widest step up to "
+              "the head dim, then resident warps")
 
 
 def _attn_model(kind: str, title: str, estimate, prefix: str) -> KernelModel:
@@ -462,7 +469,7 @@ def _decode_estimate(tile: Tile, case: DecodeCase, gpu: GPUProfile) -> Estimate:
 
 
 def _programs(case: DecodeCase, tile: Tile, gpu: GPUProfile) -> int:
-    launch = _decode_launch(case, Target(False, gpu.sms), _decode_config(tile))
+    launch = _decode_launch(case, Target(False, gpu.sms, gpu), _decode_config(tile))
     return math.prod(launch.grid)
 
 

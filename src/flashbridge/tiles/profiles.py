@@ -112,6 +112,17 @@ def _match(name: str) -> Optional[GPUProfile]:
     return None
 
 
+def profile_named(name: str, sms: int) -> GPUProfile:
+    """The profile of a device known only by name and SM count (JAX's ``device_kind``): the named profile
+    with that SM count, else an H100-like profile under the device's own name (the tuning cache keys on it;
+    the resource model's choices for it assume Hopper limits)."""
+    known = _match(name) if name else None
+    if known is not None:
+        return known if known.sms == sms else dataclasses.replace(known, sms=sms)
+    return dataclasses.replace(PROFILES["H100"], name=name or "unknown GPU", sms=sms,
+                               note="unknown device: limits assumed as an H100's")
+
+
 def device_name(device: int = 0) -> Optional[str]:
     """The name of CUDA / ROCm device ``device`` (through torch when it is installed), or None without one."""
     try:

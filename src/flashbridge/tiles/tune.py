@@ -1,19 +1,29 @@
 """``python -m flashbridge tune [ops]``: time the resource model's survivors on the GPU at hand, keep the best.
 
 For every benchmark shape of an op (the rows of benchmarks/bench_*.py), each kernel's candidates -- the
-survivors, the model's choice and the plan's default -- run through the public torch op inside
-``configure(<the candidate's config>)`` and are timed with ``triton.testing.do_bench`` (median), all in
-the same process on the same inputs. The fastest is written to the user tuning cache; the printed table
-gives each candidate's time relative to the best, so the model's choice alone and the tuned choice can be
-compared with the sweep's best in one run.
+survivors, the model's choice and the tile the plan resolves from the tuning cache ("plan": built with no
+config at all, so decode keeps its split rule) -- run through the public torch ops, all in one process.
+Timing is steady state (``flashbridge._timing``): each candidate's calls over several distinct input sets
+are captured in one CUDA graph (thread-local capture; inputs from a private ``torch.Generator``; one
+throwaway backward capture first), then every graph is replayed in rounds, the candidates' order rotated
+from round to round, and a candidate's time is the median of its rounds' medians: a 2% decision is not
+host time or clock drift. Forward kernels are timed on forward calls; dK/dV and dQ candidates on
+``torch.autograd.grad`` of a saved forward (the backward alone), falling back to forward + backward when
+a backward capture fails.
+
+``tune`` writes the fastest tile of each row to the user cache (``--ship``: to the shipped file, for the
+developer); ``--check`` writes nothing and reports, per row, the model's choice and the cache's tile
+against the sweep's best (``model/best``, ``plan/best``) with a summary: how many rows are within 10% and
+within 2%.
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from typing import Callable
 
-from .cache import case_for, entry_key, make_entry, store, user_cache_file
+from .cache import case_for, entry_key, make_entry, shipped_file, store, user_cache_file
 from .model import MODELS, build_report
 
 # op -> (kernel, case keyword arguments) rows: the benchmark tables' shapes
@@ -24,10 +34,15 @@ TUNE_OPS: dict[str, list[tuple[str, dict]]] = {
     "norms": [(k, dict(rows=r, cols=c)) for r, c in ((16384, 8192), (65536, 2048)) for k in ("norm_fwd", "norm_bwd")],
     "cross_entropy": [("cross_entropy", dict(rows=8192, vocab=128256))],
 }
+SETS = 4  # distinct input sets per graph: together they exceed the L2, as a model's layers do
+ROUNDS = 3
+REPS = 10
+PLAN = "plan"  # the candidate built without a config: the tile the tuning cache resolves
 
 
-def _inputs(kernel: str, kw: dict) -> Callable[[], Callable[[], object]]:
-    """A function that allocates the inputs and returns the timed call (torch, on the current GPU)."""
+def _inputs(kernel: str, kw: dict, sets: int = SETS) -> Callable[[], tuple[Callable, list]]:
+    """A function that, called under the candidate's ``configure``, returns ``(fn, arg_sets)``: the timed
+    call and its distinct input sets (torch, on the current GPU)."""
     import torch
 
     from .. import torch_api as fb
@@ -38,40 +53,96 @@ def _inputs(kernel: str, kw: dict) -> Callable[[], Callable[[], object]]:
     def randn(*shape, requires_grad=False):
         return torch.randn(*shape, generator=g, device=dev).to(dt).requires_grad_(requires_grad)
 
+    def backward_of(forward, grads_of: int):
+        """Sets (out, inputs, dout) of a forward run under the active config; the timed call is the backward."""
+        def make():
+            arg_sets = []
+            for args, dout in data:
+                out = forward(*args)
+                arg_sets.append((out, args[:grads_of], dout))
+            return (lambda out, inputs, dout: torch.autograd.grad(out, inputs, dout, retain_graph=True)), arg_sets
+        return make
+
     if kernel.startswith("attention"):
-        s, d = kw["seqlen"], kw["head_dim"]
+        s, d, causal = kw["seqlen"], kw["head_dim"], kw["causal"]
         b = 16384 // s
-        q, k, v = (randn(b, s, 16, d, requires_grad=True) for _ in range(3))
+        data = [(tuple(randn(b, s, 16, d, requires_grad=True) for _ in range(3)), randn(b, s, 16, d))
+                for _ in range(sets)]
+        attn = lambda q, k, v: fb.flash_attention(q, k, v, causal=causal)  # noqa: E731
         if kernel == "attention_fwd":
-            return lambda: fb.flash_attention(q, k, v, causal=kw["causal"])
-        out = fb.flash_attention(q, k, v, causal=kw["causal"])
-        dout = randn(*out.shape)
-        return lambda: torch.autograd.grad(fb.flash_attention(q, k, v, causal=kw["causal"]), (q, k, v), dout)
+            return lambda: (attn, [args for args, _ in data])
+        return backward_of(attn, 3)
     if kernel == "decode":
         b, s = kw["batch"], kw["cache_len"]
-        q, kc, vc = randn(b, 1, 32, 128), randn(b, s, 8, 128), randn(b, s, 8, 128)
         lengths = torch.full((b,), s, dtype=torch.int32, device=dev)
-        return lambda: fb.decode_attention(q, kc, vc, cache_seqlens=lengths)
+        data = [(randn(b, 1, 32, 128), randn(b, s, 8, 128), randn(b, s, 8, 128), lengths) for _ in range(sets)]
+        return lambda: ((lambda q, kc, vc, n: fb.decode_attention(q, kc, vc, cache_seqlens=n)), data)
     if kernel.startswith("norm"):
-        x = randn(kw["rows"], kw["cols"], requires_grad=True)
         w = randn(kw["cols"], requires_grad=True)
+        data = [((randn(kw["rows"], kw["cols"], requires_grad=True), w), randn(kw["rows"], kw["cols"]))
+                for _ in range(sets)]
         if kernel == "norm_fwd":
-            return lambda: fb.rms_norm(x, w)
-        dy = randn(kw["rows"], kw["cols"])
-        return lambda: torch.autograd.grad(fb.rms_norm(x, w), (x, w), dy)
-    logits = randn(kw["rows"], kw["vocab"]) * 3
-    labels = torch.randint(0, kw["vocab"], (kw["rows"],), generator=g, device=dev)
-    return lambda: fb.cross_entropy(logits, labels, validate_labels=False)
+            return lambda: (fb.rms_norm, [args for args, _ in data])
+        return backward_of(fb.rms_norm, 2)
+    data = [(randn(kw["rows"], kw["vocab"]) * 3,
+             torch.randint(0, kw["vocab"], (kw["rows"],), generator=g, device=dev)) for _ in range(sets)]
+    return lambda: ((lambda x, y: fb.cross_entropy(x, y, validate_labels=False)), data)
 
 
-def tune_rows(ops, *, quick: bool = False):
-    """Sweep; yields one dict per (kernel, shape) with every candidate's time."""
+def time_candidates(make, configs: dict, *, rounds: int = ROUNDS, reps: int = REPS, log=print) -> dict:
+    """Steady milliseconds per call of each candidate (``configs``: name or tile -> the family config to
+    run under): one CUDA graph per candidate over the input sets, replayed ``reps`` times per round in a
+    rotating order; the median of the rounds' medians."""
     import torch
-    import triton.testing
 
+    from .._timing import _absorb_first_backward_capture, _capture
     from ..core_kernels import configure
+
+    _absorb_first_backward_capture()
+    graphs = {}
+    for key, config in configs.items():
+        try:
+            with configure(config):
+                fn, arg_sets = make()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # compile and warm up on a side stream, as capture requires
+                    for args in arg_sets:
+                        fn(*args)
+                torch.cuda.current_stream().wait_stream(stream)
+                try:
+                    graphs[key] = (_capture(fn, arg_sets), len(arg_sets))
+                except RuntimeError:  # a backward capture that failed: spend it and capture again
+                    torch.cuda.synchronize()
+                    graphs[key] = (_capture(fn, arg_sets), len(arg_sets))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or capture is reported
+            log(f"  {key}: failed: {e!r}"[:300])
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    order = list(graphs)
+    rounds_ms = {k: [] for k in order}
+    for r in range(rounds):
+        for key in order[r % len(order):] + order[:r % len(order)] if order else []:
+            graph, n = graphs[key]
+            graph.replay()  # one untimed replay: the clocks and caches of this candidate, not the last one's
+            samples = []
+            for _ in range(reps):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / n)
+            rounds_ms[key].append(statistics.median(samples))
+    del graphs
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in rounds_ms.items()}
+
+
+def tune_rows(ops, *, quick: bool = False, log=None):
+    """Sweep; yields one dict per (kernel, shape) with every candidate's time."""
     from .profiles import profile_of
 
+    log = log or (lambda m: print(m, file=sys.stderr))
     gpu = profile_of()
     for op in ops:
         rows = TUNE_OPS[op]
@@ -82,26 +153,24 @@ def tune_rows(ops, *, quick: bool = False):
             case = case_for(kernel, **kw)
             rep = build_report(model, case, gpu)
             cands = [r for r in rep.rows if r.verdict == "kept" or r.default]
-            call = _inputs(kernel, kw)
-            times = {}
-            for r in cands:
-                with configure(model.config(r.tile)):
-                    try:
-                        with torch.no_grad() if kernel in ("attention_fwd", "decode", "norm_fwd",
-                                                           "cross_entropy") else torch.enable_grad():
-                            times[r.tile] = triton.testing.do_bench(call, warmup=25, rep=100)
-                    except Exception as e:  # noqa: BLE001 - a candidate that fails to compile is reported
-                        print(f"  {kernel} {rep.shape} {r.tile}: failed: {e!r}"[:300], file=sys.stderr)
+            empty = type(model.config(rep.rows[0].tile))()  # no tile fields: the plan resolves its own
+            configs = {PLAN: empty, **{r.tile: model.config(r.tile) for r in cands}}
+            times = time_candidates(_inputs(kernel, kw), configs, log=log)
+            plan_ms = times.pop(PLAN, None)
             if not times:
                 continue
             best = min(times, key=times.get)
             choice = rep.choice.tile if rep.choice else None
+            best_ms = min(times[best], plan_ms or float("inf"))
             yield dict(op=op, kernel=kernel, shape=rep.shape, case=kw, key=entry_key(gpu, kernel, case),
-                       best=best, best_ms=times[best], default=rep.default.tile, default_ms=times.get(rep.default.tile),
-                       choice=choice, choice_ms=times.get(choice), times=times)
+                       best=best, best_ms=best_ms, sweep_best_ms=times[best], default=rep.default.tile,
+                       default_ms=times.get(rep.default.tile), plan_ms=plan_ms, choice=choice,
+                       choice_ms=times.get(choice), times=times)
 
 
-def tune_command(ops, *, quick: bool = False, json_path=None) -> int:
+def tune_command(ops, *, quick: bool = False, json_path=None, check: bool = False, ship: bool = False) -> int:
+    """The sweep with a table. ``check``: write no entry, report model/best and plan/best per row and how
+    many rows are within 10% and 2%; ``ship``: write the entries to the package's shipped file."""
     from rich.console import Console
     from rich.table import Table
 
@@ -118,27 +187,42 @@ def tune_command(ops, *, quick: bool = False, json_path=None) -> int:
     if unknown:
         print(f"flashbridge tune: unknown ops {unknown}; known: {', '.join(TUNE_OPS)}", file=sys.stderr)
         return 2
-    console = Console(width=160)
-    table = Table(title=f"tuning sweep ({torch.cuda.get_device_name()}); times relative to the best of the sweep")
-    for col in ("kernel", "shape", "best", "best ms", "model choice", "choice/best", "default", "default/best",
+    if check and ship:
+        print("flashbridge tune: --check writes nothing; drop --ship", file=sys.stderr)
+        return 2
+    console = Console(width=170)
+    table = Table(title=f"tuning sweep ({torch.cuda.get_device_name()}), steady state; times relative to the best")
+    for col in ("kernel", "shape", "best", "best ms", "model choice", "model/best", "plan (cache)", "plan/best",
                 "candidates"):
         table.add_column(col)
     records, entries = [], {}
+    target = shipped_file() if ship else user_cache_file()
     for rec in tune_rows(ops or list(TUNE_OPS), quick=quick):
         ratio = (lambda ms: f"{ms / rec['best_ms']:.3f}" if ms else "-")
         table.add_row(rec["kernel"], rec["shape"], str(rec["best"]), f"{rec['best_ms']:.4f}", str(rec["choice"]),
-                      ratio(rec["choice_ms"]), str(rec["default"]), ratio(rec["default_ms"]), str(len(rec["times"])))
+                      ratio(rec["choice_ms"]), str(rec["default"]), ratio(rec["plan_ms"]), str(len(rec["times"])))
         console.print(f"{rec['kernel']} {rec['shape']}: best {rec['best']} {rec['best_ms']:.4f} ms, model "
-                      f"{rec['choice']} {ratio(rec['choice_ms'])}, default {rec['default']} {ratio(rec['default_ms'])}")
-        entries[rec["key"]] = make_entry(rec["best"], rec["best_ms"], shape=rec["shape"],
-                                         model_choice=str(rec["choice"]), model_ratio=rec["choice_ms"] and
-                                         round(rec["choice_ms"] / rec["best_ms"], 4))
+                      f"{rec['choice']} {ratio(rec['choice_ms'])}, plan {rec['default']} {ratio(rec['plan_ms'])}")
+        rec["model_ratio"] = rec["choice_ms"] and rec["choice_ms"] / rec["best_ms"]
+        rec["plan_ratio"] = rec["plan_ms"] and rec["plan_ms"] / rec["best_ms"]
         records.append({**rec, "best": str(rec["best"]), "default": str(rec["default"]), "choice": str(rec["choice"]),
                         "times": {str(t): ms for t, ms in rec["times"].items()}})
-        store(entries)  # after every row: a run cut short keeps what it measured
+        if not check:
+            entries[rec["key"]] = make_entry(rec["best"], rec["sweep_best_ms"], shape=rec["shape"],
+                                             model_choice=str(rec["choice"]), model_ratio=rec["model_ratio"] and
+                                             round(rec["model_ratio"], 4))
+            store(entries, target)  # after every row: a run cut short keeps what it measured
     console.print(table)
-    console.print(f"wrote {len(entries)} entries to {user_cache_file()}")
+    if check:
+        n = len(records)
+        for name, field in (("model's choice", "model_ratio"), ("plan (tuning cache)", "plan_ratio")):
+            r = [x[field] for x in records if x[field]]
+            console.print(f"{name}: within 10% of the sweep's best in {sum(v <= 1.10 for v in r)} of {n} rows, "
+                          f"within 2% in {sum(v <= 1.02 for v in r)}; worst {max(r, default=0):.3f}")
+    else:
+        console.print(f"wrote {len(entries)} entries to {target}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": records}, f, indent=1, default=str)
+            json.dump({"device": torch.cuda.get_device_name(), "check": check, "rows": records}, f, indent=1,
+                      default=str)
     return 0

@@ -64,6 +64,18 @@ def _num_sms() -> int:
     return driver.active.utils.get_device_properties(dev)["multiprocessor_count"]
 
 
+def _gpu_profile(num_sms: int):
+    """The live GPU's profile when there is one (the torch runtime's target carries the same, so warm-up
+    builds the plans, and tiles, the first calls will), else None (the H200's tiles)."""
+    from .profiles import profile_of
+
+    try:
+        gpu = profile_of()
+    except Exception:  # noqa: BLE001 - no usable device: the reference tiles
+        return None
+    return gpu if gpu is not None and gpu.sms == num_sms else None
+
+
 def plans(ops: Sequence[str], head_dims: Sequence[int], dtypes: Sequence[str], *, hidden: Sequence[int] = (4096,),
           vocab: Sequence[int] = (128256,), num_sms: int = 132):
     """Yield (what, plan, tensor dtypes) for every plan the given ops build for these head dims and dtypes:
@@ -75,7 +87,7 @@ def plans(ops: Sequence[str], head_dims: Sequence[int], dtypes: Sequence[str], *
     from ..core_kernels.flash_attn.plan import check_attention_args, plan_attention_bwd, plan_attention_fwd
     from ..core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 
-    target = Target(interpret=False, num_sms=num_sms)
+    target = Target(interpret=False, num_sms=num_sms, gpu=_gpu_profile(num_sms))
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ValueError(f"ops: unknown {unknown}; expected some of {', '.join(OPS)}")

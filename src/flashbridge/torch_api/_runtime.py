@@ -33,7 +33,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_target(index: int) -> Target:
-    return Target(interpret=False, num_sms=torch.cuda.get_device_properties(index).multi_processor_count)
+    """The device's SM count and its GPU profile (the tuning cache's key: plans read their tiles by it)."""
+    from ..tiles.profiles import profile_of
+
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return Target(interpret=False, num_sms=sms, gpu=profile_of(index))
 
 
 def target_for(device: torch.device) -> Target:

@@ -70,8 +70,22 @@ class CEConfig:
                 raise ValueError(f"CEConfig.{name}: must be None or {kind}, got {value}")
 
 
-def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> tuple[int, int, int]:
+def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> tuple[int, int, int, int]:
+    """(block_n, block_v, num_warps, num_stages): ``config``'s fields; on a GPU without ``block_n`` and
+    ``block_v`` the tuning cache's tile for the padded vocabulary and "few" / "many" rows (under two
+    programs per SM at 4096-element tiles, see :class:`CEConfig`) on the target's GPU
+    (:mod:`flashbridge.tiles.cache`); with one of them given, the other makes a 4096-element tile."""
     config = config or active_config(CEConfig)
+    if config.block_v is None and config.block_n is None and not target.interpret:
+        from ...tiles import cache
+        from ...tiles.model import RowsCase, Tile
+
+        v = next_power_of_2(vocab)
+        fallback = Tile(1, min(v, 2048), 4, 1)
+        tile = cache.plan_tile("cross_entropy", target, cache.ce_class(n_rows, vocab, target.num_sms), "",
+                               lambda: RowsCase(n_rows, vocab, "bfloat16"), fallback)
+        return (tile.block_m, min(tile.block_n, v), config.num_warps or tile.num_warps,
+                config.num_stages or tile.num_stages)
     if config.block_v is not None:
         block_v = min(config.block_v, next_power_of_2(vocab))
     else:
@@ -82,12 +96,8 @@ def _tile(n_rows: int, vocab: int, target: Target, config: CEConfig | None) -> t
         block_n = min(next_power_of_2(n_rows), max(1, 16384 // block_v))
     else:
         block_n = max(1, min(16, 4096 // block_v))
-        if config.block_v is None and cdiv(n_rows, block_n) < 2 * target.num_sms:
-            # Too few rows to give every SM two programs (e.g. the linear op's 256-token chunks): one row per
-            # program, the tile kept at 4096 columns (as fast as 2 x 2048 where both fill the GPU).
-            block_n, block_v = 1, min(next_power_of_2(vocab), 4096)
     num_warps = config.num_warps or (8 if block_n * block_v >= 4096 else 4)
-    return block_n, block_v, num_warps
+    return block_n, block_v, num_warps, _stages(config)
 
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -256,10 +266,10 @@ def _fwd_extras(options, class_weight: bool, predicted_dtype: str | None) -> tup
 
 
 def _fwd_launch(n_rows, vocab, logits, options, target, config, class_weight=False, predicted_dtype=None) -> Launch:
-    block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
+    block_n, block_v, num_warps, num_stages = _tile(n_rows, vocab, target, config)
     scalars, flags = _options(*options)
     common = dict(grid=(cdiv(n_rows, block_n),), scalars=(("n_rows", n_rows),) + scalars,
-                  num_warps=num_warps, num_stages=_stages(config))
+                  num_warps=num_warps, num_stages=num_stages)
     constexprs = (("V", vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v)) + flags
     if not (class_weight or predicted_dtype):
         return Launch(kernel=f"{_KERNELS}:ce_fwd_kernel", inputs=(logits, "labels"),
@@ -280,7 +290,7 @@ def _grad_inputs(options, class_weight: bool) -> tuple[str, ...]:
 
 def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config, col0=0, vocab_all=None,
                  class_weight=False) -> Launch:
-    block_n, block_v, num_warps = _tile(n_rows, vocab, target, config)
+    block_n, block_v, num_warps, num_stages = _tile(n_rows, vocab, target, config)
     scalars, flags = _options(*options)
     inputs = (logits, "labels", "lse", "lse_lo", "weight")
     if class_weight:  # without a z-loss the kernel never reads z_weight: the upstream stands in
@@ -293,7 +303,7 @@ def _grad_launch(n_rows, vocab, logits, per_row_weight, options, target, config,
         constexprs=(("V", vocab), ("V_ALL", vocab_all or vocab), ("BLOCK_N", block_n), ("BLOCK_V", block_v),
                     ("PER_ROW_WEIGHT", per_row_weight)) + flags
         + ((("COL0_ALIGN", pow2_divisor(int(col0))),) if class_weight else ()),
-        num_warps=num_warps, num_stages=_stages(config))
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def plan_ce_fwd(n_rows: int, vocab: int, *, ignore_index: int, label_smoothing: float, z_loss: float,

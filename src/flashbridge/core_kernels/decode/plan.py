@@ -54,8 +54,8 @@ class DecodeConfig:
     """Tile and launch settings of the decode family; ``None`` picks the target's default.
 
     * ``block_n``, ``num_warps``, ``num_stages``: the decode kernel's keys per step, warps and pipeline
-      depth (defaults: :data:`GPU_DECODE_TILES`). Setting ``block_n`` or ``num_stages`` also drops the
-      default tile's own split rule (``DecodeTile.programs_per_sm``).
+      depth (defaults: the tuning cache's, see :func:`decode_tiles`). Setting ``block_n`` or ``num_stages``
+      also drops the default tile's own split rule (``DecodeTile.programs_per_sm``).
     * ``block_m``: the most packed (query token x GQA head) rows per program; more rows mean more row
       blocks, each reading the cache again.
     * ``merge_block_elements``: flattened (row, d) outputs per program of the merge kernel, which folds
@@ -536,26 +536,16 @@ class DecodeTile:
     programs_per_sm: int = 0
 
 
-# Hopper tiles by case (picked by _gpu_case). Decode is memory-bound: small tiles, many programs in flight.
-# Every entry compiles without spills within 227 KB of shared memory (bench_decode.py --ptxas, sm_90).
-GPU_DECODE_TILES = {
-    # head dims up to 128: swept on H200, Triton 3.6 (bench_decode.py --splits)
-    "narrow": DecodeTile(64, 64, 4, 3),
-    # padded head dims above 128 (q.k in 64-column chunks above 256), Dv <= 256: narrower steps, 8 warps
-    "wide": DecodeTile(64, 32, 8, 3),
-    # Dv above 256 (MLA: 576 / 512): half the rows, for the wider accumulator
-    "wide_v": DecodeTile(32, 32, 8, 3),
-    # float32 queries (IEEE dots keep their operands in registers): spill-free for head dims 64..576, <= 128 rows
-    "float32": DecodeTile(16, 32, 8, 2),
-    # FP8 caches, head dims <= 128, whole 128-key blocks per page: H200, Triton 3.6 (--splits-fp8, --splits-fp8pairs)
-    "fp8": DecodeTile(64, 128, 4, 3),
-    # FP8, contiguous, SMs left idle, >= FP8_WIDE_SPLIT_KEYS keys per split: H200 (--splits-onesmab, --splits-onesmspan)
-    "fp8_one_per_sm": DecodeTile(64, 256, 4, 3, 1),
-    # 16-bit contiguous caches whose batch leaves SMs idle: H200, Triton 3.6 (--splits-onesm, --splits-onesmb)
-    "idle_contiguous": DecodeTile(64, 128, 4, 3, 1),
-    # 16-bit paged caches with whole 64-key blocks per page, SMs left idle: H200 (--splits-onesmab, --splits-onesmspan)
-    "idle_paged": DecodeTile(64, 64, 4, 5, 2),
-}
+# A GPU's tiles (block sizes, warps, stages) come from the tuning cache (flashbridge.tiles.cache: the user's tuned
+# entries, then the shipped ones, then the resource model's choice), keyed by the call's class (_gpu_case:
+# "narrow", "wide", "wide_v", "float32", "fp8", "fp8_one_per_sm", "idle_contiguous", "idle_paged"). The split
+# rule of a class stays here: programs per SM that choose_num_splits fills once (H200, Triton 3.6,
+# bench_decode.py --splits-onesm*, --splits-onesmab, --splits-onesmspan).
+PROGRAMS_PER_SM = {"fp8_one_per_sm": 1, "idle_contiguous": 1, "idle_paged": 2}
+# "idle_paged" needs pages of whole 64-key blocks (a page-table lookup per block)
+IDLE_PAGED_BLOCK_N = 64
+# A tile no cache entry or model choice gives (never expected): small enough for every supported GPU.
+FALLBACK_DECODE_TILE = DecodeTile(16, 32, 4, 2)
 # The interpreter pays per program and per operation, not per element.
 INTERPRETER_DECODE_TILE = DecodeTile(64, 32, 4, 1)
 
@@ -582,7 +572,7 @@ def _one_wave_splits(target: Target, programs_per_sm: int, base: int) -> int:
 
 def _gpu_case(rows: int, widest: int, block_dv: int, dtype: str, cache: Optional[CacheShape],
               batch_heads: Optional[int], span: Optional[int], target: Target) -> str:
-    """The :data:`GPU_DECODE_TILES` entry of a call. A batch "leaves SMs idle" when its (batch x kv head)
+    """The tile class of a call (the tuning cache's decode bucket). A batch "leaves SMs idle" when its (batch x kv head)
     programs are fewer than the SMs (one row block each: at most 16 rows, padded head dim 128): tiles made
     for a fixed number of programs per SM then win, which the split count fills once."""
     if dtype == "float32":
@@ -600,31 +590,63 @@ def _gpu_case(rows: int, widest: int, block_dv: int, dtype: str, cache: Optional
         return "fp8"  # a wider tile runs each split's dependent chain (load, convert, dot, softmax, dot) less often
     if idle and (cache is None or not cache.paged):
         return "idle_contiguous"
-    if idle and cache.page_size % GPU_DECODE_TILES["idle_paged"].block_n == 0:
+    if idle and cache.page_size % IDLE_PAGED_BLOCK_N == 0:
         return "idle_paged"
     return "narrow"
+
+
+def _block_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int, int]:
+    """(block_dqk, dqk_chunks, block_dv): head dims up to 256 are one power-of-two tile; above, q.k runs in
+    64-wide chunks."""
+    if head_dim_qk <= 256:
+        return _pad(head_dim_qk), 1, _pad(head_dim_v)
+    return _CHUNK_DQK, cdiv(head_dim_qk, _CHUNK_DQK), _pad(head_dim_v)
+
+
+def decode_class(rows: int, head_dim_qk: int, head_dim_v: int, dtype: str, cache: Optional[CacheShape],
+                 batch_heads: Optional[int], span: Optional[int], target: Target) -> str:
+    """The call's tile class (:func:`_gpu_case`) from its head dims."""
+    block_dqk, chunks, block_dv = _block_dims(head_dim_qk, head_dim_v)
+    return _gpu_case(rows, max(block_dqk * chunks, block_dv), block_dv, dtype, cache, batch_heads, span, target)
+
+
+def _cached_tile(rows: int, head_dim_qk: int, head_dim_v: int, target: Target, dtype: str,
+                 cache: Optional[CacheShape], batch_heads: Optional[int], span: Optional[int]) -> DecodeTile:
+    """The tuning cache's tile for the call's class and the span's length bucket (the model's choice for
+    a stand-in call of the same rows, head dims, dtype, programs and span where nothing is cached)."""
+    from ...tiles import cache as tiles_cache
+    from ...tiles.model import Tile, decode_case
+
+    cls = decode_class(rows, head_dim_qk, head_dim_v, dtype, cache, batch_heads, span, target)
+    length = f"L{tiles_cache._seq_bucket(span or (cache.capacity if cache is not None else 4096))}"
+
+    def case():  # the model's view: one query token a row, a 16-bit contiguous cache of the span's length
+        return decode_case(head_dim=head_dim_qk, batch=max(1, batch_heads or target.num_sms), heads=rows,
+                           heads_kv=1, cache_len=span or 4096, dtype=dtype)
+
+    fallback = FALLBACK_DECODE_TILE
+    tile = tiles_cache.plan_tile("decode", target, cls, length, case,
+                                 Tile(fallback.block_m, fallback.block_n, fallback.num_warps, fallback.num_stages))
+    return DecodeTile(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages, PROGRAMS_PER_SM.get(cls, 0))
 
 
 def decode_tiles(rows: int, head_dim_qk: int, head_dim_v: int, target: Target,
                  config: Optional[DecodeConfig] = None, dtype: str = "bfloat16", *,
                  cache: Optional[CacheShape] = None, batch_heads: Optional[int] = None,
                  span: Optional[int] = None) -> DecodeTiles:
-    """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``: the table entry of the call
-    (:func:`_gpu_case`; the interpreter: :data:`INTERPRETER_DECODE_TILE`), with ``config``'s fields on top.
-    Head dims up to 256 are one power-of-two tile; above, q.k runs in 64-wide chunks. ``cache`` None = a
-    16-bit cache; ``batch_heads``: batch x kv heads (None = unknown); ``span``: the longest span a split
-    count is made for."""
+    """Tiles for ``rows`` packed (token x head) rows of q in ``dtype``: the tuning cache's tile for the
+    call's class (:func:`_gpu_case`; the interpreter: :data:`INTERPRETER_DECODE_TILE`), with ``config``'s
+    fields on top. Head dims up to 256 are one power-of-two tile; above, q.k runs in 64-wide chunks.
+    ``cache`` None = a 16-bit cache; ``batch_heads``: batch x kv heads (None = unknown); ``span``: the
+    longest span a split count is made for."""
     config = config or active_config(DecodeConfig)
-    if head_dim_qk <= 256:
-        block_dqk, chunks = _pad(head_dim_qk), 1
-    else:
-        block_dqk, chunks = _CHUNK_DQK, cdiv(head_dim_qk, _CHUNK_DQK)
-    block_dv = _pad(head_dim_v)
+    block_dqk, chunks, block_dv = _block_dims(head_dim_qk, head_dim_v)
     if target.interpret:
         tile = INTERPRETER_DECODE_TILE
+    elif None not in (config.block_m, config.block_n, config.num_warps, config.num_stages):
+        tile = DecodeTile(config.block_m, config.block_n, config.num_warps, config.num_stages)
     else:
-        tile = GPU_DECODE_TILES[_gpu_case(rows, max(block_dqk * chunks, block_dv), block_dv, dtype, cache,
-                                          batch_heads, span, target)]
+        tile = _cached_tile(rows, head_dim_qk, head_dim_v, target, dtype, cache, batch_heads, span)
     per_sm = 0 if config.block_n or config.num_stages else tile.programs_per_sm
     return DecodeTiles(min(config.block_m or tile.block_m, max(16, next_power_of_2(rows))),
                        config.block_n or tile.block_n, block_dqk, chunks, block_dv,

@@ -91,35 +91,27 @@ class AttentionConfig:
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"AttentionConfig.{flag}: must be None, True or False, got {value!r}")
 
-    def tile(self, kernel: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-        """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq")."""
+    def tile(self, kernel: str, default) -> tuple[int, int, int, int]:
+        """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq"): the config's
+        fields, the rest from ``default`` (a tuple, or a function returning one: called only when a field
+        is unset)."""
         prefix = "" if kernel == "fwd" else kernel + "_"
         given = [getattr(self, prefix + f) for f in ("block_m", "block_n", "num_warps", "num_stages")]
+        if all(g is not None for g in given):
+            return tuple(given)
+        default = default() if callable(default) else default
         return tuple(g if g is not None else d for g, d in zip(given, default))
 
 
-# Hopper defaults, keyed by padded head dim (the larger of Dqk, Dv) and kernel entry: "fwd", "fwd_masked" (the
-# forward of causal / windowed calls), "dkdv" ("dkdv_masked": causal / windowed calls), "dkdv_gqa_causal" (causal
-# calls whose K / V heads serve several query heads), "dkdv_split" (with dkdv_col_split = 2), "dq". "H200" below
-# means: timed on an H200 with Triton 3.6 by benchmarks/bench_attention.py at S=4096, bf16.
-#
-# (block_m, block_n, num_warps, num_stages) of each kernel, bf16 / fp16:
-GPU_TILES = {
-    # H200, --tune-only
-    64: {"fwd": (128, 64, 8, 3), "fwd_masked": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)},
-    # H200, --tune-only; dkdv_gqa_causal: --ab 4 --ab-config '{"dkdv_block_m": 32}' at GQA 32/8
-    128: {"fwd": (128, 128, 8, 3), "fwd_masked": (128, 128, 8, 3), "dkdv": (64, 128, 8, 3),
-          "dkdv_gqa_causal": (32, 128, 8, 3), "dq": (128, 64, 8, 4)},
-    # H200, --tune-only; dkdv_split: --ab 3 with the split (sm_90: 255 registers, no stack, where 32 x 32 spills)
-    256: {"fwd": (128, 64, 8, 2), "fwd_masked": (128, 64, 8, 2), "dkdv": (32, 32, 4, 2),
-          "dkdv_split": (32, 128, 8, 2), "dq": (128, 32, 8, 2)},
-}
-# float32 inputs take IEEE dots, which keep their operands in registers: the largest tiles without spills (ptxas)
-GPU_TILES_FP32 = {
-    128: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 32, 4, 2), "dq": (32, 32, 8, 2)},
-    256: {"fwd": (32, 32, 8, 2), "fwd_masked": (32, 32, 8, 2), "dkdv": (16, 16, 4, 2), "dq": (32, 32, 8, 2)},
-}
+# The tiles (block sizes, warps, stages) of a GPU come from the tuning cache (flashbridge.tiles.cache: the user's
+# tuned entries, then the shipped ones in flashbridge/tiles/data/tiles.json, then the resource model's choice);
+# the switches below stay in code. "H200" means: timed on an H200 with Triton 3.6 by
+# benchmarks/bench_attention.py at S=4096, bf16; keyed by padded head dim (the larger of Dqk, Dv, rounded up
+# to 64, 128 or 256) and kernel entry ("fwd", "fwd_masked": causal / windowed / block-sparse, "dkdv",
+# "dkdv_masked").
 INTERPRETER_TILE = (64, 64, 4, 1)
+# A tile no cache entry or model choice gives (never expected): small enough for every supported GPU.
+FALLBACK_TILE = (64, 32, 4, 2)
 # The options below apply to bf16 / fp16 on a GPU only; absent = the option's neutral value.
 # masked_num_stages: H200, --tune-only (D=128's full forward at 3 stages spills 16 bytes on sm_90, at 2 none)
 GPU_MASKED_STAGES = {128: {"fwd": 2}}
@@ -507,24 +499,36 @@ def _pad(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
-def _gpu_key(shape: AttnShape) -> tuple[dict, int]:
-    """The GPU tile table for the call's dtype and its key: the padded head dim (the larger of Dqk, Dv)
-    rounded up to a table entry."""
-    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
+def _dim_key(shape: AttnShape) -> Optional[int]:
+    """The key of the per-head-dim switch tables below: the padded head dim (the larger of Dqk, Dv) rounded
+    up to 64, 128 or 256; None for float32 inputs (none of the switches was timed for them)."""
     if shape.dtype == "float32":
-        return GPU_TILES_FP32, 128 if d <= 128 else 256
-    return GPU_TILES, 64 if d <= 64 else 128 if d <= 128 else 256
+        return None
+    d = max(_pad(shape.head_dim_qk), _pad(shape.head_dim_v))
+    return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
-def _tile(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig):
-    """``kernel``: "fwd", "fwd_masked" (the forward of a causal / windowed call), "dkdv", "dkdv_gqa_causal"
-    (the dK/dV kernel of a causal GQA call; "dkdv" where the table has no such entry) or "dq"; the config's
-    fields for the kernel ("fwd" for both forward entries, "dkdv" for both dK/dV entries) override them."""
-    given = kernel.split("_")[0]
+def _tile(kernel: str, shape: AttnShape, options: AttnOptions, target: Target, config: AttentionConfig, *,
+          sparse: bool = False, split: int = 1):
+    """(block_m, block_n, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv" or "dq"): the config's fields,
+    the rest from the tuning cache for the call's bucket (``tiles.cache.attention_class``: head dim, dtype,
+    masking, MHA / GQA, the dK/dV column split; then the sequence length's bucket) on the target's GPU; the
+    interpreter takes :data:`INTERPRETER_TILE`."""
     if target.interpret:
-        return config.tile(given, INTERPRETER_TILE)
-    table, key = _gpu_key(shape)
-    return config.tile(given, table[key].get(kernel) or table[key][given])
+        return config.tile(kernel, INTERPRETER_TILE)
+
+    def cached():
+        from ...tiles import cache
+        from ...tiles.model import AttnCase, Tile
+
+        cls = cache.attention_class(max(shape.head_dim_qk, shape.head_dim_v), shape.dtype,
+                                    cache.attention_kind(options, sparse), shape.group > 1, split)
+        length = f"s{cache._seq_bucket(max(shape.seqlen_q, shape.seqlen_k))}"
+        tile = cache.plan_tile(f"attention_{kernel}", target, cls, length, lambda: AttnCase(shape, options),
+                               Tile(*FALLBACK_TILE))
+        return (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)
+
+    return config.tile(kernel, cached)
 
 
 def _head_group(config: AttentionConfig, options: AttnOptions, target: Target) -> int:
@@ -546,16 +550,6 @@ def _early_dp(config: AttentionConfig, shape: AttnShape, options: AttnOptions, t
     return bool(_timed_default(GPU_EARLY_DP, entry, shape, target))
 
 
-def _dkdv_entry(shape: AttnShape, options: AttnOptions, target: Target, col_split: int) -> str:
-    """The tile table's entry for the dK/dV kernel: "dkdv_split" for a split plan where the table has one,
-    else "dkdv_gqa_causal" for causal GQA (where present), else "dkdv"."""
-    if col_split > 1 and not target.interpret:
-        table, key = _gpu_key(shape)
-        if "dkdv_split" in table[key]:
-            return "dkdv_split"
-    return "dkdv_gqa_causal" if shape.group > 1 and options.causal else "dkdv"
-
-
 def _dkdv_col_split(config: AttentionConfig, shape: AttnShape, options: AttnOptions, target: Target) -> int:
     """The dK/dV kernel's ``COL_SPLIT`` constexpr: the config's, else :data:`GPU_DKDV_COL_SPLIT`'s, else 1."""
     split = config.dkdv_col_split
@@ -569,12 +563,12 @@ def _dkdv_col_split(config: AttentionConfig, shape: AttnShape, options: AttnOpti
 
 
 def _timed_default(per_dim: dict, kernel: str, shape: AttnShape, target: Target):
-    """``per_dim``'s value for ``kernel`` ("fwd", "fwd_masked", ...; keyed like :data:`GPU_TILES`), or None:
+    """``per_dim``'s value for ``kernel`` ("fwd", "fwd_masked", ...; keyed by :func:`_dim_key`), or None:
     in the interpreter, for float32 inputs and where the table has none."""
     if target.interpret:
         return None
-    table, key = _gpu_key(shape)
-    return per_dim.get(key, {}).get(kernel) if table is GPU_TILES else None
+    key = _dim_key(shape)
+    return per_dim.get(key, {}).get(kernel) if key is not None else None
 
 
 def _masked_stages(kernel: str, shape: AttnShape, target: Target, config: AttentionConfig) -> int:
@@ -713,7 +707,7 @@ def plan_attention_fwd(shape: AttnShape, options: AttnOptions, *, target: Target
                "block_table": bool(cache and cache.page_size), "seqused_k": cache is not None}
     placeholder = {"cu_seqlens_k": "cu_seqlens_q" if shape.varlen else "q"}
     fwd_entry = "fwd_masked" if options.causal or options.has_local or sparse else "fwd"
-    bm, bn, warps, stages = _tile(fwd_entry, shape, target, config)
+    bm, bn, warps, stages = _tile("fwd", shape, options, target, config, sparse=sparse is not None)
     masked_bn = _masked_block_n(fwd_entry, shape, target, config, bn)
     if sparse is not None:  # tiles that divide the mask's blocks
         bm, bn = bsp.sparse_tile(bm, sparse.q_block), bsp.sparse_tile(bn, sparse.kv_block)
@@ -785,8 +779,9 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
         return n if present[n] else "q"  # placeholder pointer for an absent input
 
     col_split = _dkdv_col_split(config, shape, options, target)
-    kv_m, kv_n, kv_warps, kv_stages = _tile(_dkdv_entry(shape, options, target, col_split), shape, target, config)
-    q_m, q_n, q_warps, q_stages = _tile("dq", shape, target, config)
+    kv_m, kv_n, kv_warps, kv_stages = _tile("dkdv", shape, options, target, config, sparse=sparse is not None,
+                                            split=col_split)
+    q_m, q_n, q_warps, q_stages = _tile("dq", shape, options, target, config, sparse=sparse is not None)
     if sparse is not None:  # tiles that divide the mask's blocks
         kv_m, q_m = bsp.sparse_tile(kv_m, sparse.q_block), bsp.sparse_tile(q_m, sparse.q_block)
         kv_n, q_n = bsp.sparse_tile(kv_n, sparse.kv_block), bsp.sparse_tile(q_n, sparse.kv_block)

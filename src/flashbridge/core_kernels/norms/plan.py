@@ -40,20 +40,32 @@ class NormConfig:
     log2_chunks: int = 1
 
 
-def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig, backward: bool) -> tuple[int, int, int]:
-    """(rows per program, padded width, warps): see :class:`NormConfig`."""
+def _warps(block_m: int, block_n: int) -> int:
+    """Warps for a tile of ``block_m`` x ``block_n`` elements: about 16 a thread, 4 to 16 warps (the rule
+    for a ``block_m`` given without ``num_warps``, and for the interpreter)."""
+    return max(4, min(16, block_m * block_n // 1024))
+
+
+def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig, backward: bool, dtype: str = "bfloat16"
+          ) -> tuple[int, int, int]:
+    """(rows per program, padded width, warps): ``config``'s, else the tuning cache's for the padded width,
+    dtype and row count on the target's GPU (:mod:`flashbridge.tiles.cache`); see :class:`NormConfig`."""
     block_n = next_power_of_2(n_cols)
     if config.block_m is not None:
         block_m = config.block_m
     elif target.interpret:
         # The interpreter pays per program, not per element: take big tiles.
         block_m = min(next_power_of_2(n_rows), max(1, 16384 // block_n))
-    elif backward:
-        block_m = max(1, min(4, 16384 // block_n))
     else:
-        block_m = max(1, min(16, 8192 // block_n))
-    num_warps = config.num_warps or max(4, min(16, block_m * block_n // 1024))
-    return block_m, block_n, num_warps
+        from ...tiles import cache
+        from ...tiles.model import RowsCase, Tile
+
+        kernel = "norm_bwd" if backward else "norm_fwd"
+        fallback = Tile(1, block_n, _warps(1, block_n), 1)
+        tile = cache.plan_tile(kernel, target, f"n{block_n}-{dtype}", f"r{cache._seq_bucket(n_rows)}",
+                               lambda: RowsCase(n_rows, n_cols, dtype, backward), fallback)
+        return tile.block_m, block_n, config.num_warps or tile.num_warps
+    return block_m, block_n, config.num_warps or _warps(block_m, block_n)
 
 
 def check_norm_args(
@@ -123,7 +135,7 @@ def _plan_norm_fwd(n_rows, n_cols, x_dtype, residual_dtype, is_rms, has_weight, 
     present = {"x": True, "weight": has_weight, "bias": has_bias, "residual": has_res,
                "post_residual": has_post_residual, "seed": has_dropout}
     inputs = tuple(name for name, here in present.items() if here)
-    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config, backward=False)
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config, backward=False, dtype=x_dtype)
     log2_chunks = 0 if is_rms else min(config.log2_chunks, block_n.bit_length() - 1)
     buffers = (
         Spec("y", (n_rows, n_cols), x_dtype),
@@ -168,7 +180,7 @@ def _plan_norm_bwd(n_rows, n_cols, dx_dtype, weight_dtype, bias_dtype, is_rms, h
     has_dropout = dropout_p > 0.0
     present = {"dy": True, "h": True, "weight": has_w, "mean": not is_rms, "rstd": True,
                "seed": has_dropout, "dh": has_dh}
-    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config, backward=True)
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, target, config, backward=True, dtype=dx_dtype)
     num_tiles = max(1, cdiv(n_rows, block_m))
     num_programs = min(num_tiles, max(1, target.num_sms * config.bwd_programs_per_sm))
     buffers = [
