@@ -94,7 +94,8 @@ def test_live_profile_and_compiled_metadata():
 
     gpu = tiles.profile_of()
     assert gpu is not None and gpu.sms == torch.cuda.get_device_properties(0).multi_processor_count
-    dtypes = {n: "bfloat16" for n in ("q", "k", "v", "out", "dout", "dq", "x", "weight", "y", "h")}
+    dtypes = {**{n: "bfloat16" for n in ("q", "k", "v", "out", "dout", "dq", "x", "weight", "y", "h", "logits")},
+              "labels": "int64"}
 
     def mock(name):
         return MockTensor(getattr(torch, dtypes.get(name, "float32")))
