@@ -17,6 +17,25 @@ from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_att
 from flashbridge.core_kernels.norms.plan import NormConfig, plan_norm_bwd, plan_norm_fwd
 
 H200 = Target(interpret=False, num_sms=132)
+SWEPT = "H200 steady sweep"  # the source of entries a tuning sweep added over the tables' own
+
+
+@pytest.fixture(autouse=True)
+def table_entries_only(tmp_path, monkeypatch):
+    """The shipped file as the tables became, before a tuning sweep changed entries (added length-bucketed
+    ones, checked by :func:`test_swept_entries_override_only_their_length_bucket`, or replaced a table's
+    tile, kept as ``table_tile``)."""
+    from flashbridge.tiles import cache
+
+    entries = {}
+    for k, v in cache.read_entries(cache.shipped_file()).items():
+        if SWEPT not in str(v.get("source", "")):
+            entries[k] = v
+        elif "table_tile" in v:  # a sweep replaced the table's tile for this bucket
+            entries[k] = {**v, "tile": v["table_tile"]}
+    path = tmp_path / cache.FILE_NAME
+    path.write_text(cache.dumps(entries))
+    monkeypatch.setattr(cache, "shipped_file", lambda: path)
 
 OLD_GPU_TILES = {
     64: {"fwd": (128, 64, 8, 3), "fwd_masked": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)},
@@ -78,6 +97,20 @@ def test_attention_tiles_match_the_old_tables(d, dv, dtype, kind, group, s):
              "dkdv_gqa_causal" if group > 1 and kind == "causal" else "dkdv")
     assert _tile(dkdv) == _old_attn(entry, widest, dtype)
     assert _tile(dq) == _old_attn("dq", widest, dtype)
+
+
+def test_swept_entries_override_only_their_length_bucket(monkeypatch):
+    """A swept entry (D=128 full forward, keys up to 1k) moves that bucket's tile and no other length's."""
+    from flashbridge.tiles import cache
+
+    monkeypatch.undo()  # the real shipped file
+    swept = {k: v for k, v in cache.read_entries(cache.shipped_file()).items() if SWEPT in str(v.get("source", ""))}
+    key = "H200|sm90|triton 3.6.0|attention_fwd|d128-bfloat16-full-mha-s1k"
+    assert key in swept
+    for s, expected in ((1000, tuple(swept[key]["tile"])), (4096, _old_attn("fwd", 128, "bfloat16"))):
+        q = ((1, s, 8, 128), "bfloat16")
+        shape, options = check_attention_args(q=q, k=q, v=q)
+        assert _tile(plan_attention_fwd(shape, options, target=H200).launches[0]) == expected, s
 
 
 def test_attention_config_fields_still_win():
