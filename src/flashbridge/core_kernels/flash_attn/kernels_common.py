@@ -777,16 +777,27 @@ def kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK
 
 
 @triton.jit
+def list_start(BLOCKS, slot, n_slots, seq_len, MASK_B: tl.constexpr):
+    """The first index of the mask block listed at ``BLOCKS[slot]``; a slot past the list's ``n_slots``
+    entries is not read (0 stands in), so a walk may ask for the entry after its last."""
+    return list_block(tl.load(BLOCKS + slot, mask=slot < n_slots, other=0), seq_len, MASK_B) * MASK_B
+
+
+@triton.jit
 def _fwd_list_step(
-    acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv,
+    acc, m_i, l_i, it, start, q, K_base, V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv,
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK: tl.constexpr,
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr,
     MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, drop=None, b=0, h=0,
 ):
-    """Step ``it`` of :func:`fwd_kv_list`: key block ``BLOCKS[it // SPLIT]``, its ``it % SPLIT``-th slice."""
-    slot, sub, n_start = list_step(BLOCKS, it, seqlen_k, BLOCK_N, MASK_KB)
+    """Step ``it`` of :func:`fwd_kv_list`: the ``it % SPLIT``-th slice of the listed key block that starts at
+    key ``start`` (list slot ``it // SPLIT``)."""
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    slot = it // SPLIT
+    sub = (it - slot * SPLIT) * BLOCK_N
+    n_start = start + sub
     offs_c = sub + tl.arange(0, BLOCK_N)  # [N] key index within the mask block
     elem_ok = None
     if APPLY_MASK:
@@ -817,21 +828,30 @@ def fwd_kv_list(
     evaluate the mask's element test (:func:`block_mask_visible`): ``tq`` [M, 1] the rows' token words,
     ``TOK_K`` the sequence's key token row, ``m_local`` [M] the rows within their mask block and, for
     bit-packed masks, ``BIT_ROWS`` the list's rows of ``BITS``."""
-    n_steps = n_blocks * (MASK_KB // BLOCK_N)
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    n_steps = n_blocks * SPLIT
+    # The listed block of the next step is read one iteration ahead and carried: the K / V addresses of a step
+    # then depend on no load of the same iteration, and Triton's pipeliner stages them as deep as the dense
+    # kernel's (sm_90, D=128: three K / V stages; read where they are used, the list entry held them to two).
+    start = list_start(BLOCKS, 0, n_blocks, seqlen_k, MASK_KB)
     if APPLY_MASK and MASKED_STAGES > 0:
         for it in tl.range(0, n_steps, num_stages=MASKED_STAGES):
+            nxt = list_start(BLOCKS, (it + 1) // SPLIT, n_blocks, seqlen_k, MASK_KB)
             acc, m_i, l_i = _fwd_list_step(
-                acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
+                acc, m_i, l_i, it, start, q, K_base, V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
                 MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
+            start = nxt
     else:
         for it in range(0, n_steps):
+            nxt = list_start(BLOCKS, (it + 1) // SPLIT, n_blocks, seqlen_k, MASK_KB)
             acc, m_i, l_i = _fwd_list_step(
-                acc, m_i, l_i, it, q, K_base, V_base, BLOCKS, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
+                acc, m_i, l_i, it, start, q, K_base, V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
                 MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
+            start = nxt
     return acc, m_i, l_i
 
 
