@@ -121,6 +121,48 @@ def test_linear_logits_kernel_compiles_identically_and_vectorised(transposed):
     assert_wgmma_pipelined(ptx, "linear logits GEMM")
 
 
+def _prefill_plans(page_size: int):
+    """The paged prefill of bench_paged_prefill.py (B=8, 3584 cached + 512 new tokens, Hq=32, Hkv=8, D=128,
+    causal, bf16) and the same keys packed contiguously."""
+    from flashbridge.core_kernels.flash_attn.plan import check_attention_args, check_kv_cache_args
+
+    batch, chunk, used, hq, hkv, d = 8, 512, 4096, 32, 8, 128
+    q = ((batch * chunk, hq, d), "bfloat16")
+    cu, table_rows = ((batch + 1,), "int32"), -(-used // page_size)
+    shape, opts = check_attention_args(q=q, k=((batch * used, hkv, d), "bfloat16"), v=((batch * used, hkv, d), "bfloat16"),
+                                       cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=chunk, max_seqlen_k=used,
+                                       causal=True)
+    contiguous = plan_attention_fwd(shape, opts, target=H200)
+    pool = ((batch * table_rows + 16, page_size, hkv, d), "bfloat16")
+    shape, opts, cache = check_kv_cache_args(q=q, k=pool, v=pool, block_table=((batch, table_rows), "int32"),
+                                             seqused_k=((batch,), "int32"), cu_seqlens_q=cu, max_seqlen_q=chunk,
+                                             causal=True)
+    return contiguous, plan_attention_fwd(shape, opts, target=H200, cache=cache)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_prefill_stages_kv_as_deep_as_contiguous(page_size):
+    """The paged forward reads each key block's table entries one iteration ahead (loop state), so Triton's
+    pipeliner stages the K / V gathers as deep as the contiguous loads: the shared memory of Q and three
+    128 x 128 K + V stages, 229376 B, as the contiguous kernel (plus the few bytes of the gather that spreads
+    a block's pages over its keys, pages of 16 and 64; with the entries read in the iteration that used
+    them, two stages, 164352 B); local memory within 32 B a thread of the contiguous kernel's (which spills
+    at three stages too); the same PTX from both launchers; wgmma not serialised."""
+    from flashbridge.tiles import compiled
+
+    why = compiled.available(90)
+    if why:
+        pytest.skip(why)
+    contiguous, paged = (p.launches[0] for p in _prefill_plans(page_size))
+    dtypes = {**_attn_dtypes("bfloat16"), "block_table": "int32", "seqused_k": "int32"}
+    want, got = compiled.compile_launch(contiguous, dtypes), compiled.compile_launch(paged, dtypes)
+    assert paged.num_stages == contiguous.num_stages == 3
+    assert want.shared == 229376 and 0 <= got.shared - want.shared <= 64, (got, want)
+    assert got.n_spills <= want.n_spills + 8, (got, want)  # 4-byte words
+    ptx = assert_same_ptx(paged, dtypes)
+    assert_wgmma_pipelined(ptx, f"paged prefill forward, pages of {page_size}")
+
+
 @pytest.mark.parametrize("masked_num_stages,masked_block_n", [(None, None), (1, None), (None, 64)])
 def test_attention_forward_compiles_identically_and_vectorised(masked_num_stages, masked_block_n):
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
