@@ -28,8 +28,8 @@ from flashbridge.core_kernels import HostArray, INTERPRETER, Target, get_kernel
 from flashbridge.core_kernels._loader import _language_namespaces
 from flashbridge.core_kernels._plan import pow2_divisor
 from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
-from flashbridge.core_kernels.cross_entropy.plan import (plan_ce_fwd_grad, plan_class_weight_sum, plan_linear_logits,
-                                                         plan_mean_scales)
+from flashbridge.core_kernels.cross_entropy.plan import (plan_ce_fwd_grad, plan_ce_total, plan_class_weight_sum,
+                                                         plan_linear_logits, plan_mean_scales)
 from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 from flashbridge.core_kernels.rotary.plan import check_rotary_args, plan_rotary
 from flashbridge.core_kernels.swiglu.plan import plan_swiglu_bwd, plan_swiglu_fwd
@@ -86,8 +86,9 @@ def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
 
 @pytest.mark.parametrize("smoothing,predicted", [(0.1, "int32"), (0.0, None)])
 def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted):
-    """The class-weighted forward (with the argmax) and gradient kernels, the weight sum's and the mean
-    scales' (with and without class weights; IEEE division: ``div.rn.f32``, not ``div.full``). With label
+    """The class-weighted forward (with the argmax) and gradient kernels, the weight sum's, the mean
+    scales' (with and without class weights; IEEE division: ``div.rn.f32``, not ``div.full``) and the
+    reduction's. With label
     smoothing the gradient reads the class weights of each tile (from column col0 of a slice: the plan
     states its divisibility) in 16-byte vectors, as the logits: 8 such loads, not 4."""
     plan = plan_ce_fwd_grad(8192, 128256, grad_dtype="bfloat16", per_row_weight=False, ignore_index=-100,
@@ -96,9 +97,10 @@ def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted
     dtypes = {"logits": "bfloat16", "labels": "int32", "weight": "float32", "z_weight": "float32",
               "class_weight": "float32", "weight_sum": "float32", "loss": "float32", "lse": "float32",
               "lse_lo": "float32", "zloss": "float32", "predicted": "int32", "grad": "bfloat16", "sum": "float32",
-              "scales": "float32"}
+              "scales": "float32", "total": "float32"}
     sums = (plan_class_weight_sum(128256, target=H200),
-            *(plan_mean_scales(8192, 128256, class_weight=cw, ignore_index=-100, target=H200) for cw in (True, False)))
+            *(plan_mean_scales(8192, 128256, class_weight=cw, ignore_index=-100, target=H200) for cw in (True, False)),
+            plan_ce_total(8192, has_z=True, has_scales=True, target=H200))
     for launch in (*plan.launches, *(launch for p in sums for launch in p.launches)):
         ptx = assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("ce_grad_weighted_kernel") and smoothing:

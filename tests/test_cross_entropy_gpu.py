@@ -375,7 +375,8 @@ def test_weighted_torch_jax_parity_on_gpu(weighted, opts):
     """Reduction "mean" with and without class weights, smoothing, z-loss and the extras: torch and JAX give
     the same bits on the GPU, loss and gradient. A mean multiplies by the reciprocals of its divisors from
     one kernel (IEEE division): XLA's own float32 division on NVIDIA GPUs is approximate (div.full.f32),
-    torch's is not, and dividing there made ~100-240 gradient elements differ by one bf16 ulp."""
+    torch's is not, and dividing there made ~100-240 gradient elements differ by one bf16 ulp. The rows
+    are summed by one kernel too (each framework's own sum reduces in its own order)."""
     pytest.importorskip("jax_triton")
     import jax
     import jax.numpy as jnp

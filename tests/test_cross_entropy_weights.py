@@ -181,12 +181,11 @@ def test_cross_entropy_weighted_both_frameworks(case):
         assert o.predicted.dtype == label_dtype and o.accuracy.dtype in (torch.bool, jnp.bool_)
         np.testing.assert_array_equal(np.asarray(o.predicted), predicted)
         np.testing.assert_array_equal(np.asarray(o.accuracy), (predicted == y) & (y != -100))
-    # Parity: the same kernels on the same inputs, the weight sums from the same kernel (a mean's
-    # denominator): the same bits (the scalar losses are each framework's own sums of the rows).
+    # Parity: the same kernels on the same inputs, the weight sums, a mean's reciprocals and the reductions
+    # from the same kernels: the same bits, scalar losses included.
     np.testing.assert_array_equal(np64(jdx), np64(xt.grad))
     np.testing.assert_array_equal(np64(jout.lse), np64(out.lse))
-    if reduction == "none":
-        np.testing.assert_array_equal(np64(jout.loss), np64(out.loss))
+    np.testing.assert_array_equal(np64(jout.loss), np64(out.loss))
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
@@ -323,9 +322,10 @@ def test_mean_multiplies_by_ieee_reciprocals(weighted, z_loss):
     """Reduction "mean" multiplies by the reciprocals of its divisors, IEEE-rounded in a kernel
     (``plan_mean_scales``), in both frameworks: the scales are ``fp32(1 / W)`` and ``fp32(1 / count)``
     (class weights in 1/8 steps: the kernel's float32 sum is exact), the mean's gradient is bit for bit
-    reduction "none"'s for an upstream gradient of those reciprocals, and the loss is the rows' sum times
-    them. No framework division is left to decide the bits (on NVIDIA GPUs XLA's float32 division is
-    approximate and torch's is not: tests/test_cross_entropy_gpu.py checks the parity there)."""
+    reduction "none"'s for an upstream gradient of those reciprocals, and the loss is the rows' sum (in the
+    reduction kernel's order) times them, in both frameworks. No framework division or reduction is left to
+    decide the bits (on NVIDIA GPUs XLA's float32 division is approximate and torch's is not:
+    tests/test_cross_entropy_gpu.py checks the parity there)."""
     rng = _rng("scales", weighted, z_loss)
     vocab, n = 300, 23
     x = rng.standard_normal((n, vocab)).astype(np.float32) * 3
@@ -354,8 +354,10 @@ def test_mean_multiplies_by_ieee_reciprocals(weighted, z_loss):
     rows = ftc.cross_entropy(xn, yt, weight=cwt, reduction="none", **opts)
     rows.backward(torch.full((n,), want[0]))
     np.testing.assert_array_equal(xt.grad.numpy(), xn.grad.numpy())
-    assert loss.item() == (rows.detach().sum() * want[0]).item()
-    assert float(jloss) == float(jnp.sum(jnp.asarray(rows.detach().numpy())) * want[0])
+    # the rows summed in the kernel's fixed order (torch's and XLA's own sums reduce in other orders), times 1 / W
+    total = torch.ops.flashbridge.cross_entropy_total(rows.detach(), None, torch.tensor(want))
+    assert loss.item() == total.item() == float(jloss)
+    np.testing.assert_allclose(loss.item(), rows.detach().double().sum().item() * want[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean"])
@@ -493,6 +495,10 @@ def test_opcheck_weighted_ops():
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_class_weight_sum.default, (cw,))
     for class_weight in (cw, None):
         torch.library.opcheck(torch.ops.flashbridge.cross_entropy_mean_scales.default, (y, class_weight, -100))
+    rows = torch.rand(5, requires_grad=True)
+    scales = torch.ops.flashbridge.cross_entropy_mean_scales(y, cw, -100)
+    for z_rows, s in ((torch.rand(5, requires_grad=True), scales), (None, None)):
+        torch.library.opcheck(torch.ops.flashbridge.cross_entropy_total.default, (rows, z_rows, s))
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_fwd_ext.default, (x, y, cw, total, *opts, True))
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_fwd_ext.default, (x, y, None, None, *opts, True))
     _, lse, lse_lo, _, _ = torch.ops.flashbridge.cross_entropy_fwd_ext(x.detach(), y, cw, total, *opts, False)

@@ -41,7 +41,7 @@ def _calls():
                    (decode.check_decode_args,)),
         "cross_entropy": (lambda: ft.cross_entropy(logits, labels),
                           (cross_entropy.check_cross_entropy_args, cross_entropy.plan_ce_fwd,
-                           cross_entropy.plan_mean_scales)),
+                           cross_entropy.plan_mean_scales, cross_entropy.plan_ce_total)),
     }
 
 

@@ -30,8 +30,8 @@ import numpy as np
 from ..core_kernels import INTERPRETER, Plan
 from ..core_kernels.cross_entropy.plan import (
     CrossEntropyOutput, LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
-    plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy, plan_linear_logits,
-    plan_mean_scales)
+    plan_ce_fwd, plan_ce_grad, plan_ce_total, plan_class_weight_sum, plan_linear_cross_entropy,
+    plan_linear_logits, plan_mean_scales)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, gpu_target, jit_op, match_varying
 
@@ -166,6 +166,42 @@ def _mean_scales(labels, class_weight, ignore_index: int):
     return op(labels, *(() if class_weight is None else (class_weight,)))[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _total_op(has_z: bool, has_scales: bool):
+    """(loss[, zloss][, scales]) -> (total,): see :func:`_ce_total`. Under vmap, one call per element."""
+    names = ("loss",) + ("zloss",) * has_z + ("scales",) * has_scales
+
+    def call(*arrays):
+        n = arrays[0].shape[0]
+        return execute(lambda target: plan_ce_total(n, has_z=has_z, has_scales=has_scales, target=target),
+                       dict(zip(names, arrays)))
+
+    return _row_op(call, 1, len(names))
+
+
+@jax.custom_vjp
+def _ce_total(rows, scales):
+    """float32 (1,): ``sum(rows[0]) * scales[0] + sum(rows[1]) * scales[1]`` (``rows``: the ce terms and, where
+    they are apart, the z-loss terms; ``scales`` None: 1, a sum), summed in a fixed order by a kernel
+    (plan_ce_total: the same bits as the torch front-end, whose own sum reduces in another order)."""
+    return _total_op(len(rows) == 2, scales is not None)(*rows, *(() if scales is None else (scales,)))[0]
+
+
+def _ce_total_fwd(rows, scales):
+    return _ce_total(rows, scales), (rows, scales)
+
+
+def _ce_total_bwd(saved, g):
+    """Every row's cotangent is ``g * scales[i]``: a multiply, as the torch front-end's, so the same bits."""
+    rows, scales = saved
+    g = g[0]
+    cot = tuple(jnp.broadcast_to(g if scales is None else g * scales[i], r.shape) for i, r in enumerate(rows))
+    return cot, None if scales is None else jnp.zeros_like(scales)
+
+
+_ce_total.defvjp(_ce_total_fwd, _ce_total_bwd)
+
+
 def _row_names(plan: Plan) -> tuple[str, ...]:
     """A chunk / slice plan's inputs after the logits, the shared ones last (the plans put them there)."""
     names = plan.inputs[1:]
@@ -268,16 +304,13 @@ def _reduce(loss_rows, labels, ignore_index, reduction, class_weight=None, z_row
     """A mean multiplies the sum of the ce terms (``loss_rows``) by the reciprocal of the counted labels'
     number, or with class weights of their weights' sum (torch's rule), and that of the z-loss terms
     (``z_rows``, or None when they are in ``loss_rows``) by the reciprocal of their number: ``scales``
-    (:func:`_mean_scales`, computed here when not given)."""
+    (:func:`_mean_scales`, computed here when not given). The sums come from a kernel (:func:`_ce_total`)."""
     if reduction == "none":
         return loss_rows if z_rows is None else loss_rows + z_rows
-    total = jnp.sum(loss_rows)
-    if reduction == "sum":
-        return total if z_rows is None else total + jnp.sum(z_rows)
-    if scales is None:
+    if reduction == "mean" and scales is None:
         scales = _mean_scales(labels, class_weight, ignore_index)
-    loss = total * scales[0]
-    return loss if z_rows is None else loss + jnp.sum(z_rows) * scales[1]
+    rows = (loss_rows,) if z_rows is None else (loss_rows, z_rows)
+    return _ce_total(rows, scales if reduction == "mean" else None)[0]
 
 
 def _prepare_class_weight(class_weight, ignore_index: int):

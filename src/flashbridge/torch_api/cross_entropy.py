@@ -38,16 +38,16 @@ from torch import Tensor
 
 from ..core_kernels.cross_entropy.plan import (
     CrossEntropyOutput, LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
-    plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy, plan_mean_scales)
+    plan_ce_fwd, plan_ce_grad, plan_ce_total, plan_class_weight_sum, plan_linear_cross_entropy, plan_mean_scales)
 from ._checks import check_tensors
 from ._ops import fused_op, plain_eager, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
 
 # validation and plans run once per distinct argument signature (see memoised)
 (check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd, plan_ce_grad, plan_class_weight_sum,
- plan_linear_cross_entropy, plan_mean_scales) = map(memoised, (
+ plan_linear_cross_entropy, plan_mean_scales, plan_ce_total) = map(memoised, (
     check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd, plan_ce_grad, plan_class_weight_sum,
-    plan_linear_cross_entropy, plan_mean_scales))
+    plan_linear_cross_entropy, plan_mean_scales, plan_ce_total))
 
 
 def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):
@@ -166,6 +166,46 @@ def _ce_mean_scales(labels: Tensor, class_weight: Optional[Tensor], ignore_index
 @_ce_mean_scales.register_fake
 def _(labels, class_weight, ignore_index):
     return labels.new_empty((2,), dtype=torch.float32)
+
+
+def _total(loss_rows: Tensor, z_rows: Optional[Tensor], scales: Optional[Tensor]) -> Tensor:
+    """float32 (1,): ``sum(loss_rows) * scales[0] + sum(z_rows) * scales[1]`` (scales 1 when None: a sum),
+    summed in a fixed order by a kernel (plan_ce_total: the same bits as the JAX front-end)."""
+    plan = plan_ce_total(loss_rows.shape[0], has_z=z_rows is not None, has_scales=scales is not None,
+                         target=target_for(loss_rows.device))
+    named = {"loss": loss_rows, "zloss": z_rows, "scales": scales}
+    (total,) = execute(plan, {n: named[n].contiguous() for n in plan.inputs})
+    return total
+
+
+@fused_op("cross_entropy_total", replay=True)
+def _ce_total(loss_rows: Tensor, z_rows: Optional[Tensor], scales: Optional[Tensor]) -> Tensor:
+    return _total(loss_rows, z_rows, scales)
+
+
+@_ce_total.register_fake
+def _(loss_rows, z_rows, scales):
+    return loss_rows.new_empty((1,), dtype=torch.float32)
+
+
+def _ce_total_setup_context(ctx, inputs, output):
+    loss_rows, z_rows, scales = inputs
+    ctx.n_rows, ctx.has_z = loss_rows.shape[0], z_rows is not None
+    ctx.save_for_backward(scales)
+
+
+def _ce_total_backward(ctx, g):
+    """Every row's gradient is ``g * scales[0]`` (``g * scales[1]`` for the z-loss rows): a multiply, as
+    the JAX front-end's, so the same bits."""
+    if g is None:
+        return None, None, None
+    (scales,) = ctx.saved_tensors
+    g = g.reshape(())
+    grads = [(g if scales is None else g * scales[i]).expand(ctx.n_rows) for i in range(1 + ctx.has_z)]
+    return grads[0], grads[1] if ctx.has_z else None, None
+
+
+_ce_total.register_autograd(_ce_total_backward, setup_context=_ce_total_setup_context)
 
 
 @fused_op("cross_entropy_fwd_ext")
@@ -379,10 +419,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
                  class_weight=class_weight is not None, predicted_dtype=dtype_name(labels.dtype) if predicted else None)
     out = _run_passes(plan, hidden, weight, bias, labels, scale, dh, dw, db, shared=_shared(class_weight, weight_sum),
                       z_weights=z_scale if plan.split_zloss else None)
-    if class_weight is None:
-        loss = _reduce(out["loss"], reduction, (n_rows,), scales)
-    else:
-        loss = _reduce_weighted(out["loss"], out.get("zloss", out["loss"][:0]), reduction, (n_rows,), scales)
+    loss = _reduce(out["loss"], out.get("zloss"), reduction, (n_rows,), scales, total=_total)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
     return loss, out["lse"], out["lse_lo"], dh, dw, db_out, out.get("predicted", labels.new_empty((0,)))
 
@@ -507,26 +544,15 @@ def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int, valida
         raise ValueError(bad_label_message(int(bad.sum()), int(labels[bad][0]), vocab, ignore_index))
 
 
-def _reduce(loss_rows: Tensor, reduction: str, lead, scales: Optional[Tensor]) -> Tensor:
-    """``scales``: reduction "mean"'s ``[1 / count, ...]`` (see :func:`_mean_scales`): a mean multiplies, so
-    that its bits and its gradient's are the JAX front-end's."""
+def _reduce(loss_rows: Tensor, z_rows: Optional[Tensor], reduction: str, lead, scales: Optional[Tensor],
+            total=None) -> Tensor:
+    """The loss of ``reduction`` from the rows' ce terms and, where they are apart (class weights and a
+    z-loss), their z-loss terms. "mean" multiplies their sums by ``scales`` (:func:`_mean_scales`: 1 / W and
+    1 / count), "sum" adds them; the sums come from a kernel in a fixed order (:func:`_ce_total`, or
+    ``total`` inside another op's implementation), so that loss and gradient have the JAX front-end's bits."""
     if reduction == "none":
-        return loss_rows.view(lead)
-    if reduction == "sum":
-        return loss_rows.sum()
-    return loss_rows.sum() * scales[0]
-
-
-def _reduce_weighted(ce_rows: Tensor, z_rows: Tensor, reduction: str, lead, scales: Optional[Tensor]) -> Tensor:
-    """With class weights: a mean multiplies the sum of the ce terms by ``scales[0]``, the reciprocal of the
-    counted labels' weights (torch's rule), and that of the z-loss terms (``z_rows``; empty without a
-    z-loss) by ``scales[1]``, the reciprocal of their number (see :func:`_mean_scales`)."""
-    if reduction == "none":
-        return (ce_rows + z_rows if z_rows.numel() else ce_rows).view(lead)
-    if reduction == "sum":
-        return ce_rows.sum() + z_rows.sum()
-    loss = ce_rows.sum() * scales[0]
-    return loss + z_rows.sum() * scales[1] if z_rows.numel() else loss
+        return (loss_rows if z_rows is None else loss_rows + z_rows).view(lead)
+    return (total or _ce_total)(loss_rows, z_rows, scales if reduction == "mean" else None).reshape(())
 
 
 def _check_class_weight_grad(name: str, class_weight: Optional[Tensor]) -> None:
@@ -610,15 +636,12 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, weight: Optional[Tensor] = 
     scales = _ce_mean_scales(y, weight, int(ignore_index)) if reduction == "mean" else None
     if weight is None and not (return_accuracy or return_predicted):
         loss_rows, lse, _ = _ce_fwd(x, y, *options)
-        loss = _reduce(loss_rows, reduction, lead, scales)
+        loss = _reduce(loss_rows, None, reduction, lead, scales)
         return (loss, lse.view(lead)) if return_lse else loss
     weight_sum = None if weight is None else _ce_weight_sum(weight)
     loss_rows, lse, _, z_rows, predicted = _ce_fwd_ext(x, y, weight, weight_sum, *options,
                                                        return_accuracy or return_predicted)
-    if weight is None:
-        loss = _reduce(loss_rows, reduction, lead, scales)
-    else:
-        loss = _reduce_weighted(loss_rows, z_rows, reduction, lead, scales)
+    loss = _reduce(loss_rows, z_rows if z_rows.numel() else None, reduction, lead, scales)
     if not (return_accuracy or return_predicted):
         return (loss, lse.view(lead)) if return_lse else loss
     return _extras_output(loss, lse, predicted, y, ignore_index, lead, return_lse, return_accuracy,

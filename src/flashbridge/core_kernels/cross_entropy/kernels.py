@@ -451,6 +451,36 @@ def ce_class_weight_sum_kernel(
         tl.store(OUT, tl.sum(acc, axis=0))
 
 
+@triton.jit(do_not_specialize_on_alignment=("n",))
+def ce_total_kernel(
+    LOSS, ZLOSS, SCALES,  # inputs: float32 [n] each (ZLOSS: HAS_Z), float32 [2] (HAS_SCALES)
+    n,  # runtime scalar: the number of rows
+    TOTAL,  # output: float32 [1]
+    BLOCK: tl.constexpr, HAS_Z: tl.constexpr, HAS_SCALES: tl.constexpr,
+):
+    """One program: a loss's reduction over its rows, ``sum(LOSS) * SCALES[0] + sum(ZLOSS) * SCALES[1]``
+    (a mean's reciprocals, see :func:`ce_class_weight_sum_kernel`; 1 without HAS_SCALES: a sum). A fixed
+    order ([BLOCK] float32 lanes, then one tree sum), so that both front-ends get the same bits: their own
+    reductions sum in different orders. The gradient needs no kernel: ``g * SCALES[0]`` for every row."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    z_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        idx = start + offs
+        acc += tl.load(LOSS + idx, mask=idx < n, other=0.0)
+        if HAS_Z:
+            z_acc += tl.load(ZLOSS + idx, mask=idx < n, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if HAS_SCALES:
+        total = total * tl.load(SCALES)
+    if HAS_Z:
+        z_total = tl.sum(z_acc, axis=0)
+        if HAS_SCALES:
+            z_total = z_total * tl.load(SCALES + 1)
+        total = total + z_total
+    tl.store(TOTAL, total)
+
+
 # ------------------------------------------------------------------------------------------------ logits
 
 @triton.jit(do_not_specialize_on_alignment=("n_rows",))

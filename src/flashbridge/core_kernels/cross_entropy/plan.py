@@ -18,6 +18,8 @@ them the plans launch the kernels that have neither.
 * :func:`plan_class_weight_sum`: the sum of the class weights.
 * :func:`plan_mean_scales`: the reciprocals of reduction "mean"'s divisors (IEEE division, in a kernel), by
   which both front-ends multiply.
+* :func:`plan_ce_total`: a loss's reduction over its rows ("mean" with those reciprocals, "sum"), in a
+  fixed order.
 
 :func:`plan_linear_cross_entropy` orchestrates ``linear_cross_entropy``'s two passes for both front-ends;
 :func:`check_cross_entropy_args` and :func:`check_linear_cross_entropy_args` are the argument rules both
@@ -389,6 +391,22 @@ def plan_mean_scales(n: int, vocab: int, *, class_weight: bool, ignore_index: in
                                              ("OF_LABELS", True), ("HAS_CLASS_WEIGHT", class_weight)),
                                  num_warps=4, num_stages=1),),
                 results=("scales",))
+
+
+def plan_ce_total(n: int, *, has_z: bool, has_scales: bool, target: Target) -> Plan:
+    """Plan inputs: loss ``(n,)`` [, zloss ``(n,)`` with ``has_z``] [, scales ``(2,)`` with ``has_scales``]
+    (float32 each). Result: total (float32 ``(1,)``), ``sum(loss) * scales[0] + sum(zloss) * scales[1]``
+    (scales 1 without ``has_scales``): reductions "mean" (with :func:`plan_mean_scales`' reciprocals) and
+    "sum", in one fixed order for both front-ends (their own sums reduce in different orders)."""
+    del target  # one program of 1024 lanes on either target
+    inputs = ("loss",) + ("zloss",) * has_z + ("scales",) * has_scales
+    return Plan(inputs=inputs, buffers=(Spec("total", (1,), "float32"),),
+                launches=(Launch(kernel=f"{_KERNELS}:ce_total_kernel", grid=(1,),
+                                 inputs=("loss", "zloss" if has_z else "loss", "scales" if has_scales else "loss"),
+                                 scalars=(("n", int(n)),), outputs=("total",),
+                                 constexprs=(("BLOCK", 1024), ("HAS_Z", has_z), ("HAS_SCALES", has_scales)),
+                                 num_warps=4, num_stages=1),),
+                results=("total",))
 
 
 # GPU tile of linear_logits_kernel (block_m, block_n, block_k, num_warps, num_stages): the usual Hopper GEMM
