@@ -28,7 +28,8 @@ from flashbridge.core_kernels import HostArray, INTERPRETER, Target, get_kernel
 from flashbridge.core_kernels._loader import _language_namespaces
 from flashbridge.core_kernels._plan import pow2_divisor
 from flashbridge.core_kernels.flash_attn.plan import AttnOptions, AttnShape, plan_attention_bwd, plan_attention_fwd
-from flashbridge.core_kernels.cross_entropy.plan import plan_ce_fwd_grad, plan_class_weight_sum, plan_linear_logits
+from flashbridge.core_kernels.cross_entropy.plan import (plan_ce_fwd_grad, plan_ce_total, plan_class_weight_sum,
+                                                         plan_linear_logits, plan_mean_scales)
 from flashbridge.core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
 from flashbridge.core_kernels.rotary.plan import check_rotary_args, plan_rotary
 from flashbridge.core_kernels.swiglu.plan import plan_swiglu_bwd, plan_swiglu_fwd
@@ -85,7 +86,9 @@ def test_cross_entropy_kernels_compile_identically(n_rows, vocab):
 
 @pytest.mark.parametrize("smoothing,predicted", [(0.1, "int32"), (0.0, None)])
 def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted):
-    """The class-weighted forward (with the argmax) and gradient kernels, and the weight sum's. With label
+    """The class-weighted forward (with the argmax) and gradient kernels, the weight sum's, the mean
+    scales' (with and without class weights; IEEE division: ``div.rn.f32``, not ``div.full``) and the
+    reduction's. With label
     smoothing the gradient reads the class weights of each tile (from column col0 of a slice: the plan
     states its divisibility) in 16-byte vectors, as the logits: 8 such loads, not 4."""
     plan = plan_ce_fwd_grad(8192, 128256, grad_dtype="bfloat16", per_row_weight=False, ignore_index=-100,
@@ -93,12 +96,19 @@ def test_cross_entropy_weighted_kernels_compile_identically(smoothing, predicted
                             class_weight=True, predicted_dtype=predicted)
     dtypes = {"logits": "bfloat16", "labels": "int32", "weight": "float32", "z_weight": "float32",
               "class_weight": "float32", "weight_sum": "float32", "loss": "float32", "lse": "float32",
-              "lse_lo": "float32", "zloss": "float32", "predicted": "int32", "grad": "bfloat16", "sum": "float32"}
-    sums = plan_class_weight_sum(8192, 128256, of_labels=True, ignore_index=-100, target=H200)
-    for launch in (*plan.launches, *sums.launches):
+              "lse_lo": "float32", "zloss": "float32", "predicted": "int32", "grad": "bfloat16", "sum": "float32",
+              "scales": "float32", "total": "float32"}
+    sums = (plan_class_weight_sum(128256, target=H200),
+            *(plan_mean_scales(8192, 128256, class_weight=cw, ignore_index=-100, target=H200) for cw in (True, False)),
+            plan_ce_total(8192, has_z=True, has_scales=True, target=H200))
+    for launch in (*plan.launches, *(launch for p in sums for launch in p.launches)):
         ptx = assert_same_ptx(launch, dtypes)
         if launch.kernel.endswith("ce_grad_weighted_kernel") and smoothing:
             assert vector_loads(ptx) >= 8, "the class weights' loads in the gradient are not 16 bytes wide"
+        if "scales" in launch.outputs:  # the reciprocals IEEE-rounded: the bits torch's division would give
+            # (without class weights both divisors are the count: one division)
+            assert ptx.count("div.rn.f32") == 1 + launch.constexpr_dict()["HAS_CLASS_WEIGHT"]
+            assert "div.full" not in ptx and "div.approx" not in ptx
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -111,6 +121,48 @@ def test_linear_logits_kernel_compiles_identically_and_vectorised(transposed):
     ptx = assert_same_ptx(plan.launches[0], dtypes)
     assert "cp.async.cg.shared.global" in ptx and "wgmma.mma_async" in ptx
     assert_wgmma_pipelined(ptx, "linear logits GEMM")
+
+
+def _prefill_plans(page_size: int):
+    """The paged prefill of bench_paged_prefill.py (B=8, 3584 cached + 512 new tokens, Hq=32, Hkv=8, D=128,
+    causal, bf16) and the same keys packed contiguously."""
+    from flashbridge.core_kernels.flash_attn.plan import check_attention_args, check_kv_cache_args
+
+    batch, chunk, used, hq, hkv, d = 8, 512, 4096, 32, 8, 128
+    q = ((batch * chunk, hq, d), "bfloat16")
+    cu, table_rows = ((batch + 1,), "int32"), -(-used // page_size)
+    shape, opts = check_attention_args(q=q, k=((batch * used, hkv, d), "bfloat16"), v=((batch * used, hkv, d), "bfloat16"),
+                                       cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=chunk, max_seqlen_k=used,
+                                       causal=True)
+    contiguous = plan_attention_fwd(shape, opts, target=H200)
+    pool = ((batch * table_rows + 16, page_size, hkv, d), "bfloat16")
+    shape, opts, cache = check_kv_cache_args(q=q, k=pool, v=pool, block_table=((batch, table_rows), "int32"),
+                                             seqused_k=((batch,), "int32"), cu_seqlens_q=cu, max_seqlen_q=chunk,
+                                             causal=True)
+    return contiguous, plan_attention_fwd(shape, opts, target=H200, cache=cache)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_prefill_stages_kv_as_deep_as_contiguous(page_size):
+    """The paged forward reads each key block's table entries one iteration ahead (loop state), so Triton's
+    pipeliner stages the K / V gathers as deep as the contiguous loads: the shared memory of Q and three
+    128 x 128 K + V stages, 229376 B, as the contiguous kernel (plus the few bytes of the gather that spreads
+    a block's pages over its keys, pages of 16 and 64; with the entries read in the iteration that used
+    them, two stages, 164352 B); local memory within 32 B a thread of the contiguous kernel's (which spills
+    at three stages too); the same PTX from both launchers; wgmma not serialised."""
+    from flashbridge.tiles import compiled
+
+    why = compiled.available(90)
+    if why:
+        pytest.skip(why)
+    contiguous, paged = (p.launches[0] for p in _prefill_plans(page_size))
+    dtypes = {**_attn_dtypes("bfloat16"), "block_table": "int32", "seqused_k": "int32"}
+    want, got = compiled.compile_launch(contiguous, dtypes), compiled.compile_launch(paged, dtypes)
+    assert paged.num_stages == contiguous.num_stages == 3
+    assert want.shared == 229376 and 0 <= got.shared - want.shared <= 64, (got, want)
+    assert got.n_spills <= want.n_spills + 8, (got, want)  # 4-byte words
+    ptx = assert_same_ptx(paged, dtypes)
+    assert_wgmma_pipelined(ptx, f"paged prefill forward, pages of {page_size}")
 
 
 @pytest.mark.parametrize("masked_num_stages,masked_block_n", [(None, None), (1, None), (None, 64)])

@@ -122,9 +122,11 @@ def test_cross_entropy_both_frameworks(case):
     assert_close(jloss, ref, naive, name="jax loss", floor=FLOOR[dtype])
     assert_close(jlse, ref_lse, rounded(ref_lse, "float32"), name="jax lse", floor=FLOOR[dtype])
     assert_close(jdx, ref_dx, naive_dx, name="jax dlogits", floor=FLOOR[dtype])
-    # Parity: the same kernels on the same inputs give the same bits in both frameworks.
+    # Parity: the same kernels on the same inputs give the same bits in both frameworks (a mean's or a
+    # sum's reduction included: both run the same reduction kernel).
     np.testing.assert_array_equal(np64(jdx), np64(xt.grad))
     np.testing.assert_array_equal(np64(jlse), np64(lse))
+    np.testing.assert_array_equal(np64(jloss), np64(loss))
 
 
 @pytest.mark.parametrize("vocab", [1000, 1024, 128])

@@ -181,12 +181,11 @@ def test_cross_entropy_weighted_both_frameworks(case):
         assert o.predicted.dtype == label_dtype and o.accuracy.dtype in (torch.bool, jnp.bool_)
         np.testing.assert_array_equal(np.asarray(o.predicted), predicted)
         np.testing.assert_array_equal(np.asarray(o.accuracy), (predicted == y) & (y != -100))
-    # Parity: the same kernels on the same inputs, the weight sums from the same kernel (a mean's
-    # denominator): the same bits (the scalar losses are each framework's own sums of the rows).
+    # Parity: the same kernels on the same inputs, the weight sums, a mean's reciprocals and the reductions
+    # from the same kernels: the same bits, scalar losses included.
     np.testing.assert_array_equal(np64(jdx), np64(xt.grad))
     np.testing.assert_array_equal(np64(jout.lse), np64(out.lse))
-    if reduction == "none":
-        np.testing.assert_array_equal(np64(jout.loss), np64(out.loss))
+    np.testing.assert_array_equal(np64(jout.loss), np64(out.loss))
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
@@ -315,6 +314,50 @@ def test_linear_cross_entropy_weighted_both_frameworks(case):
             picked = ref_logits[np.arange(len(predicted)), predicted]
             assert np.all(picked >= ref_logits.max(-1) - 2 ** -6 * np.abs(ref_logits).max(-1))
         np.testing.assert_array_equal(np.asarray(o.accuracy), (np.asarray(o.predicted) == y) & (y != -100))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_mean_multiplies_by_ieee_reciprocals(weighted, z_loss):
+    """Reduction "mean" multiplies by the reciprocals of its divisors, IEEE-rounded in a kernel
+    (``plan_mean_scales``), in both frameworks: the scales are ``fp32(1 / W)`` and ``fp32(1 / count)``
+    (class weights in 1/8 steps: the kernel's float32 sum is exact), the mean's gradient is bit for bit
+    reduction "none"'s for an upstream gradient of those reciprocals, and the loss is the rows' sum (in the
+    reduction kernel's order) times them, in both frameworks. No framework division or reduction is left to
+    decide the bits (on NVIDIA GPUs XLA's float32 division is approximate and torch's is not:
+    tests/test_cross_entropy_gpu.py checks the parity there)."""
+    rng = _rng("scales", weighted, z_loss)
+    vocab, n = 300, 23
+    x = rng.standard_normal((n, vocab)).astype(np.float32) * 3
+    y = _labels(rng, (n,), vocab, ignore_frac=0.3)
+    cw = (rng.integers(1, 24, vocab) / 8).astype(np.float32) if weighted else None
+    counted = y != -100
+    count, w_total = np.float32(counted.sum()), np.float32(cw[y[counted]].sum() if weighted else counted.sum())
+    want = np.array([np.float32(1) / w_total, np.float32(1) / count], np.float32)
+    opts = dict(label_smoothing=0.1, z_loss=z_loss)
+
+    yt, cwt = torch.tensor(y), None if cw is None else torch.tensor(cw)
+    scales = torch.ops.flashbridge.cross_entropy_mean_scales(yt, cwt, -100).numpy()
+    jscales = fjc._mean_scales(jnp.asarray(y), None if cw is None else jnp.asarray(cw), -100)
+    np.testing.assert_array_equal(scales, want)
+    np.testing.assert_array_equal(np.asarray(jscales), want)
+
+    xt = torch.tensor(x, requires_grad=True)
+    loss = ftc.cross_entropy(xt, yt, weight=cwt, **opts)
+    loss.backward()
+    jw = {} if cw is None else dict(weight=jnp.asarray(cw))
+    jloss, jdx = jax.value_and_grad(lambda a: fjc.cross_entropy(a, jnp.asarray(y), **jw, **opts))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(jdx), xt.grad.numpy())
+    if weighted and z_loss:  # two scales (the ce terms' 1 / W, the z-loss terms' 1 / count): no single row op
+        return
+    xn = torch.tensor(x, requires_grad=True)
+    rows = ftc.cross_entropy(xn, yt, weight=cwt, reduction="none", **opts)
+    rows.backward(torch.full((n,), want[0]))
+    np.testing.assert_array_equal(xt.grad.numpy(), xn.grad.numpy())
+    # the rows summed in the kernel's fixed order (torch's and XLA's own sums reduce in other orders), times 1 / W
+    total = torch.ops.flashbridge.cross_entropy_total(rows.detach(), None, torch.tensor(want))
+    assert loss.item() == total.item() == float(jloss)
+    np.testing.assert_allclose(loss.item(), rows.detach().double().sum().item() * want[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean"])
@@ -448,8 +491,14 @@ def test_opcheck_weighted_ops():
     y = torch.tensor(_labels(rng, (5,), 300))
     cw = torch.tensor(_class_weights(rng, 300), dtype=torch.float32)
     opts = (-100, 0.1, 1e-3, 4.0)
-    total = torch.ops.flashbridge.cross_entropy_class_weight_sum(cw, None, -100)
-    torch.library.opcheck(torch.ops.flashbridge.cross_entropy_class_weight_sum.default, (cw, y, -100))
+    total = torch.ops.flashbridge.cross_entropy_class_weight_sum(cw)
+    torch.library.opcheck(torch.ops.flashbridge.cross_entropy_class_weight_sum.default, (cw,))
+    for class_weight in (cw, None):
+        torch.library.opcheck(torch.ops.flashbridge.cross_entropy_mean_scales.default, (y, class_weight, -100))
+    rows = torch.rand(5, requires_grad=True)
+    scales = torch.ops.flashbridge.cross_entropy_mean_scales(y, cw, -100)
+    for z_rows, s in ((torch.rand(5, requires_grad=True), scales), (None, None)):
+        torch.library.opcheck(torch.ops.flashbridge.cross_entropy_total.default, (rows, z_rows, s))
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_fwd_ext.default, (x, y, cw, total, *opts, True))
     torch.library.opcheck(torch.ops.flashbridge.cross_entropy_fwd_ext.default, (x, y, None, None, *opts, True))
     _, lse, lse_lo, _, _ = torch.ops.flashbridge.cross_entropy_fwd_ext(x.detach(), y, cw, total, *opts, False)

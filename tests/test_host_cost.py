@@ -40,7 +40,8 @@ def _calls():
         "decode": (lambda: ft.decode_attention(qd, kc, kc, cache_seqlens=lens, num_splits=2),
                    (decode.check_decode_args,)),
         "cross_entropy": (lambda: ft.cross_entropy(logits, labels),
-                          (cross_entropy.check_cross_entropy_args, cross_entropy.plan_ce_fwd)),
+                          (cross_entropy.check_cross_entropy_args, cross_entropy.plan_ce_fwd,
+                           cross_entropy.plan_mean_scales, cross_entropy.plan_ce_total)),
     }
 
 

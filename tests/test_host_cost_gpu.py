@@ -119,7 +119,8 @@ def test_replays_are_recorded_for_the_hot_ops():
     for family in ("norms", "attention", "decode", "cross_entropy"):
         _cases()[family]()
     for op in (norms._norm_fwd, norms._norm_bwd, attention._flash_attn_fwd, attention._flash_attn_bwd,
-               decode._decode_attn, cross_entropy._ce_fwd, cross_entropy._ce_bwd):
+               decode._decode_attn, cross_entropy._ce_fwd, cross_entropy._ce_bwd, cross_entropy._ce_mean_scales,
+               cross_entropy._ce_total):
         assert any(r is not None for r in op.replays.values()), op.name
 
 

@@ -99,7 +99,10 @@ def _cross_entropy_plans(target):
     yield C.plan_ce_fwd_grad(37, 1000, grad_dtype="bfloat16", per_row_weight=False, **CE_OPTS, target=target)
     yield C.plan_ce_fwd_grad(37, 1000, grad_dtype="bfloat16", per_row_weight=False, **CE_OPTS, target=target,
                              class_weight=True, predicted_dtype="int64")
-    yield C.plan_class_weight_sum(37, 1000, of_labels=True, ignore_index=-100, target=target)
+    yield C.plan_class_weight_sum(1000, target=target)
+    for class_weight in (True, False):
+        yield C.plan_mean_scales(37, 1000, class_weight=class_weight, ignore_index=-100, target=target)
+        yield C.plan_ce_total(37, has_z=class_weight, has_scales=not class_weight, target=target)
     yield C.plan_linear_logits(40, 1000, 64, dtype="bfloat16", weight_transposed=True, has_bias=True,
                                out_shape=(64, 1000), target=target)
     for forward, dw_rows in ((True, True), (False, False)):

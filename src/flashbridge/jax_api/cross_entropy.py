@@ -30,7 +30,8 @@ import numpy as np
 from ..core_kernels import INTERPRETER, Plan
 from ..core_kernels.cross_entropy.plan import (
     CrossEntropyOutput, LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
-    plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy, plan_linear_logits)
+    plan_ce_fwd, plan_ce_grad, plan_ce_total, plan_class_weight_sum, plan_linear_cross_entropy,
+    plan_linear_logits, plan_mean_scales)
 from ._checks import check_arrays
 from ._runtime import dtype_name, execute, gpu_target, jit_op, match_varying
 
@@ -130,22 +131,75 @@ _SHARED = ("class_weight", "weight_sum")  # inputs every row reads (the class we
 
 
 @functools.lru_cache(maxsize=None)
-def _weight_sum_op(ignore_index: int, of_labels: bool):
-    """(class_weight[, labels]) -> (sum,): see :func:`_weight_sum`. Under vmap, one call per element."""
-    def call(class_weight, *labels):
+def _weight_sum_op():
+    """(class_weight,) -> (sum,): see :func:`_weight_sum`. Under vmap, one call per element."""
+    def call(class_weight):
         vocab = class_weight.shape[0]
-        n = labels[0].shape[0] if labels else vocab
-        return execute(lambda target: plan_class_weight_sum(n, vocab, of_labels=of_labels, ignore_index=ignore_index,
-                                                            target=target),
-                       dict(zip(("class_weight", "labels"), (class_weight, *labels))))
+        return execute(lambda target: plan_class_weight_sum(vocab, target=target), {"class_weight": class_weight})
 
-    return _row_op(call, 1, 1 + of_labels)
+    return _row_op(call, 1, 1)
 
 
-def _weight_sum(class_weight, labels, ignore_index: int):
-    """float32 (1,): the sum of the class weights, or (labels given) of the weights of the labels a mean
-    counts, 1 when none does (plan_class_weight_sum: the same bits as the torch front-end)."""
-    return _weight_sum_op(int(ignore_index), labels is not None)(class_weight, *(() if labels is None else (labels,)))[0]
+def _weight_sum(class_weight):
+    """float32 (1,): the sum of the class weights (plan_class_weight_sum: the same bits as the torch
+    front-end)."""
+    return _weight_sum_op()(class_weight)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _mean_scales_op(ignore_index: int, class_weight: bool):
+    """(labels[, class_weight]) -> (scales,): see :func:`_mean_scales`. Under vmap, one call per element."""
+    def call(labels, *class_weights):
+        vocab = class_weights[0].shape[0] if class_weight else 1
+        return execute(lambda target: plan_mean_scales(labels.shape[0], vocab, class_weight=class_weight,
+                                                       ignore_index=ignore_index, target=target),
+                       dict(zip(("labels", "class_weight"), (labels, *class_weights))))
+
+    return _row_op(call, 1, 1 + class_weight)
+
+
+def _mean_scales(labels, class_weight, ignore_index: int):
+    """float32 (2,): ``[1 / W, 1 / count]``, the reciprocals of a mean's divisors (plan_mean_scales). A mean
+    multiplies by them: XLA's float32 division on NVIDIA GPUs is approximate (``div.full.f32``), the kernel's
+    is IEEE, and a multiply (and so autograd's backward of one) rounds alike in both front-ends."""
+    op = _mean_scales_op(int(ignore_index), class_weight is not None)
+    return op(labels, *(() if class_weight is None else (class_weight,)))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _total_op(has_z: bool, has_scales: bool):
+    """(loss[, zloss][, scales]) -> (total,): see :func:`_ce_total`. Under vmap, one call per element."""
+    names = ("loss",) + ("zloss",) * has_z + ("scales",) * has_scales
+
+    def call(*arrays):
+        n = arrays[0].shape[0]
+        return execute(lambda target: plan_ce_total(n, has_z=has_z, has_scales=has_scales, target=target),
+                       dict(zip(names, arrays)))
+
+    return _row_op(call, 1, len(names))
+
+
+@jax.custom_vjp
+def _ce_total(rows, scales):
+    """float32 (1,): ``sum(rows[0]) * scales[0] + sum(rows[1]) * scales[1]`` (``rows``: the ce terms and, where
+    they are apart, the z-loss terms; ``scales`` None: 1, a sum), summed in a fixed order by a kernel
+    (plan_ce_total: the same bits as the torch front-end, whose own sum reduces in another order)."""
+    return _total_op(len(rows) == 2, scales is not None)(*rows, *(() if scales is None else (scales,)))[0]
+
+
+def _ce_total_fwd(rows, scales):
+    return _ce_total(rows, scales), (rows, scales)
+
+
+def _ce_total_bwd(saved, g):
+    """Every row's cotangent is ``g * scales[i]``: a multiply, as the torch front-end's, so the same bits."""
+    rows, scales = saved
+    g = g[0]
+    cot = tuple(jnp.broadcast_to(g if scales is None else g * scales[i], r.shape) for i, r in enumerate(rows))
+    return cot, None if scales is None else jnp.zeros_like(scales)
+
+
+_ce_total.defvjp(_ce_total_fwd, _ce_total_bwd)
 
 
 def _row_names(plan: Plan) -> tuple[str, ...]:
@@ -246,20 +300,17 @@ def _chunk_logits(h_c, weight, bias, transposed):
     return x if bias is None else x + bias
 
 
-def _reduce(loss_rows, labels, ignore_index, reduction, class_weight=None, z_rows=None):
-    """With class weights a mean divides the ce terms (``loss_rows``) by the sum of the counted labels'
-    weights (torch's rule) and the z-loss terms (``z_rows``, or None when they are in ``loss_rows``) by the
-    number of counted labels."""
+def _reduce(loss_rows, labels, ignore_index, reduction, class_weight=None, z_rows=None, scales=None):
+    """A mean multiplies the sum of the ce terms (``loss_rows``) by the reciprocal of the counted labels'
+    number, or with class weights of their weights' sum (torch's rule), and that of the z-loss terms
+    (``z_rows``, or None when they are in ``loss_rows``) by the reciprocal of their number: ``scales``
+    (:func:`_mean_scales`, computed here when not given). The sums come from a kernel (:func:`_ce_total`)."""
     if reduction == "none":
         return loss_rows if z_rows is None else loss_rows + z_rows
-    total = jnp.sum(loss_rows)
-    z_total = 0.0 if z_rows is None else jnp.sum(z_rows)
-    if reduction == "sum":
-        return total + z_total
-    count = jnp.maximum(jnp.sum(labels != ignore_index), 1).astype(F32)
-    if class_weight is None:
-        return total / count
-    return total / _weight_sum(class_weight, labels, ignore_index)[0] + z_total / count
+    if reduction == "mean" and scales is None:
+        scales = _mean_scales(labels, class_weight, ignore_index)
+    rows = (loss_rows,) if z_rows is None else (loss_rows, z_rows)
+    return _ce_total(rows, scales if reduction == "mean" else None)[0]
 
 
 def _prepare_class_weight(class_weight, ignore_index: int):
@@ -267,7 +318,7 @@ def _prepare_class_weight(class_weight, ignore_index: int):
     if class_weight is None:
         return None, None
     class_weight = jax.lax.stop_gradient(class_weight)
-    return class_weight, _weight_sum(class_weight, None, ignore_index)
+    return class_weight, _weight_sum(class_weight)
 
 
 def _extras_output(loss, lse, predicted, labels, ignore_index, lead, return_lse, return_accuracy, return_predicted):
@@ -399,7 +450,7 @@ def _lce_rows(labels, shared: dict, **rows):
 
 def _lce_loss(out: dict, labels, shared: dict, cfg: "_LinearCfg"):
     return _reduce(out["loss"], labels, cfg.ignore_index, cfg.reduction, shared.get("class_weight"),
-                   out.get("zloss"))
+                   out.get("zloss"), out.get("scales"))
 
 
 def _lce_forward(hidden, weight, labels, bias, shared: dict, cfg: "_LinearCfg"):
@@ -409,15 +460,12 @@ def _lce_forward(hidden, weight, labels, bias, shared: dict, cfg: "_LinearCfg"):
 
 def _lce_forward_with_grads(hidden, weight, labels, bias, shared: dict, cfg: "_LinearCfg"):
     """Loss and the gradients for an upstream gradient of 1 ("mean" / "sum")."""
-    n_active = jnp.sum(labels != cfg.ignore_index)
-    count = jnp.maximum(n_active, 1).astype(F32)
-    one = jnp.ones((), F32)
-    if cfg.reduction == "mean":
-        total = count if "class_weight" not in shared else _weight_sum(shared["class_weight"], labels,
-                                                                       cfg.ignore_index)[0]
-        scale, z_scale = 1.0 / total, 1.0 / count
+    scales = None
+    if cfg.reduction == "mean":  # the reciprocals of the mean's divisors (see _mean_scales)
+        scales = _mean_scales(labels, shared.get("class_weight"), cfg.ignore_index)
+        scale, z_scale = scales[0], scales[1]
     else:
-        scale = z_scale = one
+        scale = z_scale = jnp.ones((), F32)
     plan = cfg.with_grads
     w = jnp.broadcast_to(scale, labels.shape)
     z_w = jnp.broadcast_to(z_scale, labels.shape) if plan.split_zloss else None
@@ -425,7 +473,7 @@ def _lce_forward_with_grads(hidden, weight, labels, bias, shared: dict, cfg: "_L
                          cfg.transposed)
     dw, db = _pass2(hidden, weight, bias, _lce_rows(labels, shared, lse=out["lse"], lse_lo=out["lse_lo"], weight=w,
                                                     z_weight=z_w), plan, cfg.transposed, buffer)
-    return out, out["dh"], dw, db
+    return dict(out, scales=scales), out["dh"], dw, db
 
 
 def _lce_recompute_grads(hidden, weight, labels, bias, shared, lse, lse_lo, dloss, cfg: "_LinearCfg"):

@@ -38,16 +38,16 @@ from torch import Tensor
 
 from ..core_kernels.cross_entropy.plan import (
     CrossEntropyOutput, LinearCEPlan, bad_label_message, check_cross_entropy_args, check_linear_cross_entropy_args,
-    plan_ce_fwd, plan_ce_grad, plan_class_weight_sum, plan_linear_cross_entropy)
+    plan_ce_fwd, plan_ce_grad, plan_ce_total, plan_class_weight_sum, plan_linear_cross_entropy, plan_mean_scales)
 from ._checks import check_tensors
 from ._ops import fused_op, plain_eager, underlying, vmapped_at
 from ._runtime import dtype_name, execute, memoised, target_for
 
 # validation and plans run once per distinct argument signature (see memoised)
 (check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd, plan_ce_grad, plan_class_weight_sum,
- plan_linear_cross_entropy) = map(memoised, (
+ plan_linear_cross_entropy, plan_mean_scales, plan_ce_total) = map(memoised, (
     check_cross_entropy_args, check_linear_cross_entropy_args, plan_ce_fwd, plan_ce_grad, plan_class_weight_sum,
-    plan_linear_cross_entropy))
+    plan_linear_cross_entropy, plan_mean_scales, plan_ce_total))
 
 
 def _opts(ignore_index, label_smoothing, z_loss, logit_softcap):
@@ -130,25 +130,83 @@ _ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
 # With class weights and / or the argmax: ops of their own, so that the plain ones above keep their schema
 # and their kernels (which take no class weights).
 
-def _weight_sum(class_weight: Tensor, labels: Optional[Tensor], ignore_index: int) -> Tensor:
-    """float32 (1,): the sum of the class weights, or (labels given) of the weights of the labels a mean
-    counts, 1 when none does (plan_class_weight_sum: the same bits as the JAX front-end)."""
-    vocab = class_weight.shape[0]
-    plan = plan_class_weight_sum(vocab if labels is None else labels.shape[0], vocab, of_labels=labels is not None,
-                                 ignore_index=ignore_index, target=target_for(class_weight.device))
-    named = {"class_weight": class_weight.contiguous(), "labels": labels}
-    (total,) = execute(plan, {n: named[n] for n in plan.inputs})
+def _weight_sum(class_weight: Tensor) -> Tensor:
+    """float32 (1,): the sum of the class weights (plan_class_weight_sum: the same bits as the JAX front-end)."""
+    (total,) = execute(plan_class_weight_sum(class_weight.shape[0], target=target_for(class_weight.device)),
+                       {"class_weight": class_weight.contiguous()})
     return total
 
 
-@fused_op("cross_entropy_class_weight_sum")
-def _ce_weight_sum(class_weight: Tensor, labels: Optional[Tensor], ignore_index: int) -> Tensor:
-    return _weight_sum(class_weight, None if labels is None else labels.contiguous(), ignore_index)
+@fused_op("cross_entropy_class_weight_sum", replay=True)
+def _ce_weight_sum(class_weight: Tensor) -> Tensor:
+    return _weight_sum(class_weight)
 
 
 @_ce_weight_sum.register_fake
-def _(class_weight, labels, ignore_index):
+def _(class_weight):
     return class_weight.new_empty((1,), dtype=torch.float32)
+
+
+def _mean_scales(labels: Tensor, class_weight: Optional[Tensor], ignore_index: int) -> Tensor:
+    """float32 (2,): ``[1 / W, 1 / count]``, the reciprocals of a mean's divisors (plan_mean_scales: IEEE
+    division in a kernel, the same bits as the JAX front-end, which multiplies by them too)."""
+    vocab = 1 if class_weight is None else class_weight.shape[0]
+    plan = plan_mean_scales(labels.shape[0], vocab, class_weight=class_weight is not None,
+                            ignore_index=ignore_index, target=target_for(labels.device))
+    named = {"labels": labels.contiguous(), "class_weight": class_weight}
+    (scales,) = execute(plan, {n: named[n].contiguous() for n in plan.inputs})
+    return scales
+
+
+@fused_op("cross_entropy_mean_scales", replay=True)
+def _ce_mean_scales(labels: Tensor, class_weight: Optional[Tensor], ignore_index: int) -> Tensor:
+    return _mean_scales(labels, class_weight, ignore_index)
+
+
+@_ce_mean_scales.register_fake
+def _(labels, class_weight, ignore_index):
+    return labels.new_empty((2,), dtype=torch.float32)
+
+
+def _total(loss_rows: Tensor, z_rows: Optional[Tensor], scales: Optional[Tensor]) -> Tensor:
+    """float32 (1,): ``sum(loss_rows) * scales[0] + sum(z_rows) * scales[1]`` (scales 1 when None: a sum),
+    summed in a fixed order by a kernel (plan_ce_total: the same bits as the JAX front-end)."""
+    plan = plan_ce_total(loss_rows.shape[0], has_z=z_rows is not None, has_scales=scales is not None,
+                         target=target_for(loss_rows.device))
+    named = {"loss": loss_rows, "zloss": z_rows, "scales": scales}
+    (total,) = execute(plan, {n: named[n].contiguous() for n in plan.inputs})
+    return total
+
+
+@fused_op("cross_entropy_total", replay=True)
+def _ce_total(loss_rows: Tensor, z_rows: Optional[Tensor], scales: Optional[Tensor]) -> Tensor:
+    return _total(loss_rows, z_rows, scales)
+
+
+@_ce_total.register_fake
+def _(loss_rows, z_rows, scales):
+    return loss_rows.new_empty((1,), dtype=torch.float32)
+
+
+def _ce_total_setup_context(ctx, inputs, output):
+    loss_rows, z_rows, scales = inputs
+    ctx.n_rows, ctx.has_z = loss_rows.shape[0], z_rows is not None
+    ctx.save_for_backward(scales)
+
+
+def _ce_total_backward(ctx, g):
+    """Every row's gradient is ``g * scales[0]`` (``g * scales[1]`` for the z-loss rows): a multiply, as
+    the JAX front-end's, so the same bits."""
+    if g is None:
+        return None, None, None
+    (scales,) = ctx.saved_tensors
+    g = g.reshape(())
+    grads = [(g if scales is None else g * scales[i]).expand(ctx.n_rows) for i in range(1 + ctx.has_z)]
+    return grads[0], grads[1] if ctx.has_z else None, None
+
+
+_ce_total.register_autograd(_ce_total_backward, setup_context=_ce_total_setup_context)
+
 
 @fused_op("cross_entropy_fwd_ext")
 def _ce_fwd_ext(logits: Tensor, labels: Tensor, class_weight: Optional[Tensor], weight_sum: Optional[Tensor],
@@ -353,21 +411,15 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tens
     fused = reduction != "none" and (grad_hidden or grad_weight or grad_bias)
     dh, dw, db = _grad_buffers(hidden, weight, bias, fused and grad_hidden, fused and grad_weight,
                                fused and grad_bias)
-    count = _token_count(labels, ignore_index) if reduction == "mean" else None
-    w_total = (_weight_sum(class_weight, labels, ignore_index)
-               if reduction == "mean" and class_weight is not None else count)
+    # a mean multiplies by the reciprocals of its divisors, from a kernel (the JAX front-end's bits)
+    scales = _mean_scales(labels, class_weight, ignore_index) if reduction == "mean" else None
     one = torch.ones(1, dtype=torch.float32, device=hidden.device)
-    scale = (1.0 / w_total).reshape(1) if w_total is not None else one
-    z_scale = (1.0 / count).reshape(1) if count is not None else one
+    scale, z_scale = (scales[:1], scales[1:]) if scales is not None else (one, one)
     plan = _plan(hidden, weight, dh, dw, db, options, forward=True, chunk_size=chunk_size,
                  class_weight=class_weight is not None, predicted_dtype=dtype_name(labels.dtype) if predicted else None)
     out = _run_passes(plan, hidden, weight, bias, labels, scale, dh, dw, db, shared=_shared(class_weight, weight_sum),
                       z_weights=z_scale if plan.split_zloss else None)
-    if class_weight is None:
-        loss = _reduce(out["loss"], labels, ignore_index, reduction, (n_rows,), count)
-    else:
-        loss = _reduce_weighted(out["loss"], out.get("zloss", out["loss"][:0]), labels, ignore_index, reduction,
-                                (n_rows,), w_total)
+    loss = _reduce(out["loss"], out.get("zloss"), reduction, (n_rows,), scales, total=_total)
     db_out = db.to(bias.dtype) if db is not None else hidden.new_empty((0,))
     return loss, out["lse"], out["lse_lo"], dh, dw, db_out, out.get("predicted", labels.new_empty((0,)))
 
@@ -458,11 +510,13 @@ def _lce_backward(ctx, dloss, *_):
         if ctx.reduction == "none":
             row_weights = z_weights = g.contiguous()
         else:  # the upstream gradient of the sum / mean, spread over the rows (ignored rows get 0 anyway)
-            count = _token_count(labels, ii) if ctx.reduction == "mean" else 1
-            w_total = (_weight_sum(class_weight, labels, ii)
-                       if ctx.reduction == "mean" and class_weight is not None else count)
-            row_weights = (g / w_total).expand(labels.shape[0]).contiguous()
-            z_weights = (g / count).expand(labels.shape[0]).contiguous()
+            if ctx.reduction == "mean":  # the forward's multiplies (see _mean_scales)
+                scales = _ce_mean_scales(labels, class_weight, ii)
+                row_weights, z_weights = (g * scales[0]).reshape(1), (g * scales[1]).reshape(1)
+            else:
+                row_weights = z_weights = g.reshape(1)
+            row_weights = row_weights.expand(labels.shape[0]).contiguous()
+            z_weights = z_weights.expand(labels.shape[0]).contiguous()
         dh, dw, db = _lce_bwd(hidden, weight, labels, bias, lse, lse_lo, row_weights, ii, ls, zl, cap, chunk,
                               gh, gw, gb, class_weight, weight_sum,
                               z_weights if class_weight is not None and zl > 0 else None)
@@ -490,31 +544,15 @@ def _validate_label_values(labels: Tensor, vocab: int, ignore_index: int, valida
         raise ValueError(bad_label_message(int(bad.sum()), int(labels[bad][0]), vocab, ignore_index))
 
 
-def _token_count(labels: Tensor, ignore_index: int) -> Tensor:
-    """float32 count of the tokens a mean divides by (not ignored), at least 1: a mean of nothing is 0."""
-    return (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
-
-
-def _reduce(loss_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str, lead,
-            count: Optional[Tensor] = None) -> Tensor:
+def _reduce(loss_rows: Tensor, z_rows: Optional[Tensor], reduction: str, lead, scales: Optional[Tensor],
+            total=None) -> Tensor:
+    """The loss of ``reduction`` from the rows' ce terms and, where they are apart (class weights and a
+    z-loss), their z-loss terms. "mean" multiplies their sums by ``scales`` (:func:`_mean_scales`: 1 / W and
+    1 / count), "sum" adds them; the sums come from a kernel in a fixed order (:func:`_ce_total`, or
+    ``total`` inside another op's implementation), so that loss and gradient have the JAX front-end's bits."""
     if reduction == "none":
-        return loss_rows.view(lead)
-    if reduction == "sum":
-        return loss_rows.sum()
-    return loss_rows.sum() / (_token_count(labels, ignore_index) if count is None else count)
-
-
-def _reduce_weighted(ce_rows: Tensor, z_rows: Tensor, labels: Tensor, ignore_index: int, reduction: str, lead,
-                     target_weight: Optional[Tensor]) -> Tensor:
-    """With class weights: a mean divides the ce terms by the sum of the counted labels' weights
-    (``target_weight``, see :func:`_weight_sum`; torch's rule) and the z-loss terms (``z_rows``; empty without
-    a z-loss) by the number of counted labels."""
-    if reduction == "none":
-        return (ce_rows + z_rows if z_rows.numel() else ce_rows).view(lead)
-    if reduction == "sum":
-        return ce_rows.sum() + z_rows.sum()
-    loss = ce_rows.sum() / target_weight[0]
-    return loss + z_rows.sum() / _token_count(labels, ignore_index) if z_rows.numel() else loss
+        return (loss_rows if z_rows is None else loss_rows + z_rows).view(lead)
+    return (total or _ce_total)(loss_rows, z_rows, scales if reduction == "mean" else None).reshape(())
 
 
 def _check_class_weight_grad(name: str, class_weight: Optional[Tensor]) -> None:
@@ -595,18 +633,15 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, weight: Optional[Tensor] = 
     y = labels.reshape(n_rows).contiguous()
     _validate_label_values(y, vocab, ignore_index, validate_labels)
     options = (int(ignore_index), float(label_smoothing), float(z_loss), float(logit_softcap))
+    scales = _ce_mean_scales(y, weight, int(ignore_index)) if reduction == "mean" else None
     if weight is None and not (return_accuracy or return_predicted):
         loss_rows, lse, _ = _ce_fwd(x, y, *options)
-        loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
+        loss = _reduce(loss_rows, None, reduction, lead, scales)
         return (loss, lse.view(lead)) if return_lse else loss
-    weight_sum = None if weight is None else _ce_weight_sum(weight, None, int(ignore_index))
+    weight_sum = None if weight is None else _ce_weight_sum(weight)
     loss_rows, lse, _, z_rows, predicted = _ce_fwd_ext(x, y, weight, weight_sum, *options,
                                                        return_accuracy or return_predicted)
-    if weight is None:
-        loss = _reduce(loss_rows, y, ignore_index, reduction, lead)
-    else:
-        target_weight = _ce_weight_sum(weight, y, int(ignore_index)) if reduction == "mean" else None
-        loss = _reduce_weighted(loss_rows, z_rows, y, ignore_index, reduction, lead, target_weight)
+    loss = _reduce(loss_rows, z_rows if z_rows.numel() else None, reduction, lead, scales)
     if not (return_accuracy or return_predicted):
         return (loss, lse.view(lead)) if return_lse else loss
     return _extras_output(loss, lse, predicted, y, ignore_index, lead, return_lse, return_accuracy,
@@ -666,7 +701,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     b = None if bias is None else bias.contiguous()
     _validate_label_values(y, vocab, ignore_index, validate_labels)
     cw = None if class_weight is None else class_weight.contiguous()
-    weight_sum = None if cw is None else _ce_weight_sum(cw, None, int(ignore_index))
+    weight_sum = None if cw is None else _ce_weight_sum(cw)
     extras = return_accuracy or return_predicted
     grad_on = torch.is_grad_enabled()
     loss, lse, _, _, _, _, predicted = _lce_fwd(

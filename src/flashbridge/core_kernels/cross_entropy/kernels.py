@@ -413,14 +413,18 @@ def ce_grad_weighted_kernel(
 
 @triton.jit(do_not_specialize_on_alignment=("n", "ignore_index"))
 def ce_class_weight_sum_kernel(
-    CLASS_WEIGHT, LABELS,  # inputs: class weights [V] (any float dtype); [n] int32/int64 (OF_LABELS)
+    CLASS_WEIGHT, LABELS,  # inputs: class weights [V] (any float dtype; HAS_CLASS_WEIGHT); [n] int32/int64 (OF_LABELS)
     n, ignore_index,  # runtime scalars: the number of weights (V) or of labels
-    SUM,  # output: float32 [1]
-    V: tl.constexpr, BLOCK: tl.constexpr, OF_LABELS: tl.constexpr,
+    OUT,  # output: float32 [1] (the sum of the class weights) or, OF_LABELS, [2] (a mean's two scales)
+    V: tl.constexpr, BLOCK: tl.constexpr, OF_LABELS: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
 ):
-    """One program: the sum of the class weights, or (OF_LABELS) of the weights of the labels that a mean
-    counts (not ignore_index, in [0, V)), 1 when none does. A fixed order (a [BLOCK] float32 accumulator,
-    then one tree sum), so that both front-ends divide by the same bits and their gradients agree."""
+    """One program, a fixed order (a [BLOCK] float32 accumulator, then one tree sum), so that both
+    front-ends get the same bits. Without OF_LABELS: the sum of the class weights. OF_LABELS: the
+    reciprocals of a mean's divisors, ``OUT = [1 / W, 1 / count]``: ``count`` the labels that are not
+    ignore_index, ``W`` the sum of their class weights (those in ``[0, V)``; ``count`` without
+    HAS_CLASS_WEIGHT), each divisor 1 when no label counts. The division is IEEE (``div_rn``): the
+    front-ends multiply by these (XLA's float32 division on NVIDIA GPUs is approximate, torch's is not, and
+    a multiply is exact-rounded in both, in the forward and in autograd's backward)."""
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     count = tl.zeros([BLOCK], dtype=tl.int32)
@@ -428,15 +432,53 @@ def ce_class_weight_sum_kernel(
         idx = start + offs
         if OF_LABELS:
             label = tl.load(LABELS + idx, mask=idx < n, other=ignore_index)
-            ok = (label != ignore_index) & (label >= 0) & (label < V)
-            acc += tl.load(CLASS_WEIGHT + label, mask=ok, other=0.0).to(tl.float32)
-            count += ok.to(tl.int32)
+            counted = label != ignore_index
+            count += counted.to(tl.int32)
+            if HAS_CLASS_WEIGHT:
+                ok = counted & (label >= 0) & (label < V)
+                acc += tl.load(CLASS_WEIGHT + label, mask=ok, other=0.0).to(tl.float32)
         else:
             acc += tl.load(CLASS_WEIGHT + idx, mask=idx < n, other=0.0).to(tl.float32)
-    total = tl.sum(acc, axis=0)
     if OF_LABELS:
-        total = tl.where(tl.sum(count, axis=0) > 0, total, 1.0)
-    tl.store(SUM, total)
+        n_counted = tl.sum(count, axis=0)
+        n_f = tl.where(n_counted > 0, n_counted.to(tl.float32), 1.0)
+        w_total = n_f
+        if HAS_CLASS_WEIGHT:
+            w_total = tl.where(n_counted > 0, tl.sum(acc, axis=0), 1.0)
+        tl.store(OUT, tl.div_rn(1.0, w_total))
+        tl.store(OUT + 1, tl.div_rn(1.0, n_f))
+    else:
+        tl.store(OUT, tl.sum(acc, axis=0))
+
+
+@triton.jit(do_not_specialize_on_alignment=("n",))
+def ce_total_kernel(
+    LOSS, ZLOSS, SCALES,  # inputs: float32 [n] each (ZLOSS: HAS_Z), float32 [2] (HAS_SCALES)
+    n,  # runtime scalar: the number of rows
+    TOTAL,  # output: float32 [1]
+    BLOCK: tl.constexpr, HAS_Z: tl.constexpr, HAS_SCALES: tl.constexpr,
+):
+    """One program: a loss's reduction over its rows, ``sum(LOSS) * SCALES[0] + sum(ZLOSS) * SCALES[1]``
+    (a mean's reciprocals, see :func:`ce_class_weight_sum_kernel`; 1 without HAS_SCALES: a sum). A fixed
+    order ([BLOCK] float32 lanes, then one tree sum), so that both front-ends get the same bits: their own
+    reductions sum in different orders. The gradient needs no kernel: ``g * SCALES[0]`` for every row."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    z_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        idx = start + offs
+        acc += tl.load(LOSS + idx, mask=idx < n, other=0.0)
+        if HAS_Z:
+            z_acc += tl.load(ZLOSS + idx, mask=idx < n, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if HAS_SCALES:
+        total = total * tl.load(SCALES)
+    if HAS_Z:
+        z_total = tl.sum(z_acc, axis=0)
+        if HAS_SCALES:
+            z_total = z_total * tl.load(SCALES + 1)
+        total = total + z_total
+    tl.store(TOTAL, total)
 
 
 # ------------------------------------------------------------------------------------------------ logits

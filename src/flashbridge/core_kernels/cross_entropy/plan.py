@@ -15,7 +15,11 @@ them the plans launch the kernels that have neither.
 * :func:`plan_ce_fwd_grad`: both launches back to back (the chunk step of the linear op, which computes
   its gradients during the forward).
 * :func:`plan_linear_logits`: ``hidden @ W^T (+ b)`` into a buffer the caller owns (the JAX linear op).
-* :func:`plan_class_weight_sum`: the sum of the class weights, or of the counted labels' weights.
+* :func:`plan_class_weight_sum`: the sum of the class weights.
+* :func:`plan_mean_scales`: the reciprocals of reduction "mean"'s divisors (IEEE division, in a kernel), by
+  which both front-ends multiply.
+* :func:`plan_ce_total`: a loss's reduction over its rows ("mean" with those reciprocals, "sum"), in a
+  fixed order.
 
 :func:`plan_linear_cross_entropy` orchestrates ``linear_cross_entropy``'s two passes for both front-ends;
 :func:`check_cross_entropy_args` and :func:`check_linear_cross_entropy_args` are the argument rules both
@@ -364,20 +368,55 @@ def plan_ce_fwd_grad(n_rows: int, vocab: int, *, grad_dtype: str, per_row_weight
                 results=("loss", "lse", "grad", "lse_lo") + _fwd_extras(options, class_weight, predicted_dtype))
 
 
-def plan_class_weight_sum(n: int, vocab: int, *, of_labels: bool, ignore_index: int, target: Target) -> Plan:
-    """Plan inputs: class_weight ``(V,)`` [, labels ``(n,)`` with ``of_labels``]. Result: sum (float32
-    ``(1,)``): the sum of the class weights (the kernels' weight_sum input; ``n`` = V), or of the weights of
-    the labels a mean counts, 1 when none does (the mean's denominator). One program, a fixed order: the
-    front-ends use it rather than their own reductions so that they get the same bits."""
+def plan_class_weight_sum(vocab: int, *, target: Target) -> Plan:
+    """Plan input: class_weight ``(V,)``. Result: sum (float32 ``(1,)``), the sum of the class weights (the
+    kernels' weight_sum input). One program, a fixed order: the front-ends use it rather than their own
+    reductions so that they get the same bits."""
     del target  # one program of 1024 lanes on either target
-    return Plan(inputs=("class_weight", "labels") if of_labels else ("class_weight",),
-                buffers=(Spec("sum", (1,), "float32"),),
+    return Plan(inputs=("class_weight",), buffers=(Spec("sum", (1,), "float32"),),
                 launches=(Launch(kernel=f"{_KERNELS}:ce_class_weight_sum_kernel", grid=(1,),
-                                 inputs=("class_weight", "labels" if of_labels else "class_weight"),
-                                 scalars=(("n", int(n)), ("ignore_index", int(ignore_index))), outputs=("sum",),
-                                 constexprs=(("V", vocab), ("BLOCK", 1024), ("OF_LABELS", of_labels)),
+                                 inputs=("class_weight", "class_weight"),
+                                 scalars=(("n", int(vocab)), ("ignore_index", 0)), outputs=("sum",),
+                                 constexprs=(("V", vocab), ("BLOCK", 1024), ("OF_LABELS", False),
+                                             ("HAS_CLASS_WEIGHT", True)),
                                  num_warps=4, num_stages=1),),
                 results=("sum",))
+
+
+def plan_mean_scales(n: int, vocab: int, *, class_weight: bool, ignore_index: int, target: Target) -> Plan:
+    """Plan inputs: labels ``(n,)`` [, class_weight ``(V,)`` with ``class_weight``]. Result: scales (float32
+    ``(2,)``): ``[1 / W, 1 / count]``, the reciprocals of reduction "mean"'s divisors (``count``: the labels
+    not ignore_index; ``W``: the sum of their class weights, or ``count`` without class weights; 1 when no
+    label counts). Both front-ends *multiply* by them -- the ce terms by ``1 / W``, the z-loss terms (apart
+    with class weights) by ``1 / count`` -- so that no framework division decides the bits of a mean or of
+    its gradient (XLA's float32 division on NVIDIA GPUs is approximate, torch's is IEEE; the kernel's is
+    IEEE). Without class weights the vocabulary is not read (the kernel is compiled once for every V)."""
+    del target  # one program of 1024 lanes on either target
+    return Plan(inputs=("labels", "class_weight") if class_weight else ("labels",),
+                buffers=(Spec("scales", (2,), "float32"),),
+                launches=(Launch(kernel=f"{_KERNELS}:ce_class_weight_sum_kernel", grid=(1,),
+                                 inputs=("class_weight" if class_weight else "labels", "labels"),
+                                 scalars=(("n", int(n)), ("ignore_index", int(ignore_index))), outputs=("scales",),
+                                 constexprs=(("V", vocab if class_weight else 1), ("BLOCK", 1024),
+                                             ("OF_LABELS", True), ("HAS_CLASS_WEIGHT", class_weight)),
+                                 num_warps=4, num_stages=1),),
+                results=("scales",))
+
+
+def plan_ce_total(n: int, *, has_z: bool, has_scales: bool, target: Target) -> Plan:
+    """Plan inputs: loss ``(n,)`` [, zloss ``(n,)`` with ``has_z``] [, scales ``(2,)`` with ``has_scales``]
+    (float32 each). Result: total (float32 ``(1,)``), ``sum(loss) * scales[0] + sum(zloss) * scales[1]``
+    (scales 1 without ``has_scales``): reductions "mean" (with :func:`plan_mean_scales`' reciprocals) and
+    "sum", in one fixed order for both front-ends (their own sums reduce in different orders)."""
+    del target  # one program of 1024 lanes on either target
+    inputs = ("loss",) + ("zloss",) * has_z + ("scales",) * has_scales
+    return Plan(inputs=inputs, buffers=(Spec("total", (1,), "float32"),),
+                launches=(Launch(kernel=f"{_KERNELS}:ce_total_kernel", grid=(1,),
+                                 inputs=("loss", "zloss" if has_z else "loss", "scales" if has_scales else "loss"),
+                                 scalars=(("n", int(n)),), outputs=("total",),
+                                 constexprs=(("BLOCK", 1024), ("HAS_Z", has_z), ("HAS_SCALES", has_scales)),
+                                 num_warps=4, num_stages=1),),
+                results=("total",))
 
 
 # GPU tile of linear_logits_kernel (block_m, block_n, block_k, num_warps, num_stages): the usual Hopper GEMM

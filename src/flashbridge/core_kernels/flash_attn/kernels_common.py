@@ -260,19 +260,34 @@ def cache_slots(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, P
     paged caches (:func:`fwd_kv_block`).
     """
     if PAGED:
-        if ONE_PAGE:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + n_start // PAGE_SIZE)
-        elif CHECK_KEYS:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE, mask=key_ok,
-                           other=0)
-        else:
-            page = tl.load(BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb + offs_k // PAGE_SIZE)
-        page = tl.cast(tl.minimum(tl.maximum(page, 0), num_pages - 1), tl.int64)
+        # ONE_PAGE: the block's first key is always in the table (an unmasked scalar load)
+        page = tl.cast(table_pages(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGE_SIZE,
+                                   ONE_PAGE, CHECK_KEYS and not ONE_PAGE), tl.int64)
         slot = tl.cast(offs_k % PAGE_SIZE, tl.int64)
     else:
         page = tl.cast(b, tl.int64)
         slot = tl.cast(offs_k, tl.int64)
     return page, slot
+
+
+@triton.jit
+def table_pages(BLOCK_TABLE, b, n_start, offs_k, key_ok, stride_tb, num_pages, PAGE_SIZE: tl.constexpr,
+                ONE_PAGE: tl.constexpr, CHECK_KEYS: tl.constexpr):
+    """The pages (int32, clamped to ``[0, num_pages)``) of sequence ``b``'s keys: with ONE_PAGE a scalar, the
+    page of key ``n_start`` (read only where the scalar ``key_ok`` holds, with CHECK_KEYS), else the page of
+    each key of ``offs_k`` (read where ``key_ok``, of offs_k's shape, holds, with CHECK_KEYS); an entry not
+    read stands for page 0."""
+    row = BLOCK_TABLE + tl.cast(b, tl.int64) * stride_tb
+    if ONE_PAGE:
+        if CHECK_KEYS:
+            page = tl.load(row + n_start // PAGE_SIZE, mask=key_ok, other=0)
+        else:
+            page = tl.load(row + n_start // PAGE_SIZE)
+    elif CHECK_KEYS:
+        page = tl.load(row + offs_k // PAGE_SIZE, mask=key_ok, other=0)
+    else:
+        page = tl.load(row + offs_k // PAGE_SIZE)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1)
 
 
 @triton.jit
@@ -683,7 +698,8 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
                  DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, elem_ok=None,
-                 drop=None, b=0, h=0, pages=None, PAGE_SIZE: tl.constexpr = 0, ONE_PAGE: tl.constexpr = False):
+                 drop=None, b=0, h=0, pages=None, PAGE_SIZE: tl.constexpr = 0, ONE_PAGE: tl.constexpr = False,
+                 page=0):
     """One KV block of the forward: load K, V rows ``n_start + offs_n``, score, fold into (acc, m_i, l_i).
 
     ``K_base`` / ``V_base`` point at key row 0 of this (sequence, kv head); ``offs_n`` is ``arange(BLOCK_N)``.
@@ -692,14 +708,17 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
 
     PAGE_SIZE > 0 (a paged cache): ``K_base`` / ``V_base`` point at the kv head of page 0 and ``pages`` is
     (BLOCK_TABLE, b, stride_tb, num_pages, stride_kp, stride_vp); key ``j`` lives at slot ``j % PAGE_SIZE`` of
-    page ``BLOCK_TABLE[b, j // PAGE_SIZE]`` (:func:`cache_slots`: one table entry per block with ONE_PAGE,
-    the block inside one page; one per key otherwise).
+    page ``BLOCK_TABLE[b, j // PAGE_SIZE]``. ``page`` (:func:`block_pages`, read by the caller): the block's
+    page with ONE_PAGE (a page holds the whole block), else ``[BLOCK_N // PAGE_SIZE]`` pages, spread over the
+    keys here.
     """
     offs_k = n_start + offs_n  # [N]
     if PAGE_SIZE > 0:
         BLOCK_TABLE, b, stride_tb, num_pages, stride_kp, stride_vp = pages
-        page, slot = cache_slots(BLOCK_TABLE, b, n_start, offs_k, offs_k < seqlen_k, stride_tb, num_pages, True,
-                                 PAGE_SIZE, ONE_PAGE, APPLY_MASK)
+        slot = tl.cast(offs_k % PAGE_SIZE, tl.int64)
+        if not ONE_PAGE:  # the block's pages -> each key's
+            page = tl.gather(page, offs_n // PAGE_SIZE, 0)
+        page = tl.cast(page, tl.int64)
         k_ptrs = K_base + (page * stride_kp + slot * stride_ks)[:, None] + offs_dqk[None, :]
         v_ptrs = V_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_dv[None, :]
     else:
@@ -711,6 +730,27 @@ def fwd_kv_block(acc, m_i, l_i, q, K_base, V_base, n_start, offs_m, offs_n, offs
     return attend_block(acc, m_i, l_i, qk, v, offs_m[:, None], offs_k[None, :], qk_scale, cap2, slope2, diag,
                         seqlen_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
                         DOT_PRECISION, POSITIVE_SCALE, elem_ok, drop, b, h, n_start)
+
+
+@triton.jit
+def block_pages(pages, n_start, offs_n, seqlen_k, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The pages of the key block ``n_start + offs_n`` of a paged cache (``pages``: see :func:`fwd_kv_block`):
+    one table entry when a page holds the whole block, else one per page of the block (``[BLOCK_N //
+    PAGE_SIZE]``, not per key: a per-key vector as loop state made ptxas serialise the loop's wgmma at pages
+    of 64). Pages from ``seqlen_k`` on are not read (page 0 stands in), so the block after the last may be
+    asked for. 0 without a paged cache (a compiled jit function cannot return None)."""
+    page = 0
+    if PAGE_SIZE > 0:
+        BLOCK_TABLE, b, stride_tb, num_pages, _, _ = pages
+        ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+        if ONE_PAGE:
+            page = table_pages(BLOCK_TABLE, b, n_start, n_start, n_start < seqlen_k,
+                               stride_tb, num_pages, PAGE_SIZE, True, True)
+        else:
+            offs_p = n_start + tl.arange(0, BLOCK_N // PAGE_SIZE) * PAGE_SIZE
+            page = table_pages(BLOCK_TABLE, b, n_start, offs_p, offs_p < seqlen_k,
+                               stride_tb, num_pages, PAGE_SIZE, False, True)
+    return page
 
 
 @triton.jit
@@ -727,22 +767,30 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
     MASKED_STAGES > 0: a masked segment (the causal diagonal, window edges, a ragged tail: a few blocks)
     runs with that pipelining depth instead of the kernel's: its staged buffers otherwise add registers to
     the loop that also carries the mask arithmetic (the causal forward spilled with all three segments
-    pipelined)."""
+    pipelined).
+
+    A paged cache's table entries are read one iteration ahead and carried as loop state: the K / V
+    addresses of a block then depend on no load of the same iteration, and Triton's pipeliner stages the
+    K / V gathers as deep as the contiguous loads (sm_90, 128 x 128 tiles: three K / V stages, as
+    contiguous; read in the iteration that uses them, the table load held them to two)."""
     offs_n = tl.arange(0, BLOCK_N)
+    page = block_pages(pages, blk_lo * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
     if APPLY_MASK and MASKED_STAGES > 0:
         for blk in tl.range(blk_lo, blk_hi, num_stages=MASKED_STAGES):
             acc, m_i, l_i = fwd_kv_block(
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
+                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, page)
+            page = block_pages(pages, (blk + 1) * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
     else:
         for blk in range(blk_lo, blk_hi):
             acc, m_i, l_i = fwd_kv_block(
                 acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
                 stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0)
+                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, page)
+            page = block_pages(pages, (blk + 1) * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
     return acc, m_i, l_i
 
 
