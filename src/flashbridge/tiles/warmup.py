@@ -80,9 +80,9 @@ def plans(ops: Sequence[str], head_dims: Sequence[int], dtypes: Sequence[str], *
           vocab: Sequence[int] = (128256,), num_sms: int = 132):
     """Yield (what, plan, tensor dtypes) for every plan the given ops build for these head dims and dtypes:
     attention forward and backward (causal and not), decode (one long sequence, and a batch), RMSNorm /
-    LayerNorm forward and backward, cross-entropy forward and gradient."""
+    LayerNorm forward and backward, cross-entropy forward, gradient and its mean / sum reductions."""
     from ..core_kernels import Target
-    from ..core_kernels.cross_entropy.plan import plan_ce_fwd, plan_ce_grad
+    from ..core_kernels.cross_entropy.plan import plan_ce_fwd, plan_ce_grad, plan_ce_total, plan_mean_scales
     from ..core_kernels.decode.plan import check_decode_args, plan_decode
     from ..core_kernels.flash_attn.plan import check_attention_args, plan_attention_bwd, plan_attention_fwd
     from ..core_kernels.norms.plan import plan_norm_bwd, plan_norm_fwd
@@ -92,7 +92,8 @@ def plans(ops: Sequence[str], head_dims: Sequence[int], dtypes: Sequence[str], *
     if unknown:
         raise ValueError(f"ops: unknown {unknown}; expected some of {', '.join(OPS)}")
     for dtype in dtypes:
-        f32 = {n: "float32" for n in ("lse", "lse2", "delta", "dlse", "mean", "rstd", "loss", "lse_lo", "weight_f32")}
+        f32 = {n: "float32" for n in ("lse", "lse2", "delta", "dlse", "mean", "rstd", "loss", "lse_lo", "weight_f32",
+                                       "zloss", "scales")}
         if "attention" in ops:
             for d in head_dims:
                 info = ((2, 4096, 16, d), dtype)
@@ -129,6 +130,12 @@ def plans(ops: Sequence[str], head_dims: Sequence[int], dtypes: Sequence[str], *
                 yield f"cross_entropy V={v} {dtype} forward", plan_ce_fwd(8192, v, **opts), dt
                 yield (f"cross_entropy V={v} {dtype} gradient",
                        plan_ce_grad(8192, v, grad_dtype=dtype, per_row_weight=True, **opts), dt)
+                # reduction "mean": the divisor's reciprocal, then the rows' total (also "sum": no scales)
+                yield (f"cross_entropy V={v} mean scales",
+                       plan_mean_scales(8192, v, class_weight=False, ignore_index=-100, target=target), dt)
+                for has_scales in (True, False):
+                    yield (f"cross_entropy {'mean' if has_scales else 'sum'} total",
+                           plan_ce_total(8192, has_z=False, has_scales=has_scales, target=target), dt)
 
 
 def _warm_launch(launch, plan, dtypes: dict) -> None:

@@ -878,20 +878,15 @@ def fwd_kv_list(
     bit-packed masks, ``BIT_ROWS`` the list's rows of ``BITS``."""
     SPLIT: tl.constexpr = MASK_KB // BLOCK_N
     n_steps = n_blocks * SPLIT
-    # The listed block of the next step is read one iteration ahead and carried: the K / V addresses of a step
-    # then depend on no load of the same iteration, and Triton's pipeliner stages them as deep as the dense
-    # kernel's (sm_90, D=128: three K / V stages; read where they are used, the list entry held them to two).
-    start = list_start(BLOCKS, 0, n_blocks, seqlen_k, MASK_KB)
-    if APPLY_MASK and MASKED_STAGES > 0:
-        for it in tl.range(0, n_steps, num_stages=MASKED_STAGES):
-            nxt = list_start(BLOCKS, (it + 1) // SPLIT, n_blocks, seqlen_k, MASK_KB)
-            acc, m_i, l_i = _fwd_list_step(
-                acc, m_i, l_i, it, start, q, K_base, V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
-                offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
-                MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
-            start = nxt
-    else:
+    # Block-granular masks (no element test: BigBird, from_blocks) read the next step's list entry one
+    # iteration ahead and carry it, so a step's K / V addresses depend on no load of the same iteration and
+    # Triton's pipeliner stages them as deep as the dense kernel's (sm_90, D=128: three K / V stages, not
+    # two; BigBird forward 0.62 -> 0.55 ms on the H200). With an element test the deeper full-block loop made
+    # the kernel spill (document ids: 16 -> 72 B) and the document x16 forward went 0.47 -> 0.77 ms: those
+    # read each entry in the step that uses it.
+    READ_AHEAD: tl.constexpr = not (HAS_LOCAL or MASK_GLOBAL or MASK_DOC or MASK_BITS)
+    if READ_AHEAD and not APPLY_MASK:
+        start = list_start(BLOCKS, 0, n_blocks, seqlen_k, MASK_KB)
         for it in range(0, n_steps):
             nxt = list_start(BLOCKS, (it + 1) // SPLIT, n_blocks, seqlen_k, MASK_KB)
             acc, m_i, l_i = _fwd_list_step(
@@ -900,6 +895,22 @@ def fwd_kv_list(
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
                 MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
             start = nxt
+    elif APPLY_MASK and MASKED_STAGES > 0:
+        for it in tl.range(0, n_steps, num_stages=MASKED_STAGES):
+            acc, m_i, l_i = _fwd_list_step(
+                acc, m_i, l_i, it, list_start(BLOCKS, it // SPLIT, n_blocks, seqlen_k, MASK_KB), q, K_base,
+                V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
+                qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+                BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+                HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
+    else:
+        for it in range(0, n_steps):
+            acc, m_i, l_i = _fwd_list_step(
+                acc, m_i, l_i, it, list_start(BLOCKS, it // SPLIT, n_blocks, seqlen_k, MASK_KB), q, K_base,
+                V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
+                qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
+                BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
+                HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
     return acc, m_i, l_i
 
 
