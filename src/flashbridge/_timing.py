@@ -34,15 +34,31 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
     back from one CUDA graph (no host work, no L2 flush between calls)."""
     import torch
 
+    _absorb_first_backward_capture()
+    graph = steady_graph(fn, arg_sets)
+    torch.cuda.synchronize()
+    return statistics.median(replay_ms(graph, len(arg_sets), reps))
+
+
+def steady_graph(fn, arg_sets):
+    """One CUDA graph of ``fn(*args)`` for every set of ``arg_sets``, after a warm-up run of each on a side
+    stream (compiles and allocations happen there, as capture requires)."""
+    import torch
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on a side stream, as graph capture requires
+    with torch.cuda.stream(stream):
         for args in arg_sets:
             fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
-    _absorb_first_backward_capture()
-    graph = _capture(fn, arg_sets)
-    torch.cuda.synchronize()
+    return _capture(fn, arg_sets)
+
+
+def replay_ms(graph, calls: int, reps: int) -> list[float]:
+    """``reps`` samples of milliseconds per call: each the CUDA-event time of one replay of ``graph`` (which
+    makes ``calls`` calls) divided by ``calls``."""
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(reps):
@@ -50,8 +66,8 @@ def time_torch_steady(fn, arg_sets, *, reps: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / len(arg_sets))
-    return statistics.median(samples)
+        samples.append(start.elapsed_time(end) / calls)
+    return samples
 
 
 _first_capture_done = False

@@ -95,7 +95,7 @@ def time_candidates(make, configs: dict, *, rounds: int = ROUNDS, reps: int = RE
     rotating order; the median of the rounds' medians."""
     import torch
 
-    from .._timing import _absorb_first_backward_capture, _capture
+    from .._timing import _absorb_first_backward_capture, replay_ms, steady_graph
     from ..core_kernels import configure
 
     _absorb_first_backward_capture()
@@ -104,35 +104,21 @@ def time_candidates(make, configs: dict, *, rounds: int = ROUNDS, reps: int = RE
         try:
             with configure(config):
                 fn, arg_sets = make()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # compile and warm up on a side stream, as capture requires
-                    for args in arg_sets:
-                        fn(*args)
-                torch.cuda.current_stream().wait_stream(stream)
                 try:
-                    graphs[key] = (_capture(fn, arg_sets), len(arg_sets))
+                    graphs[key] = (steady_graph(fn, arg_sets), len(arg_sets))
                 except RuntimeError:  # a backward capture that failed: spend it and capture again
                     torch.cuda.synchronize()
-                    graphs[key] = (_capture(fn, arg_sets), len(arg_sets))
+                    graphs[key] = (steady_graph(fn, arg_sets), len(arg_sets))
         except Exception as e:  # noqa: BLE001 - a candidate that fails to compile or capture is reported
             log(f"  {key}: failed: {e!r}"[:300])
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     order = list(graphs)
     rounds_ms = {k: [] for k in order}
     for r in range(rounds):
         for key in order[r % len(order):] + order[:r % len(order)] if order else []:
             graph, n = graphs[key]
             graph.replay()  # one untimed replay: the clocks and caches of this candidate, not the last one's
-            samples = []
-            for _ in range(reps):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / n)
-            rounds_ms[key].append(statistics.median(samples))
+            rounds_ms[key].append(statistics.median(replay_ms(graph, n, reps)))
     del graphs
     torch.cuda.synchronize()
     return {k: statistics.median(v) for k, v in rounds_ms.items()}
