@@ -775,22 +775,14 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
     contiguous; read in the iteration that uses them, the table load held them to two)."""
     offs_n = tl.arange(0, BLOCK_N)
     page = block_pages(pages, blk_lo * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
-    if APPLY_MASK and MASKED_STAGES > 0:
-        for blk in tl.range(blk_lo, blk_hi, num_stages=MASKED_STAGES):
-            acc, m_i, l_i = fwd_kv_block(
-                acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
-                stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, page)
-            page = block_pages(pages, (blk + 1) * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
-    else:
-        for blk in range(blk_lo, blk_hi):
-            acc, m_i, l_i = fwd_kv_block(
-                acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
-                stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-                POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, page)
-            page = block_pages(pages, (blk + 1) * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
+    # a masked segment at its own pipelining depth, any other at the kernel's
+    for blk in tl.range(blk_lo, blk_hi, num_stages=MASKED_STAGES if APPLY_MASK and MASKED_STAGES > 0 else None):
+        acc, m_i, l_i = fwd_kv_block(
+            acc, m_i, l_i, q, K_base, V_base, blk * BLOCK_N, offs_m, offs_n, offs_dqk, offs_dv,
+            stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+            POSITIVE_SCALE, None, drop, b, h, pages, PAGE_SIZE, PAGE_SIZE % BLOCK_N == 0, page)
+        page = block_pages(pages, (blk + 1) * BLOCK_N, offs_n, seqlen_k, BLOCK_N, PAGE_SIZE)
     return acc, m_i, l_i
 
 
@@ -895,16 +887,8 @@ def fwd_kv_list(
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
                 MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
             start = nxt
-    elif APPLY_MASK and MASKED_STAGES > 0:
-        for it in tl.range(0, n_steps, num_stages=MASKED_STAGES):
-            acc, m_i, l_i = _fwd_list_step(
-                acc, m_i, l_i, it, list_start(BLOCKS, it // SPLIT, n_blocks, seqlen_k, MASK_KB), q, K_base,
-                V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
-                qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-                BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-                HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
-    else:
-        for it in range(0, n_steps):
+    else:  # the masked segment at its own pipelining depth (see fwd_kv_range), else at the kernel's
+        for it in tl.range(0, n_steps, num_stages=MASKED_STAGES if APPLY_MASK and MASKED_STAGES > 0 else None):
             acc, m_i, l_i = _fwd_list_step(
                 acc, m_i, l_i, it, list_start(BLOCKS, it // SPLIT, n_blocks, seqlen_k, MASK_KB), q, K_base,
                 V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
