@@ -354,6 +354,15 @@ def test_fp8_latent_read_as_column_pairs_where_the_shapes_allow():
         MLAConfig(fp8_pairs=1)
 
 
+def _decode_in_both(q, cache, kw, dv, num_splits):
+    """mla_decode in torch and (jitted) in JAX, asserted bit-equal; the torch output as float64."""
+    out_t = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=num_splits)
+    out_j = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=num_splits))(
+        torch_to_jax(q), torch_to_jax(cache), _j(kw))
+    np.testing.assert_array_equal(np64(out_j), np64(out_t))
+    return np64(out_t)
+
+
 @pytest.mark.parametrize("name", ["fp8-pairs-paged8-bf16q", "fp8-pairs-sparse-f16q"])
 def test_fp8_column_pairs_agree_with_the_widened_tiles(name):
     """The two FP8 paths give the same attention (f16 dots on exact e4m3 values either way; sums in another
@@ -364,16 +373,9 @@ def test_fp8_column_pairs_agree_with_the_widened_tiles(name):
     q, cache, kw = make_cache(zlib_seed(name) + 1, **DECODE_CASES[name])
     dv = kw.pop("head_dim_v")
 
-    def both():
-        out_t = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=2)
-        out_j = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=2))(
-            torch_to_jax(q), torch_to_jax(cache), _j(kw))
-        np.testing.assert_array_equal(np64(out_j), np64(out_t))
-        return np64(out_t)
-
-    pairs = both()
+    pairs = _decode_in_both(q, cache, kw, dv, 2)
     with configure(MLAConfig(fp8_pairs=False)):
-        widened = both()
+        widened = _decode_in_both(q, cache, kw, dv, 2)
     np.testing.assert_allclose(pairs, widened, atol=2e-3, rtol=2e-2)
 
 
@@ -604,16 +606,9 @@ def test_configure_sets_the_mla_plans_config_in_both_front_ends():
             assert block_n() == default
     assert block_n() == default
 
-    def both():
-        out_t = tapi.mla_decode(q, cache, **kw, head_dim_v=dv, num_splits=3)
-        out_j = jax.jit(lambda q, c, kw: japi.mla_decode(q, c, **kw, head_dim_v=dv, num_splits=3))(
-            torch_to_jax(q), torch_to_jax(cache), _j(kw))
-        np.testing.assert_array_equal(np64(out_j), np64(out_t))
-        return np64(out_t)
-
-    base = both()
+    base = _decode_in_both(q, cache, kw, dv, 3)
     with configure(MLAConfig(block_n=32)):
-        other = both()
+        other = _decode_in_both(q, cache, kw, dv, 3)
     assert not np.array_equal(other, base)
     np.testing.assert_allclose(other, base, atol=2e-6, rtol=1e-5)
 

@@ -153,7 +153,7 @@ def _mean_scales(labels: Tensor, class_weight: Optional[Tensor], ignore_index: i
     vocab = 1 if class_weight is None else class_weight.shape[0]
     plan = plan_mean_scales(labels.shape[0], vocab, class_weight=class_weight is not None,
                             ignore_index=ignore_index, target=target_for(labels.device))
-    named = {"labels": labels.contiguous(), "class_weight": class_weight}
+    named = {"labels": labels, "class_weight": class_weight}
     (scales,) = execute(plan, {n: named[n].contiguous() for n in plan.inputs})
     return scales
 
