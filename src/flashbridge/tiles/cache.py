@@ -57,8 +57,9 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def _seq_bucket(n: int) -> str:
-    """Lengths grouped by powers of four from 1K: 1k, 4k, 16k, 64k, ..."""
+def length_bucket(n: int) -> str:
+    """The length part of a bucket: lengths grouped by powers of four from 1K (1k, 4k, 16k, 64k, ...); the
+    plans and :func:`bucket_parts` both build their keys with it."""
     b = 1024
     while b < n:
         b *= 4
@@ -112,13 +113,13 @@ def bucket_parts(kernel: str, case, gpu: Optional[GPUProfile] = None) -> tuple[s
 
             split = _dkdv_col_split(AttentionConfig(), s, o, Target(False, gpu.sms))
         cls = attention_class(max(s.head_dim_qk, s.head_dim_v), s.dtype, attention_kind(o), s.group > 1, split)
-        return cls, f"s{_seq_bucket(max(s.seqlen_q, s.seqlen_k))}"
+        return cls, f"s{length_bucket(max(s.seqlen_q, s.seqlen_k))}"
     if isinstance(case, DecodeCase):
-        return decode_class_of(case, gpu), f"L{_seq_bucket(case.shape.cache.capacity)}"
+        return decode_class_of(case, gpu), f"L{length_bucket(case.shape.cache.capacity)}"
     if isinstance(case, RowsCase):
         if kernel == "cross_entropy":
             return ce_class(case.rows, case.cols, gpu.sms), ""
-        return f"n{next_power_of_2(case.cols)}-{case.dtype}", f"r{_seq_bucket(case.rows)}"
+        return f"n{next_power_of_2(case.cols)}-{case.dtype}", f"r{length_bucket(case.rows)}"
     raise TypeError(f"case: expected an attention, decode or row-wise case, got {type(case).__name__}")
 
 

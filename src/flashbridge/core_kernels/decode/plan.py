@@ -618,7 +618,7 @@ def _cached_tile(rows: int, head_dim_qk: int, head_dim_v: int, target: Target, d
     from ...tiles.model import Tile, decode_case
 
     cls = decode_class(rows, head_dim_qk, head_dim_v, dtype, cache, batch_heads, span, target)
-    length = f"L{tiles_cache._seq_bucket(span or (cache.capacity if cache is not None else 4096))}"
+    length = f"L{tiles_cache.length_bucket(span or (cache.capacity if cache is not None else 4096))}"
 
     def case():  # the model's view: one query token a row, a 16-bit contiguous cache of the span's length
         return decode_case(head_dim=head_dim_qk, batch=max(1, batch_heads or target.num_sms), heads=rows,

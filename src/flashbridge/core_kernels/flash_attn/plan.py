@@ -523,7 +523,7 @@ def _tile(kernel: str, shape: AttnShape, options: AttnOptions, target: Target, c
 
         cls = cache.attention_class(max(shape.head_dim_qk, shape.head_dim_v), shape.dtype,
                                     cache.attention_kind(options, sparse), shape.group > 1, split)
-        length = f"s{cache._seq_bucket(max(shape.seqlen_q, shape.seqlen_k))}"
+        length = f"s{cache.length_bucket(max(shape.seqlen_q, shape.seqlen_k))}"
         tile = cache.plan_tile(f"attention_{kernel}", target, cls, length, lambda: AttnCase(shape, options),
                                Tile(*FALLBACK_TILE))
         return (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)

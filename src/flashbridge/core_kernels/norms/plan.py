@@ -62,7 +62,7 @@ def _tile(n_rows: int, n_cols: int, target: Target, config: NormConfig, backward
 
         kernel = "norm_bwd" if backward else "norm_fwd"
         fallback = Tile(1, block_n, _warps(1, block_n), 1)
-        tile = cache.plan_tile(kernel, target, f"n{block_n}-{dtype}", f"r{cache._seq_bucket(n_rows)}",
+        tile = cache.plan_tile(kernel, target, f"n{block_n}-{dtype}", f"r{cache.length_bucket(n_rows)}",
                                lambda: RowsCase(n_rows, n_cols, dtype, backward), fallback)
         return tile.block_m, block_n, config.num_warps or tile.num_warps
     return block_m, block_n, config.num_warps or _warps(block_m, block_n)
