@@ -181,15 +181,27 @@ def list_length(NUM, row, width):
 
 
 @triton.jit
+def list_start(BLOCKS, slot, seq_len, MASK_B: tl.constexpr):
+    """The first index of the mask block listed at ``BLOCKS[slot]`` (see :func:`list_block`)."""
+    return list_block(tl.load(BLOCKS + slot), seq_len, MASK_B) * MASK_B
+
+
+@triton.jit
+def list_start_ahead(BLOCKS, slot, n_slots, seq_len, MASK_B: tl.constexpr):
+    """:func:`list_start` for a walk reading one entry ahead: a slot past the list's ``n_slots`` entries is
+    not read (0 stands in), so the walk may ask for the entry after its last."""
+    return list_block(tl.load(BLOCKS + slot, mask=slot < n_slots, other=0), seq_len, MASK_B) * MASK_B
+
+
+@triton.jit
 def list_step(BLOCKS, it, seq_len, BLOCK: tl.constexpr, MASK_B: tl.constexpr):
     """Step ``it`` of a walk over the mask blocks (of MASK_B indices) listed at ``BLOCKS``, each in MASK_B //
     BLOCK steps of BLOCK (BLOCK divides MASK_B): (the list slot, the step's offset within its mask block,
     its first index in the sequence)."""
     SPLIT: tl.constexpr = MASK_B // BLOCK
     slot = it // SPLIT
-    start = list_block(tl.load(BLOCKS + slot), seq_len, MASK_B) * MASK_B
     sub = (it - slot * SPLIT) * BLOCK
-    return slot, sub, start + sub
+    return slot, sub, list_start(BLOCKS, slot, seq_len, MASK_B) + sub
 
 
 @triton.jit
@@ -817,13 +829,6 @@ def kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK
 
 
 @triton.jit
-def list_start(BLOCKS, slot, n_slots, seq_len, MASK_B: tl.constexpr):
-    """The first index of the mask block listed at ``BLOCKS[slot]``; a slot past the list's ``n_slots``
-    entries is not read (0 stands in), so a walk may ask for the entry after its last."""
-    return list_block(tl.load(BLOCKS + slot, mask=slot < n_slots, other=0), seq_len, MASK_B) * MASK_B
-
-
-@triton.jit
 def _fwd_list_step(
     acc, m_i, l_i, it, start, q, K_base, V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv,
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK: tl.constexpr,
@@ -877,24 +882,25 @@ def fwd_kv_list(
     # the kernel spill (document ids: 16 -> 72 B) and the document x16 forward went 0.47 -> 0.77 ms: those
     # read each entry in the step that uses it.
     READ_AHEAD: tl.constexpr = not (HAS_LOCAL or MASK_GLOBAL or MASK_DOC or MASK_BITS)
-    if READ_AHEAD and not APPLY_MASK:
-        start = list_start(BLOCKS, 0, n_blocks, seqlen_k, MASK_KB)
-        for it in range(0, n_steps):
-            nxt = list_start(BLOCKS, (it + 1) // SPLIT, n_blocks, seqlen_k, MASK_KB)
+    # a masked segment at its own pipelining depth (see fwd_kv_range), a full one at the kernel's
+    if READ_AHEAD:
+        start = list_start_ahead(BLOCKS, 0, n_blocks, seqlen_k, MASK_KB)
+        for it in tl.range(0, n_steps, num_stages=MASKED_STAGES if APPLY_MASK and MASKED_STAGES > 0 else None):
+            nxt = list_start_ahead(BLOCKS, (it + 1) // SPLIT, n_blocks, seqlen_k, MASK_KB)
             acc, m_i, l_i = _fwd_list_step(
                 acc, m_i, l_i, it, start, q, K_base, V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk,
                 offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right,
                 DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL,
                 MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
             start = nxt
-    else:  # the masked segment at its own pipelining depth (see fwd_kv_range), else at the kernel's
+    else:
         for it in tl.range(0, n_steps, num_stages=MASKED_STAGES if APPLY_MASK and MASKED_STAGES > 0 else None):
             acc, m_i, l_i = _fwd_list_step(
-                acc, m_i, l_i, it, list_start(BLOCKS, it // SPLIT, n_blocks, seqlen_k, MASK_KB), q, K_base,
-                V_base, BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs,
-                qk_scale, cap2, slope2, diag, seqlen_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-                BLOCK_DV, MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP,
-                HAS_ALIBI, DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
+                acc, m_i, l_i, it, list_start(BLOCKS, it // SPLIT, seqlen_k, MASK_KB), q, K_base, V_base,
+                BIT_ROWS, BITS, TOK_K, tq, offs_m, m_local, offs_dqk, offs_dv, stride_ks, stride_vs, qk_scale,
+                cap2, slope2, diag, seqlen_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                MASK_QB, MASK_KB, APPLY_MASK, HAS_LOCAL, MASK_GLOBAL, MASK_DOC, MASK_BITS, HAS_SOFTCAP, HAS_ALIBI,
+                DOT_PRECISION, POSITIVE_SCALE, drop, b, h)
     return acc, m_i, l_i
 
 
