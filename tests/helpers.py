@@ -550,6 +550,20 @@ def _launch_options(launch) -> dict:
 
 
 def compile_as_triton_launcher(launch, dtypes) -> str:
+    return _triton_launcher_kernel(launch, dtypes).asm["ptx"]
+
+
+
+def staged_buffers(launch, dtypes) -> list[tuple[int, ...]]:
+    """The shapes of the shared-memory buffers Triton allocates for ``launch`` (sm_90, as its launcher
+    specialises it), in program order: a pipelined load's buffer leads with its number of stages."""
+    ttgir = _triton_launcher_kernel(launch, dtypes).asm["ttgir"]
+    return [tuple(int(x) for x in m.split("x")) for m in
+            re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x[a-z]", ttgir)]
+
+
+
+def _triton_launcher_kernel(launch, dtypes):
     from triton._C.libtriton import native_specialize_impl  # noqa: F401 - the launcher's specialiser
     from triton.compiler import ASTSource
     from triton.runtime.jit import create_function_from_signature
@@ -564,8 +578,7 @@ def compile_as_triton_launcher(launch, dtypes) -> str:
         kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                          options=options.__dict__).asm["ptx"]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 

@@ -34,7 +34,7 @@ from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, bloc
                              fill_uncovered_rows, grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile,
                              lse_log2, mask_bits, mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
                              score_grad, score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
-                             unravel_grid, list_block, list_length, list_step)
+                             unravel_grid, list_block, list_length, list_start_ahead)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -233,6 +233,24 @@ def _dkdv_q_range(
 
 
 @triton.jit
+def _dkdv_list_coords(it, n_steps, ends, n_g, offs_g, row0, row_step, width, SPLIT: tl.constexpr,
+                      HEADS: tl.constexpr, PER_HEAD: tl.constexpr):
+    """Where step ``it`` of :func:`_dkdv_q_list`'s walk reads: (the group's head, the list's offset, the
+    slot in it, the step within the slot's block)."""
+    if PER_HEAD and HEADS > 1:
+        g = tl.sum((ends <= it).to(tl.int32), 0)
+        j = it - tl.sum(tl.where(offs_g == g, ends - n_g, 0), 0)
+    elif HEADS > 1:
+        g = it // n_steps
+        j = it - g * n_steps
+    else:
+        g = 0
+        j = it
+    slot = j // SPLIT
+    return g, (row0 + g * row_step) * width, slot, j - slot * SPLIT
+
+
+@triton.jit
 def _dkdv_q_list(
     dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, NUM, IDX, BIT_IDX, row0, row_step, width,
     BITS, TOK_Q, tk, offs_n, n_local, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o, stride_qs, stride_qh, stride_dos,
@@ -264,21 +282,23 @@ def _dkdv_q_list(
     else:
         n_steps = list_length(NUM, row0, width) * SPLIT
         total = HEADS * n_steps
+        offs_g = 0
+        ends = 0
+        n_g = 0
+    # The next step's list entries are read one iteration ahead and carried (see fwd_kv_list): the q / dO
+    # tiles' addresses then wait on no load of the same iteration, and Triton's pipeliner stages them as deep
+    # as the dense kernel's (sm_90, D=128: three stages, not two, and fewer spills).
+    g, lists, slot, sub = _dkdv_list_coords(0, n_steps, ends, n_g, offs_g, row0, row_step, width, SPLIT, HEADS,
+                                            PER_HEAD)
+    entry = tl.load(IDX + lists + slot, mask=total > 0, other=0)
     for it in range(0, total):
-        if PER_HEAD and HEADS > 1:
-            g = tl.sum((ends <= it).to(tl.int32), 0)
-            j = it - tl.sum(tl.where(offs_g == g, ends - n_g, 0), 0)
-        elif HEADS > 1:
-            g = it // n_steps
-            j = it - g * n_steps
-        else:
-            g = 0
-            j = it
+        g, lists, slot, sub = _dkdv_list_coords(it, n_steps, ends, n_g, offs_g, row0, row_step, width, SPLIT, HEADS,
+                                                PER_HEAD)
+        blk = list_block(entry, len_q, MASK_QB) * SPLIT + sub  # query block, BLOCK_M units
+        _, lists1, slot1, _ = _dkdv_list_coords(it + 1, n_steps, ends, n_g, offs_g, row0, row_step, width, SPLIT,
+                                                HEADS, PER_HEAD)
+        entry = tl.load(IDX + lists1 + slot1, mask=it + 1 < total, other=0)  # past the walk: not read
         h = h0 + g
-        lists = (row0 + g * row_step) * width
-        slot = j // SPLIT
-        sub = j - slot * SPLIT
-        blk = list_block(tl.load(IDX + lists + slot), len_q, MASK_QB) * SPLIT + sub  # query block, BLOCK_M units
         elem_ok = None
         if APPLY_MASK:
             offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -558,8 +578,16 @@ def _dq_kv_list(
 ):
     """Accumulate dQ (and ``dslope``) over the key blocks of one row of a BlockMask's lists, as the forward's
     ``fwd_kv_list`` walks them (MASK_KB // BLOCK_N steps per block; APPLY_MASK: the mask's element test)."""
-    for it in range(0, n_blocks * (MASK_KB // BLOCK_N)):
-        slot, sub, n_start = list_step(BLOCKS, it, len_k, BLOCK_N, MASK_KB)
+    # The next step's list entries are read one iteration ahead and carried (see fwd_kv_list), so no
+    # step's K / V addresses wait on a load of the same iteration and Triton's pipeliner stages them as
+    # deep as the dense kernel's.
+    SPLIT: tl.constexpr = MASK_KB // BLOCK_N
+    start = list_start_ahead(BLOCKS, 0, n_blocks, len_k, MASK_KB)
+    for it in range(0, n_blocks * SPLIT):
+        slot = it // SPLIT
+        sub = (it - slot * SPLIT) * BLOCK_N
+        n_start = start + sub
+        start = list_start_ahead(BLOCKS, (it + 1) // SPLIT, n_blocks, len_k, MASK_KB)
         offs_c = sub + tl.arange(0, BLOCK_N)  # keys within the mask block
         elem_ok = None
         if APPLY_MASK:
