@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from flashbridge import masks  # noqa: E402
 from flashbridge import torch_api as ft  # noqa: E402
 from flashbridge.core_kernels import get_kernel  # noqa: E402
 from flashbridge.core_kernels._loader import BoundLaunch  # noqa: E402
@@ -19,8 +20,9 @@ from flashbridge.torch_api import _runtime  # noqa: E402
 from helpers import JAX_HOST_FAMILIES, assert_jax_eager_matches_jit, jax_host_cases  # noqa: E402
 
 # the modules (torch_api's namespace binds their public functions under the same names)
-attention, cross_entropy, decode, norms = (importlib.import_module(f"flashbridge.torch_api.{m}")
-                                           for m in ("attention", "cross_entropy", "decode", "norms"))
+attention, block_sparse, cross_entropy, decode, norms = (
+    importlib.import_module(f"flashbridge.torch_api.{m}")
+    for m in ("attention", "block_sparse", "cross_entropy", "decode", "norms"))
 
 
 def _rand(seed, *shape):
@@ -33,10 +35,14 @@ def _calls():
     qd, kc = _rand(6, 2, 1, 4, 16), _rand(7, 2, 20, 2, 16)
     lens = torch.tensor([20, 7], dtype=torch.int32)
     logits, labels = _rand(8, 5, 37), torch.tensor([0, 3, 36, -100, 5])
+    sparse = masks.causal(9, 11, block_size=16) & masks.from_dense(np.random.default_rng(0).random((9, 11)) < 0.7,
+                                                                    block_size=16)
     return {
         "norms": (lambda: ft.rms_norm(x, w), (norms.check_norm_args, norms.plan_norm_fwd)),
         "attention": (lambda: ft.flash_attention(q, k, v, causal=True),
                       (attention.check_attention_args, attention.plan_attention_fwd)),
+        "block_sparse": (lambda: ft.flash_attention(q, k, v, block_mask=sparse),
+                         (block_sparse.check_attention_args, block_sparse.plan_attention_fwd)),
         "decode": (lambda: ft.decode_attention(qd, kc, kc, cache_seqlens=lens, num_splits=2),
                    (decode.check_decode_args,)),
         "cross_entropy": (lambda: ft.cross_entropy(logits, labels),
@@ -45,7 +51,7 @@ def _calls():
     }
 
 
-@pytest.mark.parametrize("family", ["norms", "attention", "decode", "cross_entropy"])
+@pytest.mark.parametrize("family", ["norms", "attention", "block_sparse", "decode", "cross_entropy"])
 def test_second_call_with_the_same_signature_skips_validation_and_planning(family):
     call, memoised = _calls()[family]
     first = call()

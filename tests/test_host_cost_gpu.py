@@ -4,6 +4,7 @@ too, and a misaligned view gets a kernel of its own; JAX eager calls give the bi
 jax.jit (skipped without a GPU)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -11,6 +12,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from flashbridge import masks  # noqa: E402
 from flashbridge import torch_api as ft  # noqa: E402
 from flashbridge.core_kernels import _loader  # noqa: E402
 from helpers import JAX_HOST_FAMILIES, assert_jax_eager_matches_jit, jax_host_cases  # noqa: E402
@@ -40,6 +42,13 @@ def _cases():
         o = ft.flash_attention(q, k, v, causal=True)
         return (o, *torch.autograd.grad(o, (q, k, v), o.detach()))
 
+    sparse_mask = (masks.document([50, 78], block_size=64)
+                   & masks.from_dense(np.random.default_rng(0).random((128, 128)) < 0.8, block_size=64))
+
+    def block_sparse():
+        o = ft.flash_attention(q, k, v, block_mask=sparse_mask)
+        return (o, *torch.autograd.grad(o, (q, k, v), o.detach()))
+
     def dec():
         return (ft.decode_attention(qd, kc, vc, cache_seqlens=lens),)
 
@@ -55,7 +64,7 @@ def _cases():
         y = ft.rotary_embedding(xr, cos, sin)
         return (y, *torch.autograd.grad(y, (xr,), y.detach()))
 
-    return {"norms": norm, "attention": attention, "decode": dec, "cross_entropy": ce, "swiglu": swiglu,
+    return {"norms": norm, "attention": attention, "block_sparse": block_sparse, "decode": dec, "cross_entropy": ce, "swiglu": swiglu,
             "rotary": rotary}
 
 
@@ -67,7 +76,8 @@ def run_path(monkeypatch):
     return use
 
 
-@pytest.mark.parametrize("family", ["norms", "attention", "decode", "cross_entropy", "swiglu", "rotary"])
+@pytest.mark.parametrize("family", ["norms", "attention", "block_sparse", "decode", "cross_entropy", "swiglu",
+                                    "rotary"])
 def test_direct_launch_gives_the_bits_of_jitfunction_run(family, run_path):
     call = _cases()[family]
     run_path(False)
@@ -80,7 +90,8 @@ def test_direct_launch_gives_the_bits_of_jitfunction_run(family, run_path):
         assert torch.equal(a, b), family
 
 
-@pytest.mark.parametrize("family", ["norms", "attention", "decode", "cross_entropy", "swiglu", "rotary"])
+@pytest.mark.parametrize("family", ["norms", "attention", "block_sparse", "decode", "cross_entropy", "swiglu",
+                                    "rotary"])
 def test_replayed_calls_give_the_bits_of_the_full_implementation(family, monkeypatch):
     from flashbridge.torch_api._ops import FusedOp
 
@@ -114,12 +125,13 @@ def test_a_replayed_call_still_refuses_an_fp8_cache_off_a_2_byte_boundary():
 def test_replays_are_recorded_for_the_hot_ops():
     import importlib
 
-    attention, cross_entropy, decode, norms = (importlib.import_module(f"flashbridge.torch_api.{m}")
-                                               for m in ("attention", "cross_entropy", "decode", "norms"))
-    for family in ("norms", "attention", "decode", "cross_entropy"):
+    attention, block_sparse, cross_entropy, decode, norms = (
+        importlib.import_module(f"flashbridge.torch_api.{m}")
+        for m in ("attention", "block_sparse", "cross_entropy", "decode", "norms"))
+    for family in ("norms", "attention", "block_sparse", "decode", "cross_entropy"):
         _cases()[family]()
     for op in (norms._norm_fwd, norms._norm_bwd, attention._flash_attn_fwd, attention._flash_attn_bwd,
-               decode._decode_attn, cross_entropy._ce_fwd, cross_entropy._ce_bwd, cross_entropy._ce_mean_scales,
+               block_sparse._sparse_fwd, block_sparse._sparse_bwd, decode._decode_attn, cross_entropy._ce_fwd, cross_entropy._ce_bwd, cross_entropy._ce_mean_scales,
                cross_entropy._ce_total):
         assert any(r is not None for r in op.replays.values()), op.name
 

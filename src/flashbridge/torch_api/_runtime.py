@@ -198,12 +198,14 @@ def signature(args, addresses: bool = False) -> tuple:
     """What a pure function of its arguments' metadata can depend on: each tensor's type, shape, strides,
     dtype and device (with ``addresses``, also its address modulo 16: the alignment kernels specialise on,
     and that implementations check, e.g. an FP8 cache's 2-byte start), the other arguments by type and value
-    (an unhashable one raises TypeError only when the result is hashed)."""
+    (an unhashable one raises TypeError only when the result is hashed); a list (of optional tensors, as
+    ``list[Optional[Tensor]]`` arguments arrive) by the signature of its elements."""
     if addresses:
         return tuple([(type(a), a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16)
-                      if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
+                      if isinstance(a, torch.Tensor) else (list, signature(a, True)) if type(a) is list
+                      else (type(a), a) for a in args])
     return tuple([(type(a), a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
-                  else (type(a), a) for a in args])
+                  else (list, signature(a)) if type(a) is list else (type(a), a) for a in args])
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -240,7 +242,12 @@ class Replay:
         program, inputs, had_out, device, results = calls[0]
         if had_out or program.interpret:  # the interpreter (CPU tensors) stages its inputs
             return None
-        positions = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        positions = {}  # id -> (argument, element of a list argument or None)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                positions[id(a)] = (i, None)
+            elif type(a) is list:
+                positions.update((id(x), (i, j)) for j, x in enumerate(a) if isinstance(x, torch.Tensor))
         named = tuple((name, positions.get(id(inputs[name]))) for name in program.inputs)
         if any(i is None for _, i in named):
             return None
@@ -269,7 +276,7 @@ class Replay:
 
     def __call__(self, args):
         program, device = self.program, self.device
-        env = {name: args[i] for name, i in self.inputs}
+        env = {name: args[i] if j is None else args[i][j] for name, (i, j) in self.inputs}
         program.allocate(env, device, ())
         program.launch_on(device, env)
         outs = []

@@ -17,9 +17,15 @@ from torch import Tensor
 
 from .. import masks as _masks
 from ..core_kernels.block_sparse.plan import SparseLayout, band_arrays, check_block_mask, layout_of
-from ..core_kernels.flash_attn.plan import AttnOptions, check_attention_args, plan_attention_bwd, plan_attention_fwd
+from ..core_kernels.flash_attn import plan as _attn_plan
+from ..core_kernels.flash_attn.plan import AttnOptions
 from ._ops import fused_op
-from ._runtime import dtype_name, execute, target_for
+from ._runtime import dtype_name, execute, memoised, target_for
+
+# validation and plans run once per distinct argument signature (see memoised); eager calls of a signature
+# seen before replay their launch (fused_op's replay)
+check_attention_args, plan_attention_fwd, plan_attention_bwd = map(
+    memoised, (_attn_plan.check_attention_args, _attn_plan.plan_attention_fwd, _attn_plan.plan_attention_bwd))
 
 _NAMES = _masks.BlockMask.array_names
 
@@ -77,7 +83,7 @@ def _problem(q, k, v, alibi_slopes, sinks, softmax_scale, softcap, dropout_p=0.0
 
 # -------------------------------------------------------------------------------------------------- ops
 
-@fused_op("flash_attn_sparse_fwd")
+@fused_op("flash_attn_sparse_fwd", replay=True)
 def _sparse_fwd(
     q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     mask_arrays: list[Optional[Tensor]], q_block: int, kv_block: int, window_left: Optional[int],
@@ -103,7 +109,7 @@ def _(q, k, v, alibi_slopes, sinks, mask_arrays, q_block, kv_block, window_left,
                                                                    dtype=torch.float32)
 
 
-@fused_op("flash_attn_sparse_bwd")
+@fused_op("flash_attn_sparse_bwd", replay=True)
 def _sparse_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], mask_arrays: list[Optional[Tensor]], q_block: int,
