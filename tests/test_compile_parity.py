@@ -177,6 +177,31 @@ def _block_sparse_masks(seq_len: int = 4096) -> dict:
 
 
 @pytest.mark.parametrize("mask_name", ["streaming", "document", "bigbird", "per-head GQA"])
+def test_block_sparse_forward_stages_kv_as_deep_as_dense(mask_name):
+    """The forward's list walk reads the next entry one iteration ahead (fwd_kv_list), so its K / V tiles
+    are staged three deep as in the dense kernel (sm_90, D=128), except under document ids, whose walk reads
+    each entry in its own step (the deeper full-block loop spilled and ran slower): two stages there."""
+    from flashbridge.core_kernels.block_sparse.plan import FWD_ARRAYS, layout_of
+    from flashbridge.core_kernels.flash_attn.plan import check_attention_args
+    from flashbridge.tiles import compiled
+    from helpers import staged_buffers
+
+    why = compiled.available(90)
+    if why:
+        pytest.skip(why)
+    heads_kv = 4 if mask_name == "per-head GQA" else 16
+    q, kv = ((1, 4096, 16, 128), "bfloat16"), ((1, 4096, heads_kv, 128), "bfloat16")
+    dtypes = {**_attn_dtypes("bfloat16"), **{n: "int32" for n in FWD_ARRAYS}}
+    shape, options = check_attention_args(q=q, k=kv, v=kv)
+    launch = plan_attention_fwd(shape, options, target=H200,
+                                sparse=layout_of(_block_sparse_masks()[mask_name])).launches[0]
+    tiles = [b for b in staged_buffers(launch, dtypes) if len(b) == 3 and b[2] == 128]
+    depth = 2 if mask_name == "document" else 3
+    assert tiles and all(b[0] == depth for b in tiles if b[1] == 128), tiles
+    assert_wgmma_pipelined(assert_same_ptx(launch, dtypes), f"block-sparse forward, {mask_name}")
+
+
+@pytest.mark.parametrize("mask_name", ["streaming", "document", "bigbird", "per-head GQA"])
 def test_block_sparse_backward_stages_as_deep_as_dense(mask_name):
     """The backward's list walks read the next list entry one iteration ahead (loop state), so no tile's
     address waits on a load of its own iteration and Triton's pipeliner stages the q / dO tiles (dK / dV

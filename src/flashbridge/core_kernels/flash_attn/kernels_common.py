@@ -875,13 +875,13 @@ def fwd_kv_list(
     bit-packed masks, ``BIT_ROWS`` the list's rows of ``BITS``."""
     SPLIT: tl.constexpr = MASK_KB // BLOCK_N
     n_steps = n_blocks * SPLIT
-    # Block-granular masks (no element test: BigBird, from_blocks) read the next step's list entry one
-    # iteration ahead and carry it, so a step's K / V addresses depend on no load of the same iteration and
-    # Triton's pipeliner stages them as deep as the dense kernel's (sm_90, D=128: three K / V stages, not
-    # two; BigBird forward 0.62 -> 0.55 ms on the H200). With an element test the deeper full-block loop made
-    # the kernel spill (document ids: 16 -> 72 B) and the document x16 forward went 0.47 -> 0.77 ms: those
-    # read each entry in the step that uses it.
-    READ_AHEAD: tl.constexpr = not (HAS_LOCAL or MASK_GLOBAL or MASK_DOC or MASK_BITS)
+    # The next step's list entry is read one iteration ahead and carried, so a step's K / V addresses depend
+    # on no load of the same iteration and Triton's pipeliner stages them as deep as the dense kernel's
+    # (sm_90, D=128: three K / V stages, not two; H200: BigBird forward 0.62 -> 0.55 ms, streaming 0.53 ->
+    # 0.51, the causal band as lists 2.55 -> 2.28). Document ids and bit-packed element masks read each entry
+    # in the step that uses it: their deeper full-block loop spilled (document: 16 -> 72 B a thread) and the
+    # document x16 forward went 0.47 -> 0.77 ms.
+    READ_AHEAD: tl.constexpr = not (MASK_DOC or MASK_BITS)
     # a masked segment at its own pipelining depth (see fwd_kv_range), a full one at the kernel's
     if READ_AHEAD:
         start = list_start_ahead(BLOCKS, 0, n_blocks, seqlen_k, MASK_KB)
