@@ -144,6 +144,24 @@ def torch_cases(cpu: bool):
     yield ("swiglu", "fwd+bwd", shape, grads(lambda: ft.swiglu(g, u), (g, u), dys),
            grads(lambda: F.silu(g) * u, (g, u), dys), "F.silu(g) * u")
 
+    from flashbridge import masks
+
+    (B, Sq, H, D), docs, block = S["sparse"]
+    q, k, v, do = (rnd(B, Sq, H, D, grad=i < 3) for i in range(4))
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    mask = masks.document(docs, causal=True, block_size=block)
+    dense = torch.as_tensor(mask.to_dense(), device=dev)
+    shape = f"B{B} S{Sq} H{H} D{D} document"
+
+    def sdpa_masked():
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=dense)
+
+    yield ("block_sparse_attention", "fwd", shape, lambda: ft.flash_attention(q, k, v, block_mask=mask), sdpa_masked,
+           "SDPA(attn_mask=)")
+    yield ("block_sparse_attention", "fwd+bwd", shape,
+           grads(lambda: ft.flash_attention(q, k, v, block_mask=mask), (q, k, v), do),
+           grads(sdpa_masked, (qt, kt, vt), do.transpose(1, 2)), "SDPA(attn_mask=)")
+
 
 def torch_host_us(fn, calls: int, cpu: bool) -> float:
     import torch
