@@ -331,12 +331,7 @@ def _func_case(family: str):
 
 FUNC_FAMILIES = ["rms_norm", "layer_norm", "layer_norm_dropout_residual", "flash_attention_sinks",
                  "flash_attention_alibi", "cross_entropy", "linear_cross_entropy", "rotary_embedding", "swiglu",
-                 "mla_attention",
-                 # the block-sparse ops take the mask's arrays as one list argument: torch.func's
-                 # autograd.Function unwraps top-level tensors only, and the per-element vmap loop cannot
-                 # slice a list
-                 pytest.param("flash_attention_block_mask", marks=pytest.mark.xfail(
-                     strict=True, reason="block-sparse ops under torch.func: the mask arrays travel as a list"))]
+                 "mla_attention", "flash_attention_block_mask"]
 
 
 def _loss(fn):

@@ -53,7 +53,17 @@ def plain_eager(args) -> bool:
             or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
             or _in_transform_backward.get()):
         return False
-    return all(type(a) in _PLAIN_TENSORS and not _is_functorch_wrapped(a) for a in args if isinstance(a, Tensor))
+    return all(type(a) in _PLAIN_TENSORS and not _is_functorch_wrapped(a)
+               for a in _tensors(args))
+
+
+def _tensors(args):
+    """The tensors among ``args``, and inside list arguments (``list[Optional[Tensor]]``)."""
+    for a in args:
+        if isinstance(a, Tensor):
+            yield a
+        elif type(a) is list:
+            yield from (x for x in a if isinstance(x, Tensor))
 
 
 class _EagerAutograd(torch.autograd.Function):
@@ -143,8 +153,7 @@ class FusedOp:
             if in_dims[names.index(name)] is None:
                 raise ValueError(f"{name}: under vmap, a tensor that {self.name} writes in place must be "
                                  "vmapped too (each element of the batch writes its own slice)")
-        results = [self.overload(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
-                   for i in range(batch_size)]
+        results = [self.overload(*(_select(a, d, i) for a, d in zip(args, in_dims))) for i in range(batch_size)]
         if results[0] is None:
             return None, None
         if isinstance(results[0], Tensor):
@@ -222,6 +231,16 @@ class FusedOp:
 
 
 _UNSEEN = object()
+
+
+def _select(a, dim, i: int):
+    """Element ``i`` of argument ``a`` along its vmapped dimension ``dim`` (None: not vmapped); a list
+    argument has a dimension (or None) per element."""
+    if dim is None:
+        return a
+    if type(a) is list:
+        return [x if d is None else x.select(d, i) for x, d in zip(a, dim)]
+    return a.select(dim, i)
 
 
 def register_forward_only(op: FusedOp, name: str) -> None:
