@@ -282,7 +282,7 @@ def _dkdv_q_list(
     else:
         n_steps = list_length(NUM, row0, width) * SPLIT
         total = HEADS * n_steps
-        offs_g = 0
+        offs_g = 0  # the per-head search's operands, unused here (a jit function's arguments must exist)
         ends = 0
         n_g = 0
     # The next step's list entries are read one iteration ahead and carried (see fwd_kv_list): the q / dO
