@@ -165,43 +165,54 @@ def test_paged_prefill_stages_kv_as_deep_as_contiguous(page_size):
     assert_wgmma_pipelined(ptx, f"paged prefill forward, pages of {page_size}")
 
 
-def _block_sparse_masks(seq_len: int = 4096) -> dict:
+_SPARSE_MASKS = ["streaming", "document", "bigbird", "per-head GQA"]
+
+
+def _block_sparse_case(mask_name: str):
+    """(shape, options, layout, dtypes) of block-sparse attention at S=4096, H=16 (4 KV heads for the per-head
+    mask), D=128, bf16, with one of the masks of bench_block_sparse.py's kinds; skips where sm_90 cannot be
+    compiled for."""
     from flashbridge import masks
-
-    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, seq_len), 15, replace=False))
-    per_head = np.random.default_rng(0).random((16, seq_len // 128, seq_len // 128)) < 0.2
-    return {"streaming": masks.streaming(seq_len, 4, 1024),
-            "document": masks.document(np.diff([0, *cuts, seq_len]).tolist()),
-            "bigbird": masks.bigbird(seq_len, window_blocks=1, num_global_blocks=2, num_random_blocks=6, seed=0),
-            "per-head GQA": masks.from_blocks(per_head, seq_len_q=seq_len, seq_len_k=seq_len)}
-
-
-@pytest.mark.parametrize("mask_name", ["streaming", "document", "bigbird", "per-head GQA"])
-def test_block_sparse_forward_stages_kv_as_deep_as_dense(mask_name):
-    """The forward's list walk reads the next entry one iteration ahead (fwd_kv_list), so its K / V tiles
-    are staged three deep as in the dense kernel (sm_90, D=128), except under document ids, whose walk reads
-    each entry in its own step (the deeper full-block loop spilled and ran slower): two stages there."""
-    from flashbridge.core_kernels.block_sparse.plan import FWD_ARRAYS, layout_of
+    from flashbridge.core_kernels.block_sparse.plan import BWD_ARRAYS, layout_of
     from flashbridge.core_kernels.flash_attn.plan import check_attention_args
     from flashbridge.tiles import compiled
-    from helpers import staged_buffers
 
     why = compiled.available(90)
     if why:
         pytest.skip(why)
+    seq_len = 4096
+    if mask_name == "streaming":
+        mask = masks.streaming(seq_len, 4, 1024)
+    elif mask_name == "document":
+        cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, seq_len), 15, replace=False))
+        mask = masks.document(np.diff([0, *cuts, seq_len]).tolist())
+    elif mask_name == "bigbird":
+        mask = masks.bigbird(seq_len, window_blocks=1, num_global_blocks=2, num_random_blocks=6, seed=0)
+    else:
+        per_head = np.random.default_rng(0).random((16, seq_len // 128, seq_len // 128)) < 0.2
+        mask = masks.from_blocks(per_head, seq_len_q=seq_len, seq_len_k=seq_len)
     heads_kv = 4 if mask_name == "per-head GQA" else 16
-    q, kv = ((1, 4096, 16, 128), "bfloat16"), ((1, 4096, heads_kv, 128), "bfloat16")
-    dtypes = {**_attn_dtypes("bfloat16"), **{n: "int32" for n in FWD_ARRAYS}}
+    q, kv = ((1, seq_len, 16, 128), "bfloat16"), ((1, seq_len, heads_kv, 128), "bfloat16")
     shape, options = check_attention_args(q=q, k=kv, v=kv)
-    launch = plan_attention_fwd(shape, options, target=H200,
-                                sparse=layout_of(_block_sparse_masks()[mask_name])).launches[0]
+    return shape, options, layout_of(mask), {**_attn_dtypes("bfloat16"), **{n: "int32" for n in BWD_ARRAYS}}
+
+
+@pytest.mark.parametrize("mask_name", _SPARSE_MASKS)
+def test_block_sparse_forward_stages_kv_as_deep_as_dense(mask_name):
+    """The forward's list walk reads the next entry one iteration ahead (fwd_kv_list), so its K / V tiles
+    are staged three deep as in the dense kernel (sm_90, D=128), except under document ids, whose walk reads
+    each entry in its own step (the deeper full-block loop spilled and ran slower): two stages there."""
+    from helpers import staged_buffers
+
+    shape, options, layout, dtypes = _block_sparse_case(mask_name)
+    launch = plan_attention_fwd(shape, options, target=H200, sparse=layout).launches[0]
     tiles = [b for b in staged_buffers(launch, dtypes) if len(b) == 3 and b[2] == 128]
     depth = 2 if mask_name == "document" else 3
     assert tiles and all(b[0] == depth for b in tiles if b[1] == 128), tiles
     assert_wgmma_pipelined(assert_same_ptx(launch, dtypes), f"block-sparse forward, {mask_name}")
 
 
-@pytest.mark.parametrize("mask_name", ["streaming", "document", "bigbird", "per-head GQA"])
+@pytest.mark.parametrize("mask_name", _SPARSE_MASKS)
 def test_block_sparse_backward_stages_as_deep_as_dense(mask_name):
     """The backward's list walks read the next list entry one iteration ahead (loop state), so no tile's
     address waits on a load of its own iteration and Triton's pipeliner stages the q / dO tiles (dK / dV
@@ -209,19 +220,11 @@ def test_block_sparse_backward_stages_as_deep_as_dense(mask_name):
     backward has three stages (sm_90, D=128), local memory at most 112 B a thread (with the entries read in
     the step that used them: two stages and 136-168 B), the same PTX from both launchers and wgmma not
     serialised."""
-    from flashbridge.core_kernels.block_sparse.plan import BWD_ARRAYS, layout_of
-    from flashbridge.core_kernels.flash_attn.plan import check_attention_args
     from flashbridge.tiles import compiled
     from helpers import staged_buffers
 
-    why = compiled.available(90)
-    if why:
-        pytest.skip(why)
-    heads_kv = 4 if mask_name == "per-head GQA" else 16
-    q, kv = ((1, 4096, 16, 128), "bfloat16"), ((1, 4096, heads_kv, 128), "bfloat16")
-    dtypes = {**_attn_dtypes("bfloat16"), **{n: "int32" for n in BWD_ARRAYS}}
-    shape, options = check_attention_args(q=q, k=kv, v=kv)
-    plan = plan_attention_bwd(shape, options, target=H200, sparse=layout_of(_block_sparse_masks()[mask_name]))
+    shape, options, layout, dtypes = _block_sparse_case(mask_name)
+    plan = plan_attention_bwd(shape, options, target=H200, sparse=layout)
     sparse = next(launch for launch in plan.launches if launch.kernel.endswith("attn_bwd_kernel"))
     tiles = [b for b in staged_buffers(sparse, dtypes) if len(b) == 3 and b[1:] == (64, 128)]
     assert tiles and all(b[0] == 3 for b in tiles), tiles

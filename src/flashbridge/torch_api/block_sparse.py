@@ -17,32 +17,14 @@ from torch import Tensor
 
 from .. import masks as _masks
 from ..core_kernels.block_sparse.plan import SparseLayout, band_arrays, check_block_mask, layout_of
-from ..core_kernels.flash_attn import plan as _attn_plan
 from ..core_kernels.flash_attn.plan import AttnOptions
 from ._ops import fused_op
-from ._runtime import dtype_name, execute, memoised, target_for
-
-# validation and plans run once per distinct argument signature (see memoised); eager calls of a signature
-# seen before replay their launch (fused_op's replay)
-check_attention_args, plan_attention_fwd, plan_attention_bwd = map(
-    memoised, (_attn_plan.check_attention_args, _attn_plan.plan_attention_fwd, _attn_plan.plan_attention_bwd))
+from ._runtime import dtype_name, execute, target_for
+# the dense ops' memoised validation and plans (once per argument signature) and their tensor helpers; eager
+# calls of a signature seen before replay their launch (fused_op's replay)
+from .attention import _info, _prepare, _strides, check_attention_args, plan_attention_bwd, plan_attention_fwd
 
 _NAMES = _masks.BlockMask.array_names
-
-
-def _info(t: Optional[Tensor]):
-    return None if t is None else (tuple(t.shape), dtype_name(t.dtype))
-
-
-def _prepare(t: Tensor) -> Tensor:
-    # as in attention.py: contiguous on the CPU (interpreter), any (batch, row, head) strides on CUDA
-    if t.device.type != "cuda" or t.stride(-1) != 1:
-        return t.contiguous()
-    return t
-
-
-def _strides(t: Tensor) -> tuple[int, int, int]:
-    return (t.stride(0), t.stride(1), t.stride(2))
 
 
 def mask_tensors(block_mask: _masks.BlockMask, device) -> list[Optional[Tensor]]:
