@@ -251,3 +251,29 @@ def _memcheck_case():
 
 if __name__ == "__main__":
     _memcheck_case()
+
+
+def test_backward_plans_under_the_configs_of_its_forward(monkeypatch):
+    """A CUDA backward runs on torch's autograd worker thread, which sees no configure() block of the caller:
+    its plan must still take the config the forward ran under (it took the defaults before)."""
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels._config import active_config
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+    from flashbridge.torch_api import attention as attention_mod
+    from flashbridge.torch_api.attention import flash_attention
+
+    seen = []
+    real = attention_mod.plan_attention_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(active_config(AttentionConfig))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "plan_attention_bwd", spy)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    config = AttentionConfig(fused_backward=False, dkdv_block_m=32)
+    with configure(config):
+        flash_attention(q, k, v, causal=True).float().square().sum().backward()
+    assert seen == [config]

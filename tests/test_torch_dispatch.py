@@ -146,3 +146,42 @@ def test_jit_trace_records_the_custom_op():
     traced = torch.jit.trace(lambda a, b: ft.rms_norm(a, b), (x, w))
     assert "flashbridge::norm_fwd" in str(traced.graph)
     np.testing.assert_array_equal(traced(x, w).numpy(), ft.rms_norm(x, w).numpy())
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["eager", "dispatcher"])
+def test_backward_plans_under_the_forward_configs(monkeypatch, fast_path):
+    """torch runs a CUDA backward on an autograd worker thread, which sees none of the caller's configure()
+    blocks: a backward plans under the configs its forward ran with (here it runs on a thread of its own,
+    as the worker does), and configs active around the backward win over those, family by family."""
+    import threading
+
+    from flashbridge.core_kernels import configure
+    from flashbridge.core_kernels._config import active_config
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+    from flashbridge.torch_api import attention as attention_mod
+
+    seen = []
+    real = attention_mod.plan_attention_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(active_config(AttentionConfig))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "plan_attention_bwd", spy)
+    monkeypatch.setattr(_ops.FusedOp, "eager_fast_path", fast_path)
+    q, k, v = (t.requires_grad_() for t in _inputs(4, (1, 40, 2, 16), (1, 40, 2, 16), (1, 40, 2, 16)))
+    forward_config, backward_config = AttentionConfig(dkdv_block_m=16), AttentionConfig(dkdv_block_m=32)
+    with configure(forward_config):
+        out = ft.flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = []
+    worker = threading.Thread(target=lambda: grads.append(torch.autograd.grad(out, (q, k, v), dout,
+                                                                              retain_graph=True)))
+    worker.start()
+    worker.join()
+    assert seen == [forward_config] and len(grads) == 1
+    with configure(backward_config):
+        again = torch.autograd.grad(out, (q, k, v), dout)
+    assert seen == [forward_config, backward_config]
+    for a, b in zip(grads[0], again):  # other tiles, the same gradients up to summation order
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)

@@ -28,7 +28,8 @@ def configure(*configs):
             out = decode_attention(q, k_cache, v_cache, cache_seqlens=lengths)
 
     JAX reads the config while it traces: a function jitted before the block keeps the plans it was
-    traced with.
+    traced with. PyTorch plans a backward under the configs active when its forward ran, with those active
+    around the backward on top (see :func:`configured`).
     """
     kinds = [type(c) for c in configs]
     for c in configs:
@@ -38,6 +39,31 @@ def configure(*configs):
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"configure: one config per family, got {[k.__name__ for k in kinds]}")
     token = _active.set(tuple(c for c in _active.get() if type(c) not in kinds) + tuple(configs))
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def active_configs() -> tuple:
+    """The configs of the enclosing :func:`configure` blocks, as a snapshot for :func:`configured`."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def configured(snapshot: tuple):
+    """Plan under ``snapshot`` (from :func:`active_configs`), with the configs active here on top (one per
+    family, as in :func:`configure`).
+
+    Why: torch runs a CUDA graph's backward on an autograd worker thread, where a ``configure`` block around
+    the forward and the ``backward()`` call is not visible (a context variable holds a value per thread), so
+    the torch ops plan their backward under the snapshot their forward took."""
+    current = _active.get()
+    if not snapshot or snapshot == current:
+        yield
+        return
+    kinds = {type(c) for c in current}
+    token = _active.set(tuple(c for c in snapshot if type(c) not in kinds) + current)
     try:
         yield
     finally:

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._forward_only import no_backward_message
 from ..core_kernels._config import _active as _active_configs
+from ..core_kernels._config import active_configs, configured
 from ._runtime import Replay, record_executions, signature
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -127,8 +128,25 @@ class FusedOp:
         return fake
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
-        self.custom_op.register_autograd(backward, setup_context=setup_context)
-        self.backward, self.setup_context = backward, setup_context
+        """As ``torch.library``'s, and the backward plans under the configs active when the forward ran
+        (``core_kernels._config.configured``: a CUDA backward runs on an autograd worker thread, which does
+        not see the caller's ``configure`` block)."""
+
+        @functools.wraps(setup_context)
+        def setup_with_configs(ctx, inputs, output):
+            ctx.flashbridge_configs = active_configs()
+            setup_context(ctx, inputs, output)
+
+        @functools.wraps(backward)
+        def backward_with_configs(ctx, *grads):
+            configs = getattr(ctx, "flashbridge_configs", ())
+            if not configs or configs == _active_configs.get():  # the common case, without a context manager
+                return backward(ctx, *grads)
+            with configured(configs):
+                return backward(ctx, *grads)
+
+        self.custom_op.register_autograd(backward_with_configs, setup_context=setup_with_configs)
+        self.backward, self.setup_context = backward_with_configs, setup_with_configs
 
     def register_vmap(self, fold: Callable) -> Callable:
         """A batching rule ``fold(batch_size, in_dims, *args) -> (outputs, out_dims) | None`` that runs the
