@@ -7,6 +7,7 @@ Sq != Sk, blocks of 16 and 32 and unequal sides, GQA, per-batch and per-head mas
 """
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import time
 
@@ -206,6 +207,14 @@ def test_mask_errors():
         masks.causal(64) & masks.causal(65)
     with pytest.raises(ValueError, match="broadcast"):
         masks.from_dense(np.ones((2, 3, 16, 16), bool)) & masks.from_dense(np.ones((3, 2, 16, 16), bool))
+    doc, sinks = masks.document([40, 24], block_size=16), masks.streaming(64, 4, 16, block_size=16)
+    for terms, seq_len_k in ((doc.terms, 80), (dataclasses.replace(doc.terms, global_tokens=1), 64)):
+        with pytest.raises(ValueError, match="document term"):  # document bounds live in the token words
+            masks.BlockMask(seq_len_q=64, seq_len_k=seq_len_k, q_block=16, kv_block=16, terms=terms,
+                            **dict(zip(doc.array_names, doc.arrays)))
+    both = doc & sinks  # different token words: the combination is exact, as bits
+    assert both.terms.bits and not both.terms.document
+    np.testing.assert_array_equal(both.to_dense(), doc.to_dense() & sinks.to_dense())
 
 
 @pytest.mark.parametrize("module", ["flashbridge.masks", "flashbridge.torch_api.block_sparse"])

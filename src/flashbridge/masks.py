@@ -10,10 +10,11 @@ The element mask of a partial block is the AND of the mask's *terms*, each in th
 cheapest (``diag = Sk - Sq``; query ``i``, key ``j``; always ``j < Sk``):
 
 * band: ``i + diag - left <= j <= i + diag + right`` (causal: left unbounded, right 0; sliding windows);
-* global tokens, OR-ed with the band: keys flagged in ``tokens_k`` bounded by the band's right edge
-  (``global_tokens=1``: attention sinks), or queries and keys flagged in ``tokens_q`` / ``tokens_k``
-  (``global_tokens=2``: Longformer);
-* document: the same document id (``tokens >> 1``) for query and key;
+* global tokens, OR-ed with the band: the first ``tokens_q >> 1`` keys (flagged in ``tokens_k``) bounded by
+  the band's right edge (``global_tokens=1``: attention sinks), or queries and keys flagged in ``tokens_q``
+  / ``tokens_k`` (``global_tokens=2``: Longformer);
+* document: the same document, i.e. ``tokens_q[i] >> 1 <= j <= tokens_k[i] >> 1`` (the first and the last
+  position of query i's document; queries and keys are the same positions);
 * bits: one bit per (query, key) of each partial block, in int32 words (``from_dense``, ``a | b``).
 
 Layout (FlexAttention's BlockMask, with full and partial lists padded to one common length)::
@@ -27,7 +28,10 @@ Layout (FlexAttention's BlockMask, with full and partial lists padded to one com
     bits                                int32 (n_bits, q_block * kv_block // 32) or None; element (r, c) of a
                                         block is bit (r * kv_block + c) % 32 of word (r * kv_block + c) // 32
     kv_bits_index, q_bits_index         int32, shaped as kv_indices / q_indices: each partial entry's row of bits
-    tokens_q, tokens_k                  int32 (B|1, Sq) / (B|1, Sk) or None: bit 0 = global, bits 1.. = document
+    tokens_q, tokens_k                  int32 (B|1, Sq) / (B|1, Sk) or None: bit 0 = global; bits 1.. = the
+                                        sink count (tokens_q), or each token's document's first (tokens_q) /
+                                        last (tokens_k) position: the kernels read them once per program,
+                                        never per step
 
 A block is full only if it lies wholly inside the sequences (a ragged last block is partial): the kernels
 then load full blocks without bounds checks.
@@ -124,6 +128,9 @@ class BlockMask:
             setattr(self, name, arrays.pop(name, None))
         if arrays:
             raise TypeError(f"BlockMask: unknown arrays {sorted(arrays)}")
+        if terms.document and (seq_len_q != seq_len_k or terms.global_tokens == 1):
+            raise ValueError("BlockMask: a document term needs seq_len_q == seq_len_k and no sinks (its token "
+                             "words hold document bounds), combine such masks with & instead")
         self._cache = {}  # per-framework device copies (front-ends), the block status grid
 
     # ---------------------------------------------------------------------------------------- properties
@@ -485,10 +492,11 @@ def streaming(seq_len: int, num_sink: int, window: int, *, block_size=128) -> Bl
     full = ((hi[r0][:, None] >= c0[None, :] + kv_block - 1) & covered & rows_whole[:, None] & cols_whole[None, :])
     any_ = any_band | any_sink
     tokens_k = (np.arange(seq_len) < num_sink).astype(np.int32)[None]
+    tokens_q = np.full_like(tokens_k, int(num_sink) << 1)  # the sink count, for the query-major kernels
     return _build(_status_grid(any_, full & any_)[None, None], seq_len_q=seq_len, seq_len_k=seq_len,
                   q_block=q_block, kv_block=kv_block,
                   terms=MaskTerms(window_left=int(window), window_right=0, global_tokens=1),
-                  tokens_q=np.zeros_like(tokens_k), tokens_k=tokens_k)
+                  tokens_q=tokens_q, tokens_k=tokens_k)
 
 
 def document(segment_lengths, *, causal: bool = True, block_size=128) -> BlockMask:
@@ -524,7 +532,7 @@ def document(segment_lengths, *, causal: bool = True, block_size=128) -> BlockMa
                          f"totals {totals.tolist()}")
     seq_len = int(totals[0])
     q_block, kv_block = _block_sizes(block_size)
-    grids, tokens = [], []
+    grids, tokens_q, tokens_k = [], [], []
     for row in rows:
         ends = np.cumsum(row)
         doc = np.repeat(np.arange(len(row), dtype=np.int64), row)
@@ -532,11 +540,11 @@ def document(segment_lengths, *, causal: bool = True, block_size=128) -> BlockMa
         lo = starts[doc]
         hi = np.arange(seq_len, dtype=np.int64) if causal else ends[doc] - 1
         grids.append(_status_grid(*_interval_status(lo, hi, seq_len, seq_len, q_block, kv_block)))
-        tokens.append((doc << 1).astype(np.int32))
-    tokens = np.stack(tokens)
+        tokens_q.append((starts[doc] << 1).astype(np.int32))  # each token's document: its first position
+        tokens_k.append(((ends[doc] - 1) << 1).astype(np.int32))  # and its last
     return _build(np.stack(grids)[:, None], seq_len_q=seq_len, seq_len_k=seq_len, q_block=q_block,
                   kv_block=kv_block, terms=MaskTerms(window_right=0 if causal else None, document=True),
-                  tokens_q=tokens, tokens_k=tokens)
+                  tokens_q=np.stack(tokens_q), tokens_k=np.stack(tokens_k))
 
 
 def _blocks_any_all(flags: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -709,8 +717,9 @@ def _term_values(mask: BlockMask, b, qb, kb, bit_ids) -> np.ndarray:
         ok = ok & ((left & right) | (((tq | tk) & 1) != 0))
     else:
         ok = ok & left & right
-    if t.document:
-        ok = ok & ((tq >> 1) == (tk >> 1))
+    if t.document:  # the key inside the query's document (its first position in tokens_q, its last in tokens_k)
+        last = np.asarray(mask.tokens_k)[bt[:, None, None], np.minimum(i, mask.seq_len_k - 1)]
+        ok = ok & (j >= tq >> 1) & (j <= last >> 1)
     if t.bits:
         words = np.asarray(mask.bits)[bit_ids]  # (n, words)
         unpacked = np.unpackbits(words.astype("<u4").view(np.uint8), axis=1, bitorder="little")

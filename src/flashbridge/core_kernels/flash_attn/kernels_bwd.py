@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, block_mask_visible, block_schedule,
-                             dropout_block, dropout_multiplier, dropout_state,
-                             fill_uncovered_rows, grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile,
-                             lse_log2, mask_bits, mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
+                             dropout_block, dropout_multiplier, dropout_state, fill_uncovered_rows, fixed_tokens,
+                             grid_schedule, kv_block_range, kv_step_mask, load_rows, load_tile, lse_log2, mask_bits,
+                             mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
                              score_grad, score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
                              unravel_grid, list_block, list_length, list_start_ahead)
 
@@ -302,14 +302,14 @@ def _dkdv_q_list(
         elem_ok = None
         if APPLY_MASK:
             offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            tq = mask_tokens(TOK_Q, offs_m[None, :], (offs_m < len_q)[None, :], MASK_GLOBAL or MASK_DOC)
+            tq = mask_tokens(TOK_Q, offs_m[None, :], (offs_m < len_q)[None, :], MASK_GLOBAL == 2)  # global queries
             bits_ok = None
             if MASK_BITS:
                 words = BITS + tl.cast(tl.load(BIT_IDX + lists + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
                 bits_ok = mask_bits(words, (sub * BLOCK_M + tl.arange(0, BLOCK_M))[None, :], n_local[:, None],
                                     MASK_KB)
             elem_ok = block_mask_visible(offs_m[None, :], offs_n[:, None], len_k, diag, window_left, window_right,
-                                         HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok)  # [N, M]
+                                         HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok, True)  # [N, M]
         slope2 = alibi_slope2(SLOPES, b, h, stride_ab, HAS_ALIBI)
         l_off = tl.cast(h, tl.int64) * stride_lh
         dk, dv = _dkdv_step(dk, dv, k, v, k_o, v_o, Q_seq + h * stride_qh, DO_seq + h * stride_doh, L2_seq + l_off,
@@ -339,7 +339,7 @@ def _dkdv_sparse(
     kb = n_start // MASK_KB
     n_local = offs_n - kb * MASK_KB
     tok = tl.cast(b, tl.int64) * tok_stride_b
-    tk = mask_tokens(TOK_K + tok, offs_n[:, None], key_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [N, 1]
+    tk = fixed_tokens(TOK_K + tok, TOK_Q + tok, offs_n[:, None], key_ok[:, None], MASK_GLOBAL, MASK_DOC)  # [N, 1]
     h0 = kh * GROUP
     row0 = tl.cast(b * mask_t_stride_b + h0 * mask_t_stride_h + kb, tl.int64)  # head stride 0 when shared
     dk, dv = _dkdv_q_list(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, L2_seq, D_seq, SLOPES, b, h0, FULL_Q_NUM,
@@ -655,7 +655,7 @@ def _dq_program(
         row = tl.cast(b * mask_stride_b + h * mask_stride_h + qb, tl.int64)
         lists = row * mask_max
         tok = tl.cast(b, tl.int64) * tok_stride_b
-        tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        tq = fixed_tokens(TOK_Q + tok, TOK_K + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL, MASK_DOC)  # [M, 1]
         m_local = offs_m - qb * MASK_QB
         dq, dslope = _dq_kv_list(
             dq, dslope, q, do, lse2, delta, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),

@@ -433,26 +433,40 @@ def mask_or_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS
 
 @triton.jit
 def block_mask_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL: tl.constexpr,
-                       MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, tq=None, tk=None, bits_ok=None):
+                       MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr, tq=None, tk=None, bits_ok=None,
+                       KEY_MAJOR: tl.constexpr = False):
     """Bool: query ``q_idx`` sees key ``k_idx`` in a partial block of a block-sparse mask (flashbridge.masks:
     the AND of the mask's terms, and ``k_idx < seqlen_k``). ``tq`` / ``tk``: the token words of the rows and
-    columns (bit 0 global, bits 1.. document id), given with MASK_GLOBAL or MASK_DOC; ``bits_ok``: the
-    block's bits (:func:`mask_bits`), given for bit-packed masks. Index tensors broadcast as in
-    :func:`visible` (transposed in the dK/dV kernel).
+    columns, given with MASK_GLOBAL or MASK_DOC; the program's own side (rows of a query-major kernel, keys of
+    a key-major one, KEY_MAJOR) from :func:`fixed_tokens`, the other side's only for Longformer's global
+    queries / keys (MASK_GLOBAL 2); ``bits_ok``: the block's bits (:func:`mask_bits`), given for bit-packed
+    masks. Index tensors broadcast as in :func:`visible` (transposed in the dK/dV kernel).
 
-    MASK_GLOBAL: 0 = the band alone (:func:`visible` with HAS_LOCAL); 1 = keys flagged global join the band,
-    still bounded by its right edge (attention sinks: ``j <= i`` and ``j`` a sink or inside the window); 2 =
-    flagged queries and keys see / are seen by everything (Longformer)."""
+    MASK_GLOBAL: 0 = the band alone (:func:`visible` with HAS_LOCAL); 1 = attention sinks: keys below the
+    sink count (``tokens_q >> 1``; flagged in bit 0 of ``tokens_k``) join the band, still bounded by its right
+    edge (``j <= i`` and ``j`` a sink or inside the window); 2 = flagged queries and keys see / are seen by
+    everything (Longformer). MASK_DOC: the other side's index lies in the own side's document (its first and
+    last index, see :func:`fixed_tokens`). Neither reads a token word per step: that load's latency showed in
+    every step of the partial blocks' loop (H200, S=16384: document x16 backward 1.28 -> 1.20 ms, streaming
+    forward 0.52 -> 0.49 ms without it)."""
     if MASK_GLOBAL == 1:
+        if KEY_MAJOR:
+            sink = (tk & 1) != 0
+        else:
+            sink = k_idx < (tq >> 1)
         ok = ((k_idx <= q_idx + (diag + window_right)) & (k_idx < seqlen_k)
-              & ((k_idx >= q_idx + (diag - window_left)) | ((tk & 1) != 0)))
+              & ((k_idx >= q_idx + (diag - window_left)) | sink))
     elif MASK_GLOBAL == 2:
         ok = (visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
               | (((tq | tk) & 1) != 0)) & (k_idx < seqlen_k)
     else:
         ok = visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
     if MASK_DOC:
-        ok = ok & ((tq >> 1) == (tk >> 1))
+        if KEY_MAJOR:  # the key's document: tokens_q's word (its first index) packed above tokens_k's (last)
+            first, last, other = (tk >> 32).to(tl.int32) >> 1, tk.to(tl.int32) >> 1, q_idx
+        else:  # the row's document: tokens_k's word (its last index) packed above tokens_q's (first)
+            first, last, other = tq.to(tl.int32) >> 1, (tq >> 32).to(tl.int32) >> 1, k_idx
+        ok = ok & (other >= first) & (other <= last)
     if bits_ok is not None:
         ok = ok & bits_ok
     return ok
@@ -802,12 +816,26 @@ def fwd_kv_range(acc, m_i, l_i, q, K_base, V_base, blk_lo, blk_hi, offs_m, offs_
 
 @triton.jit
 def mask_tokens(TOK, idx, ok, NEEDED: tl.constexpr):
-    """The token words (flashbridge.masks: bit 0 global, bits 1.. document id) at positions ``idx`` of the
-    sequence's row ``TOK`` (``ok``: the valid positions; others read 0). Without a token term (not NEEDED)
-    zeros that nothing reads: a compiled jit function cannot return None."""
+    """The token words (flashbridge.masks: bit 0 global, bits 1.. the sink count or a document bound) at
+    positions ``idx`` of the sequence's row ``TOK`` (``ok``: the valid positions; others read 0). Without
+    a token term (not NEEDED) zeros that nothing reads: a compiled jit function cannot return None."""
     if NEEDED:
         return tl.load(TOK + idx, mask=ok, other=0)
     return idx * 0
+
+
+@triton.jit
+def fixed_tokens(TOK, TOK_OTHER, idx, ok, MASK_GLOBAL: tl.constexpr, MASK_DOC: tl.constexpr):
+    """The token words of a program's own indices, read once per program: its rows' from ``TOK`` =
+    tokens_q in a query-major kernel, its keys' from ``TOK`` = tokens_k in the key-major dK/dV kernel. With
+    documents the other array's words at the same positions (``TOK_OTHER``; queries and keys are the same
+    positions there) are packed above them (int64): tokens_q holds each token's document's first index,
+    tokens_k its last, and the two bound the other side's indices in :func:`block_mask_visible`."""
+    t = mask_tokens(TOK, idx, ok, MASK_GLOBAL > 0 or MASK_DOC)
+    if MASK_DOC:
+        other = tl.load(TOK_OTHER + idx, mask=ok, other=0)
+        t = t.to(tl.int64) | (other.to(tl.int64) << 32)
+    return t
 
 
 @triton.jit
@@ -817,9 +845,10 @@ def kv_step_mask(offs_m, m_local, tq, n_start, offs_c, slot, BIT_ROWS, BITS, TOK
                  MASK_BITS: tl.constexpr):
     """The element test [M, N] of a query-major kernel's step over keys ``n_start + arange(BLOCK_N)`` of a
     partial block (``slot`` its place in the list, ``offs_c`` [N] the keys within the mask block; rows
-    ``offs_m`` [M], within their mask block ``m_local``, token words ``tq`` [M, 1] or None)."""
+    ``offs_m`` [M], within their mask block ``m_local``, token words ``tq`` [M, 1] from
+    :func:`fixed_tokens`)."""
     offs_k = n_start + tl.arange(0, BLOCK_N)
-    tk = mask_tokens(TOK_K, offs_k[None, :], (offs_k < seqlen_k)[None, :], MASK_GLOBAL or MASK_DOC)
+    tk = mask_tokens(TOK_K, offs_k[None, :], (offs_k < seqlen_k)[None, :], MASK_GLOBAL == 2)  # global keys
     bits_ok = None
     if MASK_BITS:
         words = BITS + tl.cast(tl.load(BIT_ROWS + slot), tl.int64) * (MASK_QB * MASK_KB // 32)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .kernels_common import (aligned, aligned_strides, alibi_slope2, block_schedule, dropout_block, dropout_state,
                              fill_uncovered_rows, fwd_kv_list, fwd_kv_range, kv_block_range, list_length, load_tile,
-                             mask_tokens, query_block, score_params, softmax_finalize, softmax_init,
+                             fixed_tokens, query_block, score_params, softmax_finalize, softmax_init,
                              sparse_query_block_at)
 
 # Runtime integers: no divisibility is inferred from their values (jax-triton would not infer it; the plan
@@ -120,7 +120,7 @@ def attn_fwd_kernel(
         row = tl.cast(b * mask_stride_b + h * mask_stride_h + qb, tl.int64)
         lists = row * mask_max
         tok = tl.cast(b, tl.int64) * tok_stride_b
-        tq = mask_tokens(TOK_Q + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        tq = fixed_tokens(TOK_Q + tok, TOK_K + tok, offs_m[:, None], row_ok[:, None], MASK_GLOBAL, MASK_DOC)  # [M, 1]
         m_local = offs_m - qb * MASK_QB
         acc, m_i, l_i = fwd_kv_list(acc, m_i, l_i, q, K_base, V_base, list_length(FULL_KV_NUM, row, mask_max),
                                     FULL_KV_IDX + lists, KV_BITS_IDX + lists, BITS, TOK_K + tok, tq, offs_m, m_local,

@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from ..decode.kernels import cache_slots, f16_query, load_column_pairs, widen_e4m3_pairs
-from ..flash_attn.kernels_common import (aligned, aligned_strides, block_mask_visible, fold_values, kv_key_range,
-                                         kv_step_mask, list_block, list_length, list_step, load_tile, mask_bits,
-                                         mask_tokens, online_softmax_probs, score_grad, score_params,
+from ..flash_attn.kernels_common import (aligned, aligned_strides, block_mask_visible, fixed_tokens, fold_values,
+                                         kv_key_range, kv_step_mask, list_block, list_length, list_step, load_tile,
+                                         mask_bits, mask_tokens, online_softmax_probs, score_grad, score_params,
                                          softmax_finalize, softmax_init, sparse_key_block)
 
 # An unbounded left window for kv_key_range (causal masks have no left edge).
@@ -386,7 +386,7 @@ def mla_fwd_kernel(
         row = tl.cast(b * mask_stride_b + qb, tl.int64)
         lists = row * mask_max
         tok_b = tl.cast(b, tl.int64) * tok_stride_b
-        tq = mask_tokens(TOK_Q + tok_b, tok[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        tq = fixed_tokens(TOK_Q + tok_b, TOK_K + tok_b, tok[:, None], row_ok[:, None], MASK_GLOBAL, MASK_DOC)
         m_local = tok - qb * MASK_QB
         for part in tl.static_range(2):
             NUM = FULL_KV_NUM if part == 0 else KV_NUM
@@ -558,7 +558,7 @@ def mla_bwd_dq_kernel(
         row = tl.cast(b * mask_stride_b + qb, tl.int64)
         lists = row * mask_max
         tok_b = b64 * tok_stride_b
-        tq = mask_tokens(TOK_Q + tok_b, tok[:, None], row_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [M, 1]
+        tq = fixed_tokens(TOK_Q + tok_b, TOK_K + tok_b, tok[:, None], row_ok[:, None], MASK_GLOBAL, MASK_DOC)
         m_local = tok - qb * MASK_QB
         for part in tl.static_range(2):
             NUM = FULL_KV_NUM if part == 0 else KV_NUM
@@ -667,14 +667,14 @@ def mla_dkv_rows(
         else:
             sel = row_ok[None, :]
             if BLOCK_SPARSE and APPLY_MASK:
-                tq = mask_tokens(TOK_Q, tok[None, :], row_ok[None, :], MASK_GLOBAL or MASK_DOC)  # [1, M]
+                tq = mask_tokens(TOK_Q, tok[None, :], row_ok[None, :], MASK_GLOBAL == 2)  # [1, M] global queries
                 bits_ok = None
                 if MASK_BITS:
                     words = BITS + tl.cast(tl.load(BIT_ROWS + slot), tl.int64) * (MASK_QB * MASK_KB // 32)
                     bits_ok = mask_bits(words, (tok - (r_start // MASK_ROWS) * MASK_QB)[None, :], n_local[:, None],
                                         MASK_KB)
                 sel = block_mask_visible(tok[None, :], offs_k[:, None], seqlen_k, diag, window_left, window_right,
-                                         HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok)  # [N, M]
+                                         HAS_LOCAL, MASK_GLOBAL, MASK_DOC, tq, tk, bits_ok, True)  # [N, M]
             dkv_v, dkv_r = mla_dkv_step(
                 dkv_v, dkv_r, kv_v, kv_r, Q, DO, LSE2, DELTA, sel, b, tok, h, row_ok, offs_k, diag,
                 seqlen_q, qk_scale, sm_scale, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh,
@@ -756,7 +756,7 @@ def mla_bwd_dkv_kernel(
         lrow = tl.cast(b * mask_t_stride_b + kb, tl.int64)
         lists = lrow * mask_t_max
         tok_b = tl.cast(b, tl.int64) * tok_stride_b
-        tk = mask_tokens(TOK_K + tok_b, offs_k[:, None], key_ok[:, None], MASK_GLOBAL or MASK_DOC)  # [N, 1]
+        tk = fixed_tokens(TOK_K + tok_b, TOK_Q + tok_b, offs_k[:, None], key_ok[:, None], MASK_GLOBAL, MASK_DOC)
         n_local = offs_k - kb * MASK_KB
         for lst in tl.static_range(2):  # full query blocks, then partial ones; each split evenly among the parts
             NUM = FULL_Q_NUM if lst == 0 else Q_NUM
