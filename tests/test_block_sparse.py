@@ -302,6 +302,8 @@ CASES = {
                                 dict(with_sinks=True, softcap=4.0, jax_parity=True)),
     "document_per_batch": (lambda: masks.document([[20, 0, 30, 13], [40, 23]], block_size=32),
                            dict(b=2, jax_parity=True)),
+    "document_bidirectional_gqa": (lambda: masks.document([25, 8, 30], causal=False, block_size=16),
+                                   dict(hq=2, hkv=1)),
     "longformer_alibi": (lambda: masks.longformer(63, 5, [0, 40], block_size=32), dict(with_alibi=True, scale=0.4)),
     "bigbird": (lambda: masks.bigbird(50, window_blocks=0, num_global_blocks=1, num_random_blocks=1, seed=1,
                                       block_size=16), dict(d=32, dv=16, scale=-0.25)),

@@ -462,11 +462,16 @@ def block_mask_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, 
     else:
         ok = visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, HAS_LOCAL)
     if MASK_DOC:
+        # Causal (HAS_LOCAL 1: j <= i, documents have Sq == Sk) already keeps a row's keys at or before its
+        # last position and a key's rows at or after its first: one comparison per score is left.
         if KEY_MAJOR:  # the key's document: tokens_q's word (its first index) packed above tokens_k's (last)
-            first, last, other = (tk >> 32).to(tl.int32) >> 1, tk.to(tl.int32) >> 1, q_idx
+            ok = ok & (q_idx <= (tk.to(tl.int32) >> 1))
+            if HAS_LOCAL != 1:
+                ok = ok & (q_idx >= ((tk >> 32).to(tl.int32) >> 1))
         else:  # the row's document: tokens_k's word (its last index) packed above tokens_q's (first)
-            first, last, other = tq.to(tl.int32) >> 1, (tq >> 32).to(tl.int32) >> 1, k_idx
-        ok = ok & (other >= first) & (other <= last)
+            ok = ok & (k_idx >= (tq.to(tl.int32) >> 1))
+            if HAS_LOCAL != 1:
+                ok = ok & (k_idx <= ((tq >> 32).to(tl.int32) >> 1))
     if bits_ok is not None:
         ok = ok & bits_ok
     return ok
