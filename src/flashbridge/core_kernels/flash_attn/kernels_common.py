@@ -912,9 +912,9 @@ def fwd_kv_list(
     # The next step's list entry is read one iteration ahead and carried, so a step's K / V addresses depend
     # on no load of the same iteration and Triton's pipeliner stages them as deep as the dense kernel's
     # (sm_90, D=128: three K / V stages, not two; H200: BigBird forward 0.62 -> 0.55 ms, streaming 0.53 ->
-    # 0.51, the causal band as lists 2.55 -> 2.28). Document ids and bit-packed element masks read each entry
-    # in the step that uses it: their deeper full-block loop spilled (document: 16 -> 72 B a thread) and the
-    # document x16 forward went 0.47 -> 0.77 ms.
+    # 0.51, the causal band as lists 2.55 -> 2.28). Documents and bit-packed element masks read each entry in
+    # the step that uses it: their deeper full-block loop spilled (document: 8 -> 64 B a thread, sm_90; the
+    # document x16 forward went 0.47 -> 0.77 ms when its token words were still read per step).
     READ_AHEAD: tl.constexpr = not (MASK_DOC or MASK_BITS)
     # a masked segment at its own pipelining depth (see fwd_kv_range), a full one at the kernel's
     if READ_AHEAD:
