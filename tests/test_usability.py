@@ -224,8 +224,9 @@ def _fake_checkout(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 
 def _dev(checkout: Path, venv: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_WORKERS"}  # the script's default worker count
     return subprocess.run(["bash", str(checkout / "scripts" / "dev.sh"), *args], capture_output=True, text=True,
-                          env={**os.environ, "FLASHBRIDGE_VENV": str(venv)}, timeout=60)
+                          env={**env, "FLASHBRIDGE_VENV": str(venv)}, timeout=60)
 
 
 def test_dev_sh_installs_once_and_again_when_pyproject_changes(tmp_path):
