@@ -447,7 +447,7 @@ def block_mask_visible(q_idx, k_idx, seqlen_k, diag, window_left, window_right, 
     edge (``j <= i`` and ``j`` a sink or inside the window); 2 = flagged queries and keys see / are seen by
     everything (Longformer). MASK_DOC: the other side's index lies in the own side's document (its first and
     last index, see :func:`fixed_tokens`). Neither reads a token word per step: that load's latency showed in
-    every step of the partial blocks' loop (H200, S=16384: document x16 backward 1.28 -> 1.20 ms, streaming
+    every step of the partial blocks' loop (H200, S=16384: document x16 backward 1.28 -> 1.15 ms, streaming
     forward 0.52 -> 0.49 ms without it)."""
     if MASK_GLOBAL == 1:
         if KEY_MAJOR:
