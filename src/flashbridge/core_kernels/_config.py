@@ -29,7 +29,7 @@ def configure(*configs):
 
     JAX reads the config while it traces: a function jitted before the block keeps the plans it was
     traced with. PyTorch plans a backward under the configs active when its forward ran, with those active
-    around the backward on top (see :func:`configured`).
+    around the backward on top (see :func:`call_configured`).
     """
     kinds = [type(c) for c in configs]
     for c in configs:
@@ -46,26 +46,25 @@ def configure(*configs):
 
 
 def active_configs() -> tuple:
-    """The configs of the enclosing :func:`configure` blocks, as a snapshot for :func:`configured`."""
+    """The configs of the enclosing :func:`configure` blocks, as a snapshot for :func:`call_configured`."""
     return _active.get()
 
 
-@contextlib.contextmanager
-def configured(snapshot: tuple):
-    """Plan under ``snapshot`` (from :func:`active_configs`), with the configs active here on top (one per
-    family, as in :func:`configure`).
+def call_configured(snapshot: tuple, fn, *args):
+    """``fn(*args)`` planned under ``snapshot`` (from :func:`active_configs`), with the configs active here on
+    top (one per family, as in :func:`configure`).
 
     Why: torch runs a CUDA graph's backward on an autograd worker thread, where a ``configure`` block around
     the forward and the ``backward()`` call is not visible (a context variable holds a value per thread), so
-    the torch ops plan their backward under the snapshot their forward took."""
+    the torch ops run their backward under the snapshot their forward took. A plain function, not a context
+    manager: the common case (no snapshot, or the same configs) is one comparison on the backward's path."""
     current = _active.get()
     if not snapshot or snapshot == current:
-        yield
-        return
+        return fn(*args)
     kinds = {type(c) for c in current}
     token = _active.set(tuple(c for c in snapshot if type(c) not in kinds) + current)
     try:
-        yield
+        return fn(*args)
     finally:
         _active.reset(token)
 

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._forward_only import no_backward_message
 from ..core_kernels._config import _active as _active_configs
-from ..core_kernels._config import active_configs, configured
+from ..core_kernels._config import active_configs, call_configured
 from ._runtime import Replay, record_executions, signature
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -129,8 +129,8 @@ class FusedOp:
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """As ``torch.library``'s, and the backward plans under the configs active when the forward ran
-        (``core_kernels._config.configured``: a CUDA backward runs on an autograd worker thread, which does
-        not see the caller's ``configure`` block)."""
+        (``core_kernels._config.call_configured``: a CUDA backward runs on an autograd worker thread, which
+        does not see the caller's ``configure`` block)."""
 
         @functools.wraps(setup_context)
         def setup_with_configs(ctx, inputs, output):
@@ -139,11 +139,7 @@ class FusedOp:
 
         @functools.wraps(backward)
         def backward_with_configs(ctx, *grads):
-            configs = getattr(ctx, "flashbridge_configs", ())
-            if not configs or configs == _active_configs.get():  # the common case, without a context manager
-                return backward(ctx, *grads)
-            with configured(configs):
-                return backward(ctx, *grads)
+            return call_configured(getattr(ctx, "flashbridge_configs", ()), backward, ctx, *grads)
 
         self.custom_op.register_autograd(backward_with_configs, setup_context=setup_with_configs)
         self.backward, self.setup_context = backward_with_configs, setup_with_configs

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _sequence_layout as layout_mod
-from ..core_kernels._config import active_configs, configured
+from ..core_kernels._config import active_configs, call_configured
 from ..core_kernels.decode.plan import plan_merge_into
 from ..core_kernels.flash_attn.plan import check_attention_args
 from ._checks import check_tensors
@@ -243,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
-        ctx.configs = active_configs()  # the backward plans under them (see configured)
+        ctx.configs = active_configs()  # the backward plans under them (see call_configured)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -251,9 +251,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        with configured(ctx.configs):
-            dq, dk, dv = _ring_backward(dout, None if dlse is None else dlse.contiguous(), q, k, v, out, lse,
-                                        ctx.ring)
+        dq, dk, dv = call_configured(ctx.configs, _ring_backward, dout, None if dlse is None else dlse.contiguous(),
+                                     q, k, v, out, lse, ctx.ring)
         return dq, dk, dv, None
 
 
