@@ -251,6 +251,24 @@ def forward_with_config(q, k, v, kw, options, config):
                                      {n: torch_to_jax(t) for n, t in inputs.items()})}
 
 
+def backward_config_spy(monkeypatch) -> list:
+    """The AttentionConfig active each time the torch dense attention backward plans (appended to the list
+    returned): what a backward running on torch's autograd worker thread planned under."""
+    from flashbridge.core_kernels._config import active_config
+    from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
+    from flashbridge.torch_api import attention as attention_mod
+
+    seen = []
+    real = attention_mod.plan_attention_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(active_config(AttentionConfig))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_mod, "plan_attention_bwd", spy)
+    return seen
+
+
 def odd_layouts(x) -> dict:
     """Views ``(B, S, H, D)`` whose last dimension is contiguous but whose other strides are not the
     contiguous ones, as an upstream op can hand a cotangent to attention's backward (a torch tensor ``x``

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import forward_with_config, naive_torch, assert_close, np64, torch_to_jax
+from helpers import assert_close, backward_config_spy, forward_with_config, naive_torch, np64, torch_to_jax
 
 pytestmark = pytest.mark.gpu
 
@@ -257,19 +257,10 @@ def test_backward_plans_under_the_configs_of_its_forward(monkeypatch):
     """A CUDA backward runs on torch's autograd worker thread, which sees no configure() block of the caller:
     its plan must still take the config the forward ran under (it took the defaults before)."""
     from flashbridge.core_kernels import configure
-    from flashbridge.core_kernels._config import active_config
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
-    from flashbridge.torch_api import attention as attention_mod
     from flashbridge.torch_api.attention import flash_attention
 
-    seen = []
-    real = attention_mod.plan_attention_bwd
-
-    def spy(*args, **kwargs):
-        seen.append(active_config(AttentionConfig))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_mod, "plan_attention_bwd", spy)
+    seen = backward_config_spy(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3))

@@ -155,19 +155,12 @@ def test_backward_plans_under_the_forward_configs(monkeypatch, fast_path):
     as the worker does), and configs active around the backward win over those, family by family."""
     import threading
 
+    from helpers import backward_config_spy
+
     from flashbridge.core_kernels import configure
-    from flashbridge.core_kernels._config import active_config
     from flashbridge.core_kernels.flash_attn.plan import AttentionConfig
-    from flashbridge.torch_api import attention as attention_mod
 
-    seen = []
-    real = attention_mod.plan_attention_bwd
-
-    def spy(*args, **kwargs):
-        seen.append(active_config(AttentionConfig))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_mod, "plan_attention_bwd", spy)
+    seen = backward_config_spy(monkeypatch)
     monkeypatch.setattr(_ops.FusedOp, "eager_fast_path", fast_path)
     q, k, v = (t.requires_grad_() for t in _inputs(4, (1, 40, 2, 16), (1, 40, 2, 16), (1, 40, 2, 16)))
     forward_config, backward_config = AttentionConfig(dkdv_block_m=16), AttentionConfig(dkdv_block_m=32)
