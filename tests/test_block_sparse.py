@@ -212,6 +212,10 @@ def test_mask_errors():
         with pytest.raises(ValueError, match="document term"):  # document bounds live in the token words
             masks.BlockMask(seq_len_q=64, seq_len_k=seq_len_k, q_block=16, kv_block=16, terms=terms,
                             **dict(zip(doc.array_names, doc.arrays)))
+    arrays = dict(zip(sinks.array_names, sinks.arrays))
+    arrays["tokens_k"] = arrays["tokens_k"] ^ (np.arange(64) == 10)  # a flagged key past the sink count
+    with pytest.raises(ValueError, match="sinks need one count"):
+        masks.BlockMask(seq_len_q=64, seq_len_k=64, q_block=16, kv_block=16, terms=sinks.terms, **arrays)
     both = doc & sinks  # different token words: the combination is exact, as bits
     assert both.terms.bits and not both.terms.document
     np.testing.assert_array_equal(both.to_dense(), doc.to_dense() & sinks.to_dense())

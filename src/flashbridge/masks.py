@@ -131,6 +131,14 @@ class BlockMask:
         if terms.document and (seq_len_q != seq_len_k or terms.global_tokens == 1):
             raise ValueError("BlockMask: a document term needs seq_len_q == seq_len_k and no sinks (its token "
                              "words hold document bounds), combine such masks with & instead")
+        if terms.global_tokens == 1 and type(self.tokens_q) is np.ndarray and type(self.tokens_k) is np.ndarray:
+            # The query-major kernels test the sink count (tokens_q), the key-major ones each key's flag
+            # (tokens_k): the two must say the same (arrays of a JAX or torch transformation are not read here).
+            count = self.tokens_q >> 1
+            flags = (self.tokens_k & 1) != 0
+            if (count != count[:, :1]).any() or (flags != (np.arange(seq_len_k) < count[:, :1])).any():
+                raise ValueError("BlockMask: sinks need one count in tokens_q (>> 1) and exactly the keys below it "
+                                 "flagged in tokens_k (bit 0), as masks.streaming builds them")
         self._cache = {}  # per-framework device copies (front-ends), the block status grid
 
     # ---------------------------------------------------------------------------------------- properties
