@@ -195,6 +195,16 @@ def test_torch_options(name):
     check_forward_backward(q, k, v, kw, options)
 
 
+@pytest.mark.parametrize("spec,options", [(dict(sq=128, sk=192), dict(window_size=(70, 5))),
+                                          (dict(sq=192, sk=128, hq=4, hkv=2), dict(causal=True, window_size=(40, -1)))],
+                         ids=["window", "causal-window-gqa"])
+def test_torch_windows_on_whole_blocks(spec, options):
+    """Windows over lengths the interpreter's 64-wide tiles divide: the backward's window-edge blocks then
+    load without bounds checks (TAIL_EDGE without TAIL_RAGGED), which the ragged cases above never reach."""
+    q, k, v, kw = make_inputs(11, **spec)
+    check_forward_backward(q, k, v, kw, options)
+
+
 def test_torch_lse_gradient():
     q, k, v, kw = make_inputs(3, hq=4, hkv=2, sq=63, sk=17, sinks=True)
     check_forward_backward(q, k, v, kw, dict(causal=True), dlse=True)
@@ -498,6 +508,7 @@ JAX_CASES = {
                              dict(window_size=(8, 2), softcap=1.5)),
     "varlen-all": (dict(seqlens=[(17, 63), (40, 5)], hq=4, hkv=1, alibi="heads", sinks=True),
                    dict(causal=True, window_size=(20, -1))),
+    "window-whole-blocks": (dict(sq=128, sk=192), dict(causal=True, window_size=(70, -1))),
 }
 
 
@@ -808,8 +819,8 @@ def test_gqa_causal_backward_takes_its_dkdv_tile():
 
 
 def test_jax_fused_backward_gives_identical_results():
-    """The one-launch backward through the JAX runtime (three outputs of one kernel): bitwise the two
-    kernels' dq, dk, dv, causal GQA with a ragged tail."""
+    """The one-launch backward through the JAX runtime (three outputs of one kernel), in either program
+    order: bitwise the two kernels' dq, dk, dv, causal GQA with a ragged tail."""
     import jax.numpy as jnp
 
     from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
@@ -827,8 +838,10 @@ def test_jax_fused_backward_gives_identical_results():
     def grads(config):
         return execute(lambda t: plan_attention_bwd(shape, options, target=t, config=config), inputs)
 
-    for got, want in zip(grads(AttentionConfig(fused_backward=True)), grads(AttentionConfig(fused_backward=False))):
-        assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, want))
+    want = grads(AttentionConfig(fused_backward=False))
+    for config in (AttentionConfig(fused_backward=True), AttentionConfig(fused_backward=True, interleave_backward=True)):
+        for got, ref in zip(grads(config), want):
+            assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.array_equal(got, ref)), config
 
 
 def test_early_dp_defaults():
@@ -926,12 +939,14 @@ def test_fused_backward_needs_one_warp_count():
 
 
 def test_tail_segments_left_out_only_when_provably_empty():
-    """TAIL_BLOCKS: the dQ and dK/dV kernels (and the one-launch backward's halves) drop their trailing
-    masked segment only when no program can have blocks there -- no causal mask or window, equal fixed
-    lengths, and a loop axis the block divides (keys for dQ, queries for dK/dV); ragged, causal and
-    windowed calls keep it. The forward always keeps it."""
+    """TAIL_BLOCKS: the dQ and dK/dV kernels (and the one-launch backward's halves) compile a trailing masked
+    segment only where a program can have blocks there: TAIL_EDGE for a window edge after the visible blocks
+    (dK/dV walks queries: a bounded left side; dQ walks keys: a bounded right side, causal included),
+    TAIL_RAGGED (the only blocks whose loads are checked) for a loop axis the block does not divide or
+    packed sequences. The forward always keeps its segments."""
     from flashbridge.core_kernels import Target
-    from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args, plan_attention_bwd,
+    from flashbridge.core_kernels.flash_attn.plan import (TAIL_EDGE, TAIL_RAGGED, AttentionConfig,
+                                                          check_attention_args, plan_attention_bwd,
                                                           plan_attention_fwd)
 
     gpu = Target(interpret=False, num_sms=132)
@@ -943,17 +958,20 @@ def test_tail_segments_left_out_only_when_provably_empty():
         found = {}
         for launch in plan_attention_bwd(shape, opts, target=gpu, config=config).launches[1:]:
             c = launch.constexpr_dict()
+            if "TAIL_BLOCKS" in c:  # the two-launch backward's kernels
+                c = {("KV_" if launch.kernel.endswith("dkdv_kernel") else "Q_") + "TAIL_BLOCKS": c["TAIL_BLOCKS"]}
             found.update({k: v for k, v in c.items() if k.endswith("TAIL_BLOCKS")})
-        assert found
-        return found
+        return found["KV_TAIL_BLOCKS"], found["Q_TAIL_BLOCKS"]
 
-    assert set(tails(4096, 4096).values()) == {False}
-    assert set(tails(4096, 4096, causal=True).values()) == {True}
-    assert set(tails(4096, 4096, window_size=(256, 256)).values()) == {True}
-    ragged_keys = tails(4096, 4000)
-    assert ragged_keys["Q_TAIL_BLOCKS"] and not ragged_keys["KV_TAIL_BLOCKS"]
-    ragged_queries = tails(4000, 4096)
-    assert not ragged_queries["Q_TAIL_BLOCKS"] and ragged_queries["KV_TAIL_BLOCKS"]
+    assert tails(4096, 4096) == (0, 0)
+    assert tails(4096, 4096, causal=True) == (0, TAIL_EDGE)  # dK/dV: only the diagonal, which leads
+    assert tails(4096, 4096, window_size=(256, 256)) == (TAIL_EDGE, TAIL_EDGE)
+    assert tails(4096, 4096, window_size=(256, -1)) == (TAIL_EDGE, 0)
+    assert tails(4096, 4000) == (0, TAIL_RAGGED)
+    assert tails(4000, 4096, causal=True) == (TAIL_RAGGED, TAIL_EDGE)
+    assert tails(4000, 4000, window_size=(100, 0)) == (TAIL_EDGE | TAIL_RAGGED, TAIL_EDGE | TAIL_RAGGED)
+    two = tails(4096, 4096, AttentionConfig(fused_backward=False), window_size=(256, 0))
+    assert two == (TAIL_EDGE, TAIL_EDGE)
 
 
 def test_dkdv_col_split_defaults_and_errors():

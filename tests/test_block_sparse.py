@@ -447,7 +447,8 @@ def test_block_mask_errors():
 
 def test_two_launch_backward_matches_one_launch():
     """The dK/dV and dQ kernels as two launches give the same bits as the one-launch backward; dK/dV split
-    over two programs per key block (D=256's default on a GPU) the same values."""
+    over two programs per key block (D=256's default on a GPU) the same values; the interleaved program
+    order (interleave_backward) the same bits."""
     from flashbridge.core_kernels import INTERPRETER
     from flashbridge.core_kernels.block_sparse.plan import layout_of
     from flashbridge.core_kernels.flash_attn.plan import (AttentionConfig, check_attention_args,
@@ -464,14 +465,16 @@ def test_two_launch_backward_matches_one_launch():
     out, lse = execute(plan, {"q": q, "k": k, "v": v, **{n: arrays[n] for n in plan.inputs if n in arrays}})
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
     results = []
-    for config in (AttentionConfig(), AttentionConfig(fused_backward=False), AttentionConfig(dkdv_col_split=2)):
+    for config in (AttentionConfig(), AttentionConfig(fused_backward=False), AttentionConfig(dkdv_col_split=2),
+                   AttentionConfig(interleave_backward=True)):
         plan = plan_attention_bwd(shape, options, target=INTERPRETER, sparse=layout_of(m), config=config)
-        assert len(plan.launches) == (2 if config == AttentionConfig() else 3)
+        assert len(plan.launches) == (3 if config.fused_backward is False or config.dkdv_col_split else 2)
         given = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, **arrays}
         results.append(execute(plan, {n: given[n] for n in plan.inputs}))
-    for a, b, c in zip(*results):
+    for a, b, c, d in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)  # D/2 columns per program: another sum order
+        torch.testing.assert_close(a, d, rtol=0, atol=0)
 
 
 def test_torch_compile_fullgraph_and_opcheck():

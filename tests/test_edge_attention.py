@@ -180,7 +180,8 @@ def test_invalid_offsets_under_jax_jit_write_every_row(case):
                                        max_seqlen_k=max_len, return_lse=True)
         return jnp.sum(out * dout), (out, lse)
 
-    for config in (AttentionConfig(fused_backward=True), AttentionConfig(fused_backward=False)):
+    for config in (AttentionConfig(fused_backward=True), AttentionConfig(fused_backward=False),
+                   AttentionConfig(interleave_backward=True)):
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))  # traced under the config
         with configure(config), poison_buffers(7.0):  # unwritten elements would read 7
             (_, (out, lse)), grads = step(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cu)

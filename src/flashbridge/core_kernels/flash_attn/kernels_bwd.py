@@ -434,14 +434,21 @@ def _dkdv_program(
         else:
             a_hi = full_lo
             b_hi = full_hi
-        bounds = (lo, a_hi, b_hi, hi)
-        for seg in tl.static_range(3 if TAIL_BLOCKS else 2):  # TAIL_BLOCKS False: the plan proved the last one empty
-            dk, dv = _dkdv_q_range(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES, kh,
-                                   b, bounds[seg], bounds[seg + 1], offs_n, offs_dqk, offs_dv, offs_dqk_o, offs_dv_o,
-                                   stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab, qk_scale,
-                                   cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV, BLOCK_M,
-                                   BLOCK_DQK, BLOCK_DV, seg != 1, seg == 2, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                                   DOT_PRECISION, EARLY_DP, COL_SPLIT, drop)
+        # The trailing masked blocks split in two: [b_hi, c_hi) the window's far edge, rows inside the sequence
+        # (no row checks), and [c_hi, hi) a block reaching past the last query (row checks). The plan compiles
+        # each only when it can hold blocks (TAIL_BLOCKS bit 1: a bounded left window; bit 2: ragged rows).
+        c_hi = b_hi
+        if TAIL_BLOCKS & 1:
+            c_hi = tl.maximum(b_hi, tl.minimum(hi, len_q // BLOCK_M))
+        bounds = (lo, a_hi, b_hi, c_hi, hi)
+        for seg in tl.static_range(4):
+            if seg < 2 or (seg == 2 and (TAIL_BLOCKS & 1) != 0) or (seg == 3 and (TAIL_BLOCKS & 2) != 0):
+                dk, dv = _dkdv_q_range(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES,
+                                       kh, b, bounds[seg], bounds[seg + 1], offs_n, offs_dqk, offs_dv, offs_dqk_o,
+                                       offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab,
+                                       qk_scale, cap2, diag, len_q, len_k, window_left, window_right, GROUP, DQK, DV,
+                                       BLOCK_M, BLOCK_DQK, BLOCK_DV, seg != 1, seg == 3, HAS_LOCAL, HAS_SOFTCAP,
+                                       HAS_ALIBI, DOT_PRECISION, EARLY_DP, COL_SPLIT, drop)
     dk = dk * tl.cast(sm_scale, tl.float32)
 
     store_rows(DK + tl.cast(b, tl.int64) * stride_dkb + kh * stride_dkh, row0, offs_c, stride_dks, offs_dqk, key_ok,
@@ -519,11 +526,13 @@ def _dq_step(
     dq, dslope, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, elem_ok=None, drop=None, b=0, h=0,
+    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_KEYS: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    elem_ok=None, drop=None, b=0, h=0,
 ):
     """dQ [M, Dqk] of one query block plus the terms of keys ``n_start + arange(BLOCK_N)`` (APPLY_MASK: the
-    scores take the mask, ``elem_ok`` [M, N] for block-sparse masks).
+    scores take the mask, ``elem_ok`` [M, N] for block-sparse masks; CHECK_KEYS: the block may reach past
+    the sequence's last key, so its loads are masked).
 
     ALIBI_GRAD: ``dslope`` [M] also gathers ``sum_j dS_ij * |i + diag - j|`` per row, dS the gradient of the
     score after softcap (ALiBi is added after it); the slope's gradient is minus its sum over the rows.
@@ -531,8 +540,8 @@ def _dq_step(
     offs_c = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_c
     key_ok = offs_n < len_k
-    k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, APPLY_MASK)  # [N, Dqk]
-    v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, APPLY_MASK)  # [N, Dv]
+    k = load_rows(K_base, n_start, offs_c, stride_ks, offs_dqk, key_ok, DQK, BLOCK_DQK, CHECK_KEYS)  # [N, Dqk]
+    v = load_rows(V_base, n_start, offs_c, stride_vs, offs_dv, key_ok, DV, BLOCK_DV, CHECK_KEYS)  # [N, Dv]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
     p, t = recompute_p(qk, lse2[:, None], offs_m[:, None], offs_n[None, :], qk_scale, cap2, slope2, diag,
                        len_k, window_left, window_right, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, elem_ok)
@@ -554,15 +563,16 @@ def _dq_kv_range(
     dq, dslope, q, do, lse2, delta, K_base, V_base, blk_lo, blk_hi, offs_m, offs_dqk, offs_dv,
     stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr, drop=None, b=0, h=0,
+    BLOCK_DV: tl.constexpr, APPLY_MASK: tl.constexpr, CHECK_KEYS: tl.constexpr, HAS_LOCAL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIBI_GRAD: tl.constexpr,
+    drop=None, b=0, h=0,
 ):
     """Accumulate dQ [M, Dqk] (and ``dslope``, see :func:`_dq_step`) of one query block over key blocks
     ``[blk_lo, blk_hi)``."""
     for blk in range(blk_lo, blk_hi):
         dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, blk * BLOCK_N, offs_m, offs_dqk,
                               offs_dv, stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left,
-                              window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL,
+                              window_right, DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, CHECK_KEYS, HAS_LOCAL,
                               HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, None, drop, b, h)
     return dq, dslope
 
@@ -596,8 +606,8 @@ def _dq_kv_list(
                                    MASK_DOC, MASK_BITS)
         dq, dslope = _dq_step(dq, dslope, q, do, lse2, delta, K_base, V_base, n_start, offs_m, offs_dqk, offs_dv,
                               stride_ks, stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right,
-                              DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-                              DOT_PRECISION, ALIBI_GRAD, elem_ok, drop, b, h)
+                              DQK, DV, BLOCK_N, BLOCK_DQK, BLOCK_DV, APPLY_MASK, APPLY_MASK, HAS_LOCAL, HAS_SOFTCAP,
+                              HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, elem_ok, drop, b, h)
     return dq, dslope
 
 
@@ -672,19 +682,22 @@ def _dq_program(
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
+        # The masked segments check their keys only when a block can reach past the last one (TAIL_BLOCKS
+        # bit 2: ragged keys); the trailing one is compiled only when it can hold blocks (any bit).
+        CHECK_KEYS: tl.constexpr = (TAIL_BLOCKS & 2) != 0
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
+            BLOCK_DV, True, CHECK_KEYS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, full_lo, full_hi, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
-        if TAIL_BLOCKS:  # False: the plan proved this segment empty
+            BLOCK_DV, False, False, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
+        if TAIL_BLOCKS != 0:
             dq, dslope = _dq_kv_range(
                 dq, dslope, q, do, lse2, delta, K_base, V_base, full_hi, hi, offs_m, offs_dqk, offs_dv, stride_ks,
                 stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,
-                BLOCK_DV, True, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
+                BLOCK_DV, True, CHECK_KEYS, HAS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ALIBI_GRAD, drop, b, h)
     dq = dq * tl.cast(sm_scale, tl.float32)
     store_rows(DQ + tl.cast(b, tl.int64) * stride_dqb + h * stride_dqh, row0, offs_r, stride_dqs, offs_dqk, row_ok,
                DQK, dq)
@@ -762,13 +775,15 @@ def attn_bwd_kernel(
     HEAD_GROUP: tl.constexpr, KV_TAIL_BLOCKS: tl.constexpr, Q_TAIL_BLOCKS: tl.constexpr,
     BLOCK_SPARSE: tl.constexpr, MASK_QB: tl.constexpr, MASK_KB: tl.constexpr, MASK_GLOBAL: tl.constexpr,
     MASK_DOC: tl.constexpr, MASK_BITS: tl.constexpr, MASK_PER_HEAD: tl.constexpr, MASK_RAGGED_Q: tl.constexpr,
-    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_GROUP_P2: tl.constexpr, ALIBI_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
-    """dK/dV and dQ in one launch on a 1-D grid: programs ``[0, n_kv)`` are the dK/dV kernel's grid
+    """dK/dV and dQ in one launch on a 1-D grid: ``n_kv`` programs of the dK/dV kernel's grid
     ``(cdiv(seqlen_k, KV_BLOCK_N), heads_kv, n_seqs)`` and the rest the dQ kernel's ``(cdiv(seqlen_q,
-    Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. The dK/dV programs
-    (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so the
-    longest work starts earliest and the shorter dQ programs fill in behind it. Packed sequences
+    Q_BLOCK_M), heads_kv * GROUP, n_seqs)``, each in its own :func:`grid_schedule` order. By default the dK/dV
+    programs (four products per step, and GROUP heads each) come first: the GPU starts programs in order, so
+    the longest work starts earliest and the shorter dQ programs fill in behind it. INTERLEAVE: each (kv
+    head, sequence) runs its dK/dV programs, then its query heads' dQ programs, before the next one's: the
+    two kinds run side by side on the SMs while the head's Q, K, V and dO are still in L2. Packed sequences
     (IS_VARLEN): both grids have one block more, past every sequence, whose programs write NaN into the rows
     of dk, dv and dq that no sequence covers (invalid offsets; see fill_uncovered_rows), as in the two
     kernels."""
@@ -780,6 +795,17 @@ def attn_bwd_kernel(
             kv_blocks += 1  # the extra key block (uncovered rows)
     n_kv = kv_blocks * heads_kv * n_seqs
     pid = tl.program_id(0)
+    if BLOCK_SPARSE:
+        q_blocks = tl.cdiv(seqlen_q, MASK_QB) * (MASK_QB // Q_BLOCK_M)
+    else:
+        q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
+        if IS_VARLEN:
+            q_blocks += 1  # the extra query block (uncovered rows)
+    if INTERLEAVE:  # launch position -> the program id of the default order
+        chunk = kv_blocks + GROUP * q_blocks  # programs of one (kv head, sequence)
+        pair = pid // chunk
+        r = pid - pair * chunk
+        pid = tl.where(r < kv_blocks, pair * kv_blocks + r, n_kv + pair * GROUP * q_blocks + (r - kv_blocks))
     drop = None  # built here, outside the branches: a None cannot leave a runtime branch
     if HAS_DROPOUT:
         drop = dropout_state(SEED, dropout_p)
@@ -809,12 +835,6 @@ def attn_bwd_kernel(
                     _fill_dkdv(CU_K, n_seqs, seqlen_k, total_k, b, n_seqs, DK + kh * stride_dkh, stride_dks,
                                DV_OUT + kh * stride_dvh, stride_dvs, DQK, DV, BLOCK_DQK, BLOCK_DV)
     else:
-        if BLOCK_SPARSE:
-            q_blocks = tl.cdiv(seqlen_q, MASK_QB) * (MASK_QB // Q_BLOCK_M)
-        else:
-            q_blocks = tl.cdiv(seqlen_q, Q_BLOCK_M)
-            if IS_VARLEN:
-                q_blocks += 1  # the extra query block (uncovered rows)
         heads_q = heads_kv * GROUP
         p0, p1, p2 = unravel_grid(pid - n_kv, q_blocks, heads_q)
         rank, h, b = grid_schedule(p0, p1, p2, q_blocks, heads_q, n_seqs, HEAD_GROUP)
