@@ -682,13 +682,14 @@ def _tail_blocks(shape: AttnShape, edge: bool, loop_len: int, block: int) -> int
 
 
 def _interleave_backward(config: AttentionConfig, options: AttnOptions, sparse) -> bool:
-    """The one-launch backward's ``INTERLEAVE`` constexpr: the config's, else on for the dense kernels' causal
-    and window iteration (bands included) and off for block-sparse list walks. H200, B=1 H=16 D=128 S=16384,
-    alternated in one process: window 1024 / 4096 backward 3% / 5% faster, causal 0.5%; streaming and
-    document lists 1-1.5% slower (their longest programs no longer all start first)."""
+    """The one-launch backward's ``INTERLEAVE`` constexpr: the config's, else on where every program is about
+    as long as the next -- the dense kernels' iteration under a window with a bounded left side (bands
+    included) -- and off elsewhere, where the longest programs (causal, block-sparse lists) start first.
+    H200, B=1 H=16 D=128 S=16384, alternated in one process: window 1024 / 4096 backward 3% / 5% faster;
+    causal within +-1% (also at S=4096), streaming and document lists 1-1.5% slower."""
     if config.interleave_backward is not None:
         return config.interleave_backward
-    return sparse is None and options.has_local
+    return sparse is None and options.window_left is not None
 
 
 def _sparse_options(options: AttnOptions, sparse: Optional[bsp.SparseLayout]):
