@@ -716,6 +716,8 @@ def test_attention_config_rejects_bad_values():
         AttentionConfig(fused_backward=0)  # nor a 0 that is not False
     with pytest.raises(ValueError, match="AttentionConfig.early_dp"):
         AttentionConfig(early_dp="yes")
+    with pytest.raises(ValueError, match="AttentionConfig.interleave_backward"):
+        AttentionConfig(interleave_backward=1)
 
 
 @pytest.mark.parametrize("case", [

@@ -35,6 +35,11 @@ from .kernels_common import (LOG2E, aligned, aligned_strides, alibi_slope2, bloc
                              mask_tokens, q_block_range, query_block, query_block_at, recompute_p,
                              score_grad, score_params, seq_range, sparse_key_block, sparse_query_block_at, store_rows,
                              unravel_grid, list_block, list_length, list_start_ahead)
+from .plan import TAIL_EDGE, TAIL_RAGGED
+
+# TAIL_BLOCKS bits (the plan's _tail_blocks): constexprs, as a jit function reads globals
+TAIL_EDGE_BIT = tl.constexpr(TAIL_EDGE)
+TAIL_RAGGED_BIT = tl.constexpr(TAIL_RAGGED)
 
 # Runtime integers of each kernel: no divisibility is inferred from their values (jax-triton would not infer
 # it; the plan states it through STRIDE_ALIGN / LSE_ALIGN), so that both front-ends compile the same kernel.
@@ -436,13 +441,15 @@ def _dkdv_program(
             b_hi = full_hi
         # The trailing masked blocks split in two: [b_hi, c_hi) the window's far edge, rows inside the sequence
         # (no row checks), and [c_hi, hi) a block reaching past the last query (row checks). The plan compiles
-        # each only when it can hold blocks (TAIL_BLOCKS bit 1: a bounded left window; bit 2: ragged rows).
+        # each only when it can hold blocks (TAIL_BLOCKS: TAIL_EDGE a bounded left window, TAIL_RAGGED rows).
+        EDGE: tl.constexpr = (TAIL_EDGE_BIT & TAIL_BLOCKS) != 0
+        RAGGED: tl.constexpr = (TAIL_RAGGED_BIT & TAIL_BLOCKS) != 0
         c_hi = b_hi
-        if TAIL_BLOCKS & 1:
+        if EDGE:
             c_hi = tl.maximum(b_hi, tl.minimum(hi, len_q // BLOCK_M))
         bounds = (lo, a_hi, b_hi, c_hi, hi)
         for seg in tl.static_range(4):
-            if seg < 2 or (seg == 2 and (TAIL_BLOCKS & 1) != 0) or (seg == 3 and (TAIL_BLOCKS & 2) != 0):
+            if seg < 2 or (seg == 2 and EDGE) or (seg == 3 and RAGGED):
                 dk, dv = _dkdv_q_range(dk, dv, k, v, k_o, v_o, Q_seq, DO_seq, LSE2 + l_seq, DELTA + l_seq, SLOPES,
                                        kh, b, bounds[seg], bounds[seg + 1], offs_n, offs_dqk, offs_dv, offs_dqk_o,
                                        offs_dv_o, stride_qs, stride_qh, stride_dos, stride_doh, stride_lh, stride_ab,
@@ -682,9 +689,9 @@ def _dq_program(
     else:
         lo, full_lo, full_hi, hi = kv_block_range(m_start, len_q, len_k, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LOCAL)
-        # The masked segments check their keys only when a block can reach past the last one (TAIL_BLOCKS
-        # bit 2: ragged keys); the trailing one is compiled only when it can hold blocks (any bit).
-        CHECK_KEYS: tl.constexpr = (TAIL_BLOCKS & 2) != 0
+        # The masked segments check their keys only when a block can reach past the last one (TAIL_RAGGED);
+        # the trailing one is compiled only when it can hold blocks (any TAIL_BLOCKS bit).
+        CHECK_KEYS: tl.constexpr = (TAIL_RAGGED_BIT & TAIL_BLOCKS) != 0
         dq, dslope = _dq_kv_range(
             dq, dslope, q, do, lse2, delta, K_base, V_base, lo, full_lo, offs_m, offs_dqk, offs_dv, stride_ks,
             stride_vs, qk_scale, cap2, slope2, diag, len_k, window_left, window_right, DQK, DV, BLOCK_N, BLOCK_DQK,

@@ -664,7 +664,7 @@ def _alibi_stride(shape: AttnShape, options: AttnOptions) -> int:
     return shape.heads_q if options.alibi_batched else 0
 
 
-# The backward kernels' TAIL_BLOCKS bits (see _tail_blocks)
+# The backward kernels' TAIL_BLOCKS bits (see _tail_blocks; kernels_bwd reads them from here)
 TAIL_EDGE = 1
 TAIL_RAGGED = 2
 
@@ -681,7 +681,8 @@ def _tail_blocks(shape: AttnShape, edge: bool, loop_len: int, block: int) -> int
     return (TAIL_EDGE if edge else 0) | (TAIL_RAGGED if shape.varlen or loop_len % block else 0)
 
 
-def _interleave_backward(config: AttentionConfig, options: AttnOptions, sparse) -> bool:
+def _interleave_backward(config: AttentionConfig, options: AttnOptions,
+                         sparse: Optional[bsp.SparseLayout]) -> bool:
     """The one-launch backward's ``INTERLEAVE`` constexpr: the config's, else on where every program is about
     as long as the next -- the dense kernels' iteration under a window with a bounded left side (bands
     included) -- and off elsewhere, where the longest programs (causal, block-sparse lists) start first.
@@ -866,7 +867,8 @@ def plan_attention_bwd(shape: AttnShape, options: AttnOptions, *, target: Target
             constexprs=(*dims, ("KV_BLOCK_M", kv_m), ("KV_BLOCK_N", kv_n), ("Q_BLOCK_M", q_m), ("Q_BLOCK_N", q_n),
                         ("BLOCK_DQK", bdqk), ("BLOCK_DV", bdv), *flags, early_dp, *_align(fused_scalars),
                         ("HEAD_GROUP", head_group), ("KV_TAIL_BLOCKS", kv_tail), ("Q_TAIL_BLOCKS", q_tail),
-                        *mask_flags, alibi_flag, drop_flag, ("INTERLEAVE", _interleave_backward(config, options, sparse))),
+                        *mask_flags, alibi_flag, drop_flag,
+                        ("INTERLEAVE", _interleave_backward(config, options, sparse))),
             num_warps=kv_warps, num_stages=kv_stages)]
     else:
         dq_scalars = (*main_scalars, *_strided("dq", contiguous_strides(shape.q_shape())))
